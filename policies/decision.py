@@ -1,0 +1,41 @@
+"""The decision record: which backend a pick chose and why (keys and numbers only, never prompt text)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Decision:
+    """Result of one pick. ``backend`` is None only when no candidate is acceptable (e.g. all open).
+
+    ``reason`` is a short machine-readable word (``prefix_match``, ``cold``, ``session``, ...);
+    ``skipped`` says why affinity was not used (``short_prompt``, ``no_session_key``, ...);
+    ``fallback`` names the internal error that made the router fall back to least-load.
+    """
+
+    backend: str | None
+    policy: str
+    reason: str
+    matched_tokens: int = 0
+    prompt_tokens: int = 0
+    matched_blocks: int = 0
+    scores: dict[str, float] = field(default_factory=dict)
+    skipped: str | None = None
+    fallback: str | None = None
+    request_id: str | None = None
+    predicted_prefill_tokens: int = 0
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "backend": self.backend,
+            "policy": self.policy,
+            "reason": self.reason,
+            "matched_tokens": self.matched_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "matched_blocks": self.matched_blocks,
+            "scores": dict(self.scores),
+            "skipped": self.skipped,
+            "fallback": self.fallback,
+            "request_id": self.request_id,
+        }

@@ -1,0 +1,60 @@
+"""Build policies by name from config: one registry line per policy, knobs validated against its config."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from kvroute.policies.base import Policy
+from kvroute.policies.cache_aware import CacheAware, CacheAwareConfig
+from kvroute.policies.errors import ConfigError
+from kvroute.policies.least_load import LeastLoad, LeastLoadConfig
+from kvroute.policies.prefix_hash import PrefixHash, PrefixHashConfig
+from kvroute.policies.round_robin import RoundRobin, RoundRobinConfig
+from kvroute.policies.session_affinity import SessionAffinity, SessionAffinityConfig
+
+DEFAULT_POLICY = "cache_aware"
+
+_REGISTRY: dict[str, tuple[type, type]] = {
+    "round_robin": (RoundRobin, RoundRobinConfig),
+    "least_load": (LeastLoad, LeastLoadConfig),
+    "session_affinity": (SessionAffinity, SessionAffinityConfig),
+    "prefix_hash": (PrefixHash, PrefixHashConfig),
+    "cache_aware": (CacheAware, CacheAwareConfig),
+}
+
+
+def register_policy(name: str, policy_cls: type, config_cls: type) -> None:
+    """Add a policy (e.g. a simulator baseline) under ``name``; its config must be a dataclass."""
+    if not dataclasses.is_dataclass(config_cls):
+        raise TypeError("config_cls must be a dataclass")
+    _REGISTRY[name] = (policy_cls, config_cls)
+
+
+def policy_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def build_config(name: str, knobs: Mapping[str, Any] | None = None, where: str = "policy") -> Any:
+    """Validated config dataclass for ``name``; unknown or bad knobs raise ``ConfigError`` naming them."""
+    if name not in _REGISTRY:
+        raise ConfigError(where, f"unknown policy {name!r}; known: {', '.join(policy_names())}")
+    _, config_cls = _REGISTRY[name]
+    knobs = dict(knobs or {})
+    fields = {f.name: f for f in dataclasses.fields(config_cls)}
+    for key in knobs:
+        if key not in fields:
+            known = ", ".join(sorted(fields)) or "none"
+            raise ConfigError(f"{where}.{key}", f"unknown knob for {name} (known: {known})")
+    try:
+        return config_cls(**knobs)
+    except (TypeError, ValueError) as exc:
+        bad = next((k for k in knobs if k in str(exc)), None)
+        raise ConfigError(f"{where}.{bad}" if bad else where, str(exc)) from exc
+
+
+def build_policy(name: str, knobs: Mapping[str, Any] | None = None, where: str = "policy") -> Policy:
+    config = build_config(name, knobs, where)
+    policy_cls, _ = _REGISTRY[name]
+    return policy_cls(config)

@@ -1,0 +1,220 @@
+"""The ``Router``: one façade over fingerprinting, the prefix index, load tracking and policies.
+
+Used identically by the LiteLLM plugin and the simulator. ``pick`` never raises: any internal error
+falls back to least-load and is recorded on the decision; lifecycle calls are idempotent.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvroute.policies.base import Policy, RoutingState, least_loaded
+from kvroute.policies.decision import Decision
+from kvroute.policies.fingerprint import FingerprintConfig, Fingerprinter
+from kvroute.policies.load import ExternalSignal, LoadTracker
+from kvroute.policies.prefix_index import PrefixIndex, PrefixIndexConfig, PrefixLocator
+from kvroute.policies.registry import DEFAULT_POLICY, build_policy
+from kvroute.policies.request import RoutingRequest
+
+
+@dataclass(slots=True)
+class RouterConfig:
+    """Router-wide settings; per-group policies are set with ``Router.set_policy``."""
+
+    default_policy: str = DEFAULT_POLICY
+    default_knobs: Mapping[str, Any] = field(default_factory=dict)
+    fingerprint: FingerprintConfig = field(default_factory=FingerprintConfig)
+    index: PrefixIndexConfig | None = None
+    max_request_age_s: float = 900.0
+    max_pending: int = 100_000
+    load_half_life_s: float = 2.0
+
+
+@dataclass(slots=True)
+class _Pending:
+    request: RoutingRequest
+    backend: str
+    matched_blocks: int
+
+
+class Router:
+    """Routing brain for many model groups; pass ``clock`` (seconds) to run on simulated time.
+
+    ``index`` and ``load`` may be replaced (precise event-fed index, Redis-shared state) as long as
+    they keep the ``PrefixLocator`` / ``LoadTracker`` contracts.
+    """
+
+    def __init__(
+        self,
+        config: RouterConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        index: PrefixLocator | None = None,
+        load: LoadTracker | None = None,
+    ) -> None:
+        self.config = config or RouterConfig()
+        self.clock = clock
+        fp = self.config.fingerprint
+        self.fingerprinter = Fingerprinter(fp)
+        index_config = self.config.index or PrefixIndexConfig(block_tokens=fp.block_bytes / fp.bytes_per_token)
+        self.index: PrefixLocator = index if index is not None else PrefixIndex(index_config)
+        tracker = load if load is not None else LoadTracker(self.config.load_half_life_s)
+        self.state = RoutingState(index=self.index, load=tracker)
+        self._policies: dict[str, Policy] = {}
+        self._default = build_policy(self.config.default_policy, self.config.default_knobs, "default_policy")
+        self._pending: OrderedDict[str, _Pending] = OrderedDict()
+        self.errors = 0
+
+    @property
+    def load(self) -> LoadTracker:
+        return self.state.load
+
+    # --- configuration --------------------------------------------------------------------------
+    def set_policy(self, group: str, name: str, knobs: Mapping[str, Any] | None = None) -> Policy:
+        """Use policy ``name`` (with ``knobs``) for model group ``group``; raises ``ConfigError``."""
+        policy = build_policy(name, knobs, where=f"groups.{group}")
+        self._policies[group] = policy
+        return policy
+
+    def set_policy_object(self, group: str, policy: Policy) -> None:
+        """Install a ready-made policy object (baselines, tests)."""
+        self._policies[group] = policy
+
+    def policy_for(self, group: str | None) -> Policy:
+        if group is None:
+            return self._default
+        return self._policies.get(group, self._default)
+
+    # --- the request path -----------------------------------------------------------------------
+    def fingerprint(self, kwargs: Mapping[str, Any], **fields: Any) -> RoutingRequest:
+        return self.fingerprinter.from_kwargs(kwargs, **fields)
+
+    def pick(
+        self,
+        request: RoutingRequest,
+        candidates: Sequence[str],
+        *,
+        group: str | None = None,
+        policy: Policy | None = None,
+        record: bool = True,
+    ) -> Decision:
+        """Choose a backend among ``candidates`` and charge it; never raises."""
+        now = self.clock()
+        chosen = policy or self.policy_for(group if group is not None else request.model)
+        try:
+            if not candidates:
+                return Decision(None, chosen.name, "no_candidates", prompt_tokens=request.prompt_tokens,
+                                request_id=request.request_id)
+            if len(candidates) == 1:
+                decision = Decision(candidates[0], chosen.name, "single_candidate",
+                                    prompt_tokens=request.prompt_tokens, request_id=request.request_id,
+                                    predicted_prefill_tokens=request.prompt_tokens)
+                matched = self.index.match(request.keys, candidates, now).get(candidates[0], 0)
+                decision.matched_blocks = matched
+                decision.matched_tokens = min(request.prompt_tokens, int(matched * request.block_tokens))
+                decision.predicted_prefill_tokens = request.prompt_tokens - decision.matched_tokens
+            else:
+                decision = chosen.select(request, candidates, self.state, now)
+                if decision.backend is not None and decision.backend not in candidates:
+                    raise ValueError("policy chose a backend outside the candidates")
+        except Exception as exc:
+            self.errors += 1
+            try:
+                backend = least_loaded(candidates, self.state, now)
+            except Exception:
+                backend = candidates[0] if candidates else None
+            decision = Decision(backend, chosen.name, "fallback", prompt_tokens=request.prompt_tokens,
+                                fallback=f"{type(exc).__name__}: {exc}"[:200], request_id=request.request_id,
+                                predicted_prefill_tokens=request.prompt_tokens)
+        if record and decision.backend is not None:
+            self._record(request, decision, now)
+        return decision
+
+    def route(self, kwargs: Mapping[str, Any], candidates: Sequence[str], *, group: str | None = None,
+              **fields: Any) -> tuple[RoutingRequest, Decision]:
+        """Fingerprint and pick in one call."""
+        request = self.fingerprint(kwargs, **fields)
+        return request, self.pick(request, candidates, group=group)
+
+    def _record(self, request: RoutingRequest, decision: Decision, now: float) -> None:
+        """Charge load and insert the blocks at once, so siblings of a burst see them immediately."""
+        assert decision.backend is not None
+        rid = request.request_id or ""
+        try:
+            self.state.load.start(rid, decision.backend, decision.predicted_prefill_tokens, now)
+            self.index.record(decision.backend, request.keys, now)
+            self._pending[rid] = _Pending(request, decision.backend, decision.matched_blocks)
+            self._pending.move_to_end(rid)
+            while len(self._pending) > self.config.max_pending:
+                old_id, _ = self._pending.popitem(last=False)
+                self.state.load.release(old_id)
+        except Exception:
+            self.errors += 1
+
+    # --- lifecycle ------------------------------------------------------------------------------
+    def on_attempt(self, request_id: str, backend: str) -> None:
+        """LiteLLM sent the request to ``backend`` (a retry may differ from the pick): follow it."""
+        pending = self._pending.get(request_id)
+        if pending is None or pending.backend == backend:
+            return
+        now = self.clock()
+        self.index.forget(pending.backend, pending.request.keys[pending.matched_blocks:])
+        pending.backend = backend
+        pending.matched_blocks = self.index.match(pending.request.keys, [backend], now).get(backend, 0)
+        self.state.load.move(request_id, backend, now)
+        self.index.record(backend, pending.request.keys, now)
+
+    def on_first_token(self, request_id: str) -> None:
+        self.state.load.first_token(request_id)
+
+    def on_complete(self, request_id: str, cached_tokens: int | None = None,
+                    backend: str | None = None) -> Decision | None:
+        """Release load and confirm the index with the reported cached-token count (if any)."""
+        pending = self._pending.pop(request_id, None)
+        self.state.load.release(request_id)
+        if pending is None:
+            return None
+        target = backend or pending.backend
+        if cached_tokens is not None:
+            bt = pending.request.block_tokens
+            cached_blocks = int(cached_tokens // bt) if bt > 0 else 0
+            self.index.confirm(target, pending.request.keys, cached_blocks, self.clock(),
+                               predicted_blocks=pending.matched_blocks)
+        return None
+
+    def on_failure(self, request_id: str, *, before_prefill: bool = True) -> None:
+        """Release load; blocks the backend never computed are taken back out of the index."""
+        pending = self._pending.pop(request_id, None)
+        self.state.load.release(request_id)
+        if pending is not None and before_prefill:
+            self.index.forget(pending.backend, pending.request.keys[pending.matched_blocks:])
+
+    def on_cancel(self, request_id: str) -> None:
+        """A cancelled request releases its load; what it prefilled may stay cached."""
+        self._pending.pop(request_id, None)
+        self.state.load.release(request_id)
+
+    def pending_backend(self, request_id: str) -> str | None:
+        pending = self._pending.get(request_id)
+        return pending.backend if pending else None
+
+    def expire(self) -> int:
+        """Release requests older than ``max_request_age_s`` (callbacks that never came)."""
+        released = self.state.load.expire(self.clock(), self.config.max_request_age_s)
+        for rid in [rid for rid in self._pending if self.state.load.backend_of(rid) is None]:
+            del self._pending[rid]
+        return released
+
+    # --- fleet changes and signals --------------------------------------------------------------
+    def observe(self, backend: str, signal: ExternalSignal) -> None:
+        self.state.load.observe(backend, signal)
+
+    def remove_backend(self, backend: str) -> None:
+        self.index.remove_backend(backend)
+        self.state.load.remove_backend(backend)
+        for rid in [rid for rid, p in self._pending.items() if p.backend == backend]:
+            del self._pending[rid]
