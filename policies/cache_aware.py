@@ -7,7 +7,8 @@ cold ones). Cost of sending the request to backend *b*::
     cost_b = uncached_prefill_b + queue_weight · queued_prefill_b
              + decode_weight_tokens · running_b + kv_weight · kv_usage_b · prompt_tokens
 
-so a holder of the prefix wins unless its expected wait costs more than the prefill it saves. A hot
+(near-ties, within ``max(tie_tokens, tie_fraction·prompt)``, go to the longer match) so a holder of the
+prefix wins unless its expected wait costs more than the prefill it saves. A hot
 prefix spills to a second backend once its holder's queue outweighs the saving (hot-prefix
 replication), and concentrates again when demand falls, because near-ties follow a stable
 per-prefix order and idle copies age out of the LRU.
@@ -35,11 +36,12 @@ class CacheAwareConfig:
     epsilon: float = 0.5
     min_cap: int = 4
     tie_tokens: float = 64.0
+    tie_fraction: float = 0.05
     max_scores: int = 8
 
     def __post_init__(self) -> None:
         for name in ("min_prefix_tokens", "queue_weight", "decode_weight_tokens", "kv_weight", "epsilon",
-                     "tie_tokens"):
+                     "tie_tokens", "tie_fraction"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         if self.min_cap < 1:
@@ -79,7 +81,10 @@ class CacheAware:
                 + cfg.kv_weight * view.kv_usage * prompt
             )
         best_cost = min(costs.values())
-        near = [b for b in allowed if costs[b] <= best_cost + cfg.tie_tokens]
+        # Near-ties (within a block or a few % of the prompt) go to the longer match: co-locating a
+        # burst of siblings costs the same TTFT but computes the shared prefix once.
+        band = max(cfg.tie_tokens, cfg.tie_fraction * prompt)
+        near = [b for b in allowed if costs[b] <= best_cost + band]
         best_match = max(matched_tok[b] for b in near)
         top_holder = max(matched_tok.values())
         if best_match > 0:
@@ -92,7 +97,7 @@ class CacheAware:
             reason = "prefix_match" if best_match >= top_holder else "prefix_spill"
         else:
             cheapest = [b for b in near if costs[b] <= best_cost + cfg.tie_tokens]
-            backend = min(cheapest, key=lambda b: (load.last_pick(b), costs[b], b))
+            backend = min(cheapest, key=lambda b: (load.last_pick(b), costs[b], b))  # no-hit LRU
             reason = "cold" if top_holder == 0 else "prefix_spill"
         m_blocks = matches.get(backend, 0)
         scores = (

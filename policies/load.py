@@ -141,16 +141,18 @@ class LoadTracker:
         """Router-side load, raised to what a fresh engine signal shows (other routers' traffic)."""
         inflight = self._inflight.get(backend, 0)
         prefill = self._prefill.get(backend, 0)
+        sig = self._signals.get(backend)
+        last_pick = self._last_pick.get(backend, -math.inf)
+        if sig is None:
+            return BackendLoad(inflight, prefill, float(prefill), inflight, 0.0, last_pick)
         queue_tokens = float(prefill)
         running = inflight
         kv_usage = 0.0
-        sig = self._signals.get(backend)
-        if sig is not None:
-            w = self.freshness(now - sig.at)
-            if sig.queue_depth is not None:
-                queue_tokens = max(queue_tokens, w * sig.queue_depth * self._mean_prompt)
-            if sig.running is not None:
-                running = max(running, int(w * sig.running))
-            if sig.kv_usage is not None:
-                kv_usage = w * min(1.0, max(0.0, sig.kv_usage))
-        return BackendLoad(inflight, prefill, queue_tokens, running, kv_usage, self.last_pick(backend))
+        w = self.freshness(now - sig.at)
+        if sig.queue_depth is not None:
+            queue_tokens = max(queue_tokens, w * sig.queue_depth * self._mean_prompt)
+        if sig.running is not None:
+            running = max(running, int(w * sig.running))
+        if sig.kv_usage is not None:
+            kv_usage = w * min(1.0, max(0.0, sig.kv_usage))
+        return BackendLoad(inflight, prefill, queue_tokens, running, kv_usage, last_pick)

@@ -164,15 +164,19 @@ class PrefixIndex:
         if not keys:
             return
         state = self._state(backend)
-        expiry = now + self.config.ttl_s if self.config.ttl_s else _NEVER
         entries = state.entries
         move = entries.move_to_end
-        for key in reversed(keys):
-            if key in entries:
+        if self.config.ttl_s:
+            expiry = now + self.config.ttl_s
+            for key in reversed(keys):
                 entries[key] = expiry
                 move(key)
-            else:
-                entries[key] = expiry
+        else:
+            for key in reversed(keys):
+                try:
+                    move(key)
+                except KeyError:
+                    entries[key] = _NEVER
         if len(entries) > state.capacity:
             self._evict(state)
 
@@ -197,7 +201,9 @@ class PrefixIndex:
                 state.capacity = min(state.configured, state.capacity + max(1, state.configured // 100))
             if cached_blocks > 0:
                 state.hits += 1
-        self.record(backend, keys, now)
+        last = state.entries.get(keys[-1]) if keys else None
+        if last is None or last < now or self.config.ttl_s:
+            self.record(backend, keys, now)  # evicted meanwhile (or TTL to extend): the engine holds it now
 
     def forget(self, backend: str, keys: Sequence[int]) -> None:
         """Drop keys for a backend (a request that failed before prefill, or an engine removal)."""

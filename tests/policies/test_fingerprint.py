@@ -1,0 +1,164 @@
+"""Fingerprints: canonical, deterministic across processes, salted per tenant, safe on any input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvroute.policies import FingerprintConfig, Fingerprinter
+
+FP = Fingerprinter()
+SYSTEM = "You are a careful assistant. " * 60
+
+
+def chat(*turns: str, system: str = SYSTEM, **extra):
+    msgs = [{"role": "system", "content": system}]
+    for i, t in enumerate(turns):
+        msgs.append({"role": "user" if i % 2 == 0 else "assistant", "content": t})
+    return {"model": "m", "messages": msgs, **extra}
+
+
+def test_shared_prefix_shares_leading_keys_and_diverges_after():
+    a = FP.from_kwargs(chat("question one " * 40))
+    b = FP.from_kwargs(chat("question two " * 40))
+    shared = 0
+    while shared < min(len(a.keys), len(b.keys)) and a.keys[shared] == b.keys[shared]:
+        shared += 1
+    assert shared >= len(SYSTEM.encode()) // 256 - 1
+    assert a.keys != b.keys
+    assert a.keys[:shared] == b.keys[:shared]
+
+
+def test_model_and_tenant_salt_seed_the_chain():
+    base = FP.from_kwargs(chat("q" * 400))
+    other_model = FP.from_kwargs({**chat("q" * 400), "model": "other"})
+    t1 = FP.from_kwargs(chat("q" * 400), tenant="acme", isolate_tenant=True)
+    t2 = FP.from_kwargs(chat("q" * 400), tenant="globex", isolate_tenant=True)
+    shared_tenant = FP.from_kwargs(chat("q" * 400), tenant="acme", isolate_tenant=False)
+    assert not set(base.keys) & set(other_model.keys)
+    assert not set(t1.keys) & set(t2.keys)
+    assert not set(t1.keys) & set(base.keys)
+    assert shared_tenant.keys == base.keys
+
+
+def test_cache_salt_enters_the_key():
+    assert not set(FP.from_kwargs(chat("x" * 900)).keys) & set(
+        FP.from_kwargs(chat("x" * 900, cache_salt="s1")).keys
+    )
+
+
+def test_keys_equal_across_processes():
+    kwargs = chat("hello " * 300, "answer " * 100, "follow up " * 50)
+    here = FP.from_kwargs(kwargs).keys
+    code = (
+        "import json,sys; from kvroute.policies import Fingerprinter;"
+        "print(json.dumps(Fingerprinter().from_kwargs(json.loads(sys.stdin.read())).keys))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], input=json.dumps(kwargs), capture_output=True,
+                         text=True, check=True, env={"PYTHONHASHSEED": "12345", "PATH": "/usr/bin"})
+    assert json.loads(out.stdout) == list(here)
+
+
+def test_tools_render_before_messages_and_order_matters():
+    tools = [{"type": "function", "function": {"name": f"tool_{i}", "parameters": {"type": "object"}}}
+             for i in range(30)]
+    a = FP.from_kwargs({**chat("q"), "tools": tools})
+    b = FP.from_kwargs({**chat("q"), "tools": list(reversed(tools))})
+    assert a.keys[0] != b.keys[0]
+    assert a.prompt_tokens > FP.from_kwargs(chat("q")).prompt_tokens
+
+
+def test_multipart_media_tool_calls_and_results():
+    kwargs = {"model": "m", "messages": [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": [{"type": "text", "text": "look"},
+                                     {"type": "image_url", "image_url": {"url": "https://x/img.png"}},
+                                     {"type": "input_audio", "input_audio": {"data": "QUJD", "format": "wav"}}]},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"a\":1}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "result"},
+    ]}
+    req = FP.from_kwargs(kwargs)
+    assert req.kind == "chat" and req.keys and not req.notes
+    other = FP.from_kwargs({**kwargs, "messages": [*kwargs["messages"][:1], {
+        "role": "user", "content": [{"type": "text", "text": "look"},
+                                    {"type": "image_url", "image_url": {"url": "https://x/other.png"}}]}]})
+    assert other.keys[-1] != req.keys[-1]
+
+
+def test_completion_prompt_and_token_ids_and_responses_input():
+    text = FP.from_kwargs({"model": "m", "prompt": "abc " * 500})
+    assert text.kind == "completion" and text.keys
+    ids = FP.from_kwargs({"model": "m", "prompt": list(range(1000))})
+    assert ids.kind == "tokens" and ids.key_space == "tokens" and len(ids.keys) == 1000 // 64
+    assert ids.prompt_tokens == 1000
+    resp = FP.from_kwargs({"model": "m", "instructions": SYSTEM, "input": [
+        {"role": "user", "content": "hi"}, {"type": "function_call_output", "call_id": "1", "output": "x"}]})
+    assert resp.kind == "responses" and resp.keys
+
+
+def test_token_ids_path_matches_from_token_ids():
+    ids = list(range(5000, 5640))
+    a = FP.from_kwargs({"model": "m", "prompt": ids})
+    b = FP.from_token_ids(ids, model="m", block_size=64)
+    assert list(a.keys) == list(b.keys)
+
+
+def test_session_key_sources_and_tenant_scope():
+    meta = FP.from_kwargs({**chat("q"), "metadata": {"session_id": "s-1"}}).session_key
+    header = FP.from_kwargs(chat("q"), headers={"X-Session-Id": "s-1"}).session_key
+    user = FP.from_kwargs({**chat("q"), "user": "s-1"}).session_key
+    assert meta == header == user is not None
+    assert FP.from_kwargs(chat("q")).session_key is None
+    assert FP.from_kwargs({**chat("q"), "user": "s-1"}, tenant="t").session_key != user
+    assert "s-1" not in (meta or "")  # only a hash is kept
+
+
+def test_block_size_is_configurable_and_partial_block_is_not_hashed():
+    fp = Fingerprinter(FingerprintConfig(block_bytes=64))
+    req = fp.from_kwargs({"model": "m", "prompt": "x" * 200})
+    assert len(req.keys) == 200 // 64
+    assert req.block_tokens == 16
+
+
+def test_huge_prompt_is_capped_and_cheap():
+    req = FP.from_kwargs({"model": "m", "messages": [{"role": "user", "content": "y" * 4_400_000}]})
+    assert req.prompt_tokens >= 1_100_000
+    assert len(req.keys) == 131_072 * 4 // 256
+
+
+@given(st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text() | st.binary(max_size=50),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=30,
+))
+def test_arbitrary_messages_never_raise(messages):
+    req = FP.from_kwargs({"model": "m", "messages": messages, "tools": messages})
+    assert req.request_id and isinstance(list(req.keys), list)
+
+
+@given(st.text(alphabet=st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF) | st.characters(), min_size=1))
+def test_lone_surrogates_and_any_text(text):
+    req = FP.from_kwargs({"model": "m", "messages": [{"role": "user", "content": text * 50}]})
+    assert req.kind == "chat"
+
+
+def test_deeply_nested_tool_json_and_bad_shapes():
+    deep: dict = {}
+    cur = deep
+    for _ in range(5000):
+        cur["x"] = {}
+        cur = cur["x"]
+    for kwargs in ({"model": "m", "tools": [deep], "messages": []},
+                   {"model": "m", "messages": None},
+                   {"model": "m", "messages": "not a list"},
+                   {"model": "m", "messages": [{"role": 5, "content": {"weird": object()}}]},
+                   {"model": None},
+                   {}):
+        req = FP.from_kwargs(kwargs)
+        assert req.request_id
+    assert FP.from_kwargs("garbage").kind in {"invalid", "empty"}  # type: ignore[arg-type]

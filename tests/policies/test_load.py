@@ -1,0 +1,44 @@
+"""Load tracker: charges at pick, releases once, weighs stale engine signals less."""
+
+from __future__ import annotations
+
+from kvroute.policies import ExternalSignal, LoadTracker
+
+
+def test_lifecycle_is_idempotent():
+    load = LoadTracker()
+    load.start("r1", "a", 1000, now=0)
+    load.start("r2", "a", 500, now=0)
+    assert load.inflight("a") == 2 and load.prefill_tokens("a") == 1500
+    load.first_token("r1")
+    load.first_token("r1")
+    assert load.prefill_tokens("a") == 500 and load.inflight("a") == 2
+    assert load.release("r1") == "a"
+    assert load.release("r1") is None
+    load.release("r2")
+    assert load.inflight("a") == 0 and load.prefill_tokens("a") == 0
+
+
+def test_move_follows_a_retry_and_expire_releases_lost_requests():
+    load = LoadTracker()
+    load.start("r1", "a", 100, now=0)
+    load.move("r1", "b", now=1)
+    assert load.inflight("a") == 0 and load.inflight("b") == 1 and load.prefill_tokens("b") == 100
+    assert load.expire(now=1000, max_age_s=60) == 1
+    assert load.inflight("b") == 0
+
+
+def test_external_signals_age_out():
+    load = LoadTracker(half_life_s=1.0, mean_prompt_tokens=100)
+    load.observe("a", ExternalSignal(at=0, queue_depth=10, running=4, kv_usage=0.9))
+    fresh = load.view("a", now=0)
+    stale = load.view("a", now=5)
+    assert fresh.queue_tokens == 1000 and fresh.running == 4 and abs(fresh.kv_usage - 0.9) < 1e-9
+    assert stale.queue_tokens < 40 and stale.running == 0 and stale.kv_usage < 0.03
+
+
+def test_router_side_load_is_not_double_counted_with_signal():
+    load = LoadTracker(mean_prompt_tokens=100)
+    load.start("r1", "a", 2000, now=0)
+    load.observe("a", ExternalSignal(at=0, queue_depth=1))
+    assert load.view("a", now=0).queue_tokens == 2000

@@ -1,0 +1,110 @@
+"""Router façade: never raises, falls back to least-load with the reason, keeps lifecycle consistent."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvroute.policies import Decision, Router, RouterConfig, policy_names
+
+LONG = {"model": "m", "messages": [{"role": "system", "content": "s" * 8000}, {"role": "user", "content": "q"}]}
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=40),
+    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c, max_size=3),
+    max_leaves=20,
+)
+
+
+@given(kwargs=st.dictionaries(st.sampled_from(["model", "messages", "prompt", "input", "tools", "user",
+                                               "metadata", "functions", "instructions", "cache_salt"]),
+                              json_values, max_size=6),
+       n=st.integers(0, 5), policy=st.sampled_from(["round_robin", "least_load", "session_affinity",
+                                                     "prefix_hash", "cache_aware"]))
+def test_pick_never_raises_on_any_input(kwargs, n, policy):
+    router = Router(RouterConfig(default_policy=policy))
+    backends = [f"b{i}" for i in range(n)]
+    req, dec = router.route(kwargs, backends)
+    assert isinstance(dec, Decision)
+    if n == 0:
+        assert dec.backend is None and dec.reason == "no_candidates"
+    else:
+        assert dec.backend in backends
+    router.on_complete(req.request_id, cached_tokens=7)
+    assert all(router.load.inflight(b) == 0 for b in backends)
+
+
+class Exploding:
+    name = "exploding"
+
+    def select(self, request, candidates, state, now):
+        raise RuntimeError("boom")
+
+
+class Rogue:
+    name = "rogue"
+
+    def select(self, request, candidates, state, now):
+        return Decision("not-a-candidate", self.name, "x")
+
+
+def test_policy_errors_fall_back_to_least_load_and_are_recorded():
+    router = Router()
+    router.set_policy_object("m", Exploding())
+    router.state.load.start("busy", "a", 100, now=0)
+    dec = router.route(LONG, ["a", "b"])[1]
+    assert dec.backend == "b" and dec.reason == "fallback" and "boom" in (dec.fallback or "")
+    router.set_policy_object("m", Rogue())
+    dec = router.route(LONG, ["a", "b"])[1]
+    assert dec.backend in {"a", "b"} and dec.reason == "fallback"
+    assert router.errors == 2
+
+
+def test_single_candidate_still_reports_the_match():
+    router = Router()
+    req, _ = router.route(LONG, ["a"])
+    router.on_complete(req.request_id, cached_tokens=0)
+    dec = router.route(LONG, ["a"])[1]
+    assert dec.reason == "single_candidate" and dec.matched_tokens > 1500
+
+
+def test_failure_before_prefill_takes_the_blocks_back():
+    router = Router()
+    req, dec = router.route(LONG, ["a", "b"])
+    router.on_failure(req.request_id)
+    assert router.load.inflight(dec.backend) == 0
+    assert router.index.match(req.keys, ["a", "b"], now=router.clock()) == {}
+
+
+def test_retry_on_another_backend_moves_load_and_blocks():
+    router = Router()
+    req, dec = router.route(LONG, ["a", "b"])
+    other = "b" if dec.backend == "a" else "a"
+    router.on_attempt(req.request_id, other)
+    assert router.load.inflight(other) == 1 and router.load.inflight(dec.backend) == 0
+    router.on_complete(req.request_id, cached_tokens=0)
+    assert router.index.match(req.keys, [other], now=router.clock())[other] == len(req.keys)
+    assert router.index.match(req.keys, [dec.backend], now=router.clock()) == {}
+
+
+def test_cancel_releases_and_expire_cleans_lost_callbacks():
+    t = [0.0]
+    router = Router(RouterConfig(max_request_age_s=10), clock=lambda: t[0])
+    req, dec = router.route(LONG, ["a", "b"])
+    router.on_cancel(req.request_id)
+    assert router.load.inflight(dec.backend) == 0
+    router.route(LONG, ["a", "b"])
+    t[0] = 100
+    assert router.expire() == 1
+    assert router.load.total_inflight(["a", "b"]) == 0 and not router._pending
+
+
+def test_remove_backend_purges_state_and_groups_have_own_policies():
+    router = Router()
+    router.set_policy("batch", "least_load")
+    assert router.policy_for("batch").name == "least_load"
+    assert router.policy_for("other").name == "cache_aware"
+    req, dec = router.route(LONG, ["a", "b"])
+    router.remove_backend(dec.backend)
+    assert router.index.blocks(dec.backend) == 0 and router.load.inflight(dec.backend) == 0
+    assert set(policy_names()) >= {"cache_aware"}
