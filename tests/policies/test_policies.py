@@ -54,12 +54,12 @@ def test_round_robin_cycles():
 
 
 def test_cache_aware_prefers_the_holder_of_the_longest_prefix():
-    router, clock = make()
+    router, _clock = make()
     for g in range(4):  # one group per backend, completed
         req, dec = router.route(group_prompt(g, 0), BACKENDS)
         router.on_complete(req.request_id, cached_tokens=0)
     owners = {g: router.route(group_prompt(g, 99), BACKENDS)[1] for g in range(4)}
-    for g, dec in owners.items():
+    for dec in owners.values():
         assert dec.reason == "prefix_match" and dec.matched_tokens >= 900
     assert len({d.backend for d in owners.values()}) == 4  # cold groups were spread, not stacked
 
@@ -175,7 +175,7 @@ def test_cache_aware_bounded_load_under_uniform_traffic(n, seed):
     live: list[str] = []
     for step in range(n * 12):
         clock.t += 0.01
-        req, dec = router.route(group_prompt(rng.randrange(3), step, sys_len=2000), backends)
+        req, _dec = router.route(group_prompt(rng.randrange(3), step, sys_len=2000), backends)
         live.append(req.request_id)
         if len(live) > n * 4:  # steady state: the oldest request completes
             router.on_complete(live.pop(rng.randrange(len(live) // 2)), cached_tokens=0)

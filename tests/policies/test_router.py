@@ -104,7 +104,7 @@ def test_remove_backend_purges_state_and_groups_have_own_policies():
     router.set_policy("batch", "least_load")
     assert router.policy_for("batch").name == "least_load"
     assert router.policy_for("other").name == "cache_aware"
-    req, dec = router.route(LONG, ["a", "b"])
+    _req, dec = router.route(LONG, ["a", "b"])
     router.remove_backend(dec.backend)
     assert router.index.blocks(dec.backend) == 0 and router.load.inflight(dec.backend) == 0
     assert set(policy_names()) >= {"cache_aware"}
