@@ -195,8 +195,9 @@ class PrefixIndex:
             missing = max(0, predicted_blocks - max(0, cached_blocks))
             state.mispredicted_blocks += missing
             floor = max(1, int(state.configured * self.config.min_capacity_fraction))
-            if missing > 0:
-                state.capacity = max(floor, int(state.capacity * 0.9))
+            if missing > 0:  # shrink in proportion to how wrong the prediction was
+                shrink = 1.0 - 0.1 * missing / predicted_blocks
+                state.capacity = max(floor, min(state.capacity - 1, int(state.capacity * shrink)))
             elif state.capacity < state.configured:
                 state.capacity = min(state.configured, state.capacity + max(1, state.configured // 100))
             if cached_blocks > 0:

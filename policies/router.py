@@ -36,9 +36,13 @@ class RouterConfig:
 
 @dataclass(slots=True)
 class _Pending:
+    """A picked request until it completes: what the index predicted and what is still being computed."""
+
     request: RoutingRequest
     backend: str
-    matched_blocks: int
+    matched_blocks: int  # leading blocks the index said the backend held at pick time
+    confirmed_blocks: int  # of those, blocks already computed (not another request's prefill in progress)
+    settled: bool = False  # its own new blocks are computed (first token) or given up
 
 
 class Router:
@@ -67,6 +71,7 @@ class Router:
         self._policies: dict[str, Policy] = {}
         self._default = build_policy(self.config.default_policy, self.config.default_knobs, "default_policy")
         self._pending: OrderedDict[str, _Pending] = OrderedDict()
+        self._provisional: dict[str, dict[int, int]] = {}  # backend -> key -> pending picks computing it
         self.errors = 0
 
     @property
@@ -109,7 +114,7 @@ class Router:
             if not candidates:
                 return Decision(None, chosen.name, "no_candidates", prompt_tokens=request.prompt_tokens,
                                 request_id=request.request_id)
-            if len(candidates) == 1:
+            if len(candidates) == 1 and not getattr(chosen, "always_select", False):
                 decision = Decision(candidates[0], chosen.name, "single_candidate",
                                     prompt_tokens=request.prompt_tokens, request_id=request.request_id,
                                     predicted_prefill_tokens=request.prompt_tokens)
@@ -145,15 +150,64 @@ class Router:
         assert decision.backend is not None
         rid = request.request_id or ""
         try:
-            self.state.load.start(rid, decision.backend, decision.predicted_prefill_tokens, now)
-            self.index.record(decision.backend, request.keys, now)
-            self._pending[rid] = _Pending(request, decision.backend, decision.matched_blocks)
+            backend = decision.backend
+            self.state.load.start(rid, backend, decision.predicted_prefill_tokens, now)
+            self.index.record(backend, request.keys, now)
+            matched = decision.matched_blocks
+            confirmed = self._confirmed_prefix(backend, request.keys, matched)
+            self._mark_provisional(backend, request.keys, matched)
+            self._pending[rid] = _Pending(request, backend, matched, confirmed)
             self._pending.move_to_end(rid)
             while len(self._pending) > self.config.max_pending:
-                old_id, _ = self._pending.popitem(last=False)
+                old_id, old = self._pending.popitem(last=False)
+                self._settle(old)
                 self.state.load.release(old_id)
         except Exception:
             self.errors += 1
+
+    # --- provisional blocks: inserted at pick, computed only once that request's prefill is done ---
+    def _confirmed_prefix(self, backend: str, keys: Sequence[int], matched: int) -> int:
+        """Leading matched blocks not still being prefilled by another pending request on ``backend``."""
+        prov = self._provisional.get(backend)
+        if not prov or matched == 0:
+            return matched
+        if keys[0] in prov:
+            return 0
+        if keys[matched - 1] not in prov:
+            return matched
+        lo, hi = 1, matched - 1  # keys[lo-1] computed, keys[hi] provisional: find the first provisional
+        while lo < hi:
+            mid = (lo + hi) >> 1
+            if keys[mid] in prov:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def _mark_provisional(self, backend: str, keys: Sequence[int], start: int) -> None:
+        prov = self._provisional.setdefault(backend, {})
+        get = prov.get
+        for key in keys[start:]:
+            prov[key] = get(key, 0) + 1
+
+    def _settle(self, pending: _Pending) -> None:
+        """The request's own new blocks are computed (or never will be): they stop being provisional."""
+        if pending.settled:
+            return
+        pending.settled = True
+        prov = self._provisional.get(pending.backend)
+        if prov is None:
+            return
+        for key in pending.request.keys[pending.matched_blocks:]:
+            count = prov.get(key)
+            if count is None:
+                continue
+            if count <= 1:
+                del prov[key]
+            else:
+                prov[key] = count - 1
+        if not prov:
+            del self._provisional[pending.backend]
 
     # --- lifecycle ------------------------------------------------------------------------------
     def on_attempt(self, request_id: str, backend: str) -> None:
@@ -162,41 +216,57 @@ class Router:
         if pending is None or pending.backend == backend:
             return
         now = self.clock()
+        self._settle(pending)
         self.index.forget(pending.backend, pending.request.keys[pending.matched_blocks:])
-        pending.backend = backend
-        pending.matched_blocks = self.index.match(pending.request.keys, [backend], now).get(backend, 0)
+        keys = pending.request.keys
+        matched = self.index.match(keys, [backend], now).get(backend, 0)
+        pending.backend, pending.matched_blocks, pending.settled = backend, matched, False
+        pending.confirmed_blocks = self._confirmed_prefix(backend, keys, matched)
+        self._mark_provisional(backend, keys, matched)
         self.state.load.move(request_id, backend, now)
-        self.index.record(backend, pending.request.keys, now)
+        self.index.record(backend, keys, now)
 
     def on_first_token(self, request_id: str) -> None:
+        """Prefill done: release prefill load; the request's blocks are now really on the backend."""
         self.state.load.first_token(request_id)
+        pending = self._pending.get(request_id)
+        if pending is not None:
+            self._settle(pending)
 
     def on_complete(self, request_id: str, cached_tokens: int | None = None,
-                    backend: str | None = None) -> Decision | None:
-        """Release load and confirm the index with the reported cached-token count (if any)."""
+                    backend: str | None = None) -> None:
+        """Release load and confirm the index with the reported cached-token count (if any).
+
+        Only blocks that were already computed at pick time count as predictions, so a sibling that
+        raced its burst's first request does not teach the index that the backend evicts early.
+        """
         pending = self._pending.pop(request_id, None)
         self.state.load.release(request_id)
         if pending is None:
-            return None
-        target = backend or pending.backend
+            return
+        self._settle(pending)
         if cached_tokens is not None:
             bt = pending.request.block_tokens
             cached_blocks = int(cached_tokens // bt) if bt > 0 else 0
-            self.index.confirm(target, pending.request.keys, cached_blocks, self.clock(),
-                               predicted_blocks=pending.matched_blocks)
-        return None
+            self.index.confirm(backend or pending.backend, pending.request.keys, cached_blocks, self.clock(),
+                               predicted_blocks=pending.confirmed_blocks)
 
     def on_failure(self, request_id: str, *, before_prefill: bool = True) -> None:
         """Release load; blocks the backend never computed are taken back out of the index."""
         pending = self._pending.pop(request_id, None)
         self.state.load.release(request_id)
-        if pending is not None and before_prefill:
+        if pending is None:
+            return
+        self._settle(pending)
+        if before_prefill:
             self.index.forget(pending.backend, pending.request.keys[pending.matched_blocks:])
 
     def on_cancel(self, request_id: str) -> None:
         """A cancelled request releases its load; what it prefilled may stay cached."""
-        self._pending.pop(request_id, None)
+        pending = self._pending.pop(request_id, None)
         self.state.load.release(request_id)
+        if pending is not None:
+            self._settle(pending)
 
     def pending_backend(self, request_id: str) -> str | None:
         pending = self._pending.get(request_id)
@@ -206,7 +276,7 @@ class Router:
         """Release requests older than ``max_request_age_s`` (callbacks that never came)."""
         released = self.state.load.expire(self.clock(), self.config.max_request_age_s)
         for rid in [rid for rid in self._pending if self.state.load.backend_of(rid) is None]:
-            del self._pending[rid]
+            self._settle(self._pending.pop(rid))
         return released
 
     # --- fleet changes and signals --------------------------------------------------------------
@@ -218,3 +288,4 @@ class Router:
         self.state.load.remove_backend(backend)
         for rid in [rid for rid, p in self._pending.items() if p.backend == backend]:
             del self._pending[rid]
+        self._provisional.pop(backend, None)

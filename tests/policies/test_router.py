@@ -108,3 +108,31 @@ def test_remove_backend_purges_state_and_groups_have_own_policies():
     router.remove_backend(dec.backend)
     assert router.index.blocks(dec.backend) == 0 and router.load.inflight(dec.backend) == 0
     assert set(policy_names()) >= {"cache_aware"}
+
+
+def test_siblings_racing_a_prefill_do_not_shrink_the_learned_capacity():
+    router = Router()
+    first, d1 = router.route(LONG, ["a", "b"])
+    sibling, d2 = router.route(LONG, ["a", "b"])
+    assert d2.backend == d1.backend and d2.matched_blocks > 0
+    cap = router.index.capacity_blocks(d1.backend)
+    # The sibling was batched with the first request's prefill: the engine reports no cached tokens.
+    router.on_complete(sibling.request_id, cached_tokens=0)
+    router.on_complete(first.request_id, cached_tokens=0)
+    assert router.index.capacity_blocks(d1.backend) == cap
+    # A prediction built on a completed prefill that the engine contradicts is a real eviction.
+    third, d3 = router.route(LONG, ["a", "b"])
+    router.on_complete(third.request_id, cached_tokens=0)
+    assert router.index.capacity_blocks(d3.backend) < cap
+    assert not router._provisional
+
+
+def test_first_token_settles_provisional_blocks():
+    router = Router()
+    first, d1 = router.route(LONG, ["a", "b"])
+    router.on_first_token(first.request_id)
+    sibling, d2 = router.route(LONG, ["a", "b"])
+    assert router._pending[sibling.request_id].confirmed_blocks == d2.matched_blocks > 0
+    router.on_failure(first.request_id, before_prefill=False)
+    router.on_cancel(sibling.request_id)
+    assert not router._provisional and not router._pending
