@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import xxhash
+
 from kvroute.policies import Router
 from kvroute.policies.render import render_request
 

@@ -6,12 +6,14 @@ cold ones). Cost of sending the request to backend *b*::
 
     cost_b = uncached_prefill_b + queue_weight · queued_prefill_b
              + decode_weight_tokens · running_b + kv_weight · kv_usage_b · prompt_tokens
+             + replication_weight · kv_usage_b · (best_match − match_b)
 
 (near-ties, within ``max(tie_tokens, tie_fraction·prompt)``, go to the longer match) so a holder of the
 prefix wins unless its expected wait costs more than the prefill it saves. A hot
 prefix spills to a second backend once its holder's queue outweighs the saving (hot-prefix
 replication), and concentrates again when demand falls, because near-ties follow a stable
-per-prefix order and idle copies age out of the LRU.
+per-prefix order and idle copies age out of the LRU. The last term prices that copy: on a backend
+whose KV cache is full it evicts about as much reusable cache as it duplicates (free when caches are empty).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ class CacheAwareConfig:
     """Knobs of the cost model; every weight is in prompt-token equivalents."""
 
     min_prefix_tokens: int = 256
-    queue_weight: float = 1.0
+    queue_weight: float = 0.5
     decode_weight_tokens: float = 16.0
     kv_weight: float = 0.25
     epsilon: float = 0.5
@@ -38,10 +40,11 @@ class CacheAwareConfig:
     tie_tokens: float = 64.0
     tie_fraction: float = 0.05
     max_scores: int = 8
+    replication_weight: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("min_prefix_tokens", "queue_weight", "decode_weight_tokens", "kv_weight", "epsilon",
-                     "tie_tokens", "tie_fraction"):
+                     "tie_tokens", "tie_fraction", "replication_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         if self.min_cap < 1:
@@ -70,6 +73,7 @@ class CacheAware:
         block_tokens = request.block_tokens
         costs: dict[str, float] = {}
         matched_tok: dict[str, int] = {}
+        best_held = min(prompt, int(max(matches.values(), default=0) * block_tokens))
         for b in allowed:
             view = load.view(b, now)
             m = min(prompt, int(matches.get(b, 0) * block_tokens))
@@ -79,6 +83,7 @@ class CacheAware:
                 + cfg.queue_weight * view.queue_tokens
                 + cfg.decode_weight_tokens * view.running
                 + cfg.kv_weight * view.kv_usage * prompt
+                + cfg.replication_weight * view.kv_usage * (best_held - m)
             )
         best_cost = min(costs.values())
         # Near-ties (within a block or a few % of the prompt) go to the longer match: co-locating a

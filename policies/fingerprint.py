@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import xxhash
+
 from kvroute.policies.render import render_request, to_bytes
 from kvroute.policies.request import RoutingRequest
 

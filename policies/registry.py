@@ -10,6 +10,7 @@ from kvroute.policies.base import Policy
 from kvroute.policies.cache_aware import CacheAware, CacheAwareConfig
 from kvroute.policies.errors import ConfigError
 from kvroute.policies.least_load import LeastLoad, LeastLoadConfig
+from kvroute.policies.marketplace import Marketplace, MarketplaceConfig
 from kvroute.policies.prefix_hash import PrefixHash, PrefixHashConfig
 from kvroute.policies.round_robin import RoundRobin, RoundRobinConfig
 from kvroute.policies.session_affinity import SessionAffinity, SessionAffinityConfig
@@ -22,6 +23,7 @@ _REGISTRY: dict[str, tuple[type, type]] = {
     "session_affinity": (SessionAffinity, SessionAffinityConfig),
     "prefix_hash": (PrefixHash, PrefixHashConfig),
     "cache_aware": (CacheAware, CacheAwareConfig),
+    "marketplace": (Marketplace, MarketplaceConfig),
 }
 
 

@@ -129,7 +129,7 @@ def test_siblings_racing_a_prefill_do_not_shrink_the_learned_capacity():
 
 def test_first_token_settles_provisional_blocks():
     router = Router()
-    first, d1 = router.route(LONG, ["a", "b"])
+    first, _ = router.route(LONG, ["a", "b"])
     router.on_first_token(first.request_id)
     sibling, d2 = router.route(LONG, ["a", "b"])
     assert router._pending[sibling.request_id].confirmed_blocks == d2.matched_blocks > 0

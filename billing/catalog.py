@@ -1,0 +1,78 @@
+"""``Catalog``: the price books and rate cards in force, loaded from the ledger, looked up per event."""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections import defaultdict
+from datetime import datetime
+from decimal import Decimal
+
+from sqlalchemy import Connection, select
+
+from kvroute.billing.models import CostRateRow, PriceBookRow, PriceRuleRow
+from kvroute.billing.pricing import CostRate, PriceBook, PriceRule
+
+DEFAULT_APP = "*"
+
+
+class Catalog:
+    """Versioned price books per app (plus the default book) and rate cards per backend, in memory."""
+
+    def __init__(self, books: list[PriceBook], rates: list[CostRate]) -> None:
+        self._books: dict[str, list[PriceBook]] = defaultdict(list)
+        for book in books:
+            self._books[book.app_id or DEFAULT_APP].append(book)
+        for items in self._books.values():
+            items.sort(key=lambda b: (b.effective_from, b.version))
+        self._book_starts = {k: [b.effective_from for b in v] for k, v in self._books.items()}
+        self._rates: dict[str, list[CostRate]] = defaultdict(list)
+        for rate in rates:
+            self._rates[rate.backend_id].append(rate)
+        for items in self._rates.values():
+            items.sort(key=lambda r: r.effective_from)
+        self._rate_starts = {k: [r.effective_from for r in v] for k, v in self._rates.items()}
+        self.rules_by_id = {r.price_rule_id: (b, r) for b in books for r in b.rules}
+
+    def book_for(self, app_id: str, at: datetime) -> PriceBook | None:
+        """The app's book in force at ``at`` (latest version that started by then), else the default book."""
+        for key in (app_id, DEFAULT_APP):
+            starts = self._book_starts.get(key)
+            if starts:
+                i = bisect_right(starts, at)
+                if i:
+                    return self._books[key][i - 1]
+        return None
+
+    def rate_for(self, backend_id: str, at: datetime) -> CostRate | None:
+        starts = self._rate_starts.get(backend_id)
+        if not starts:
+            return None
+        i = bisect_right(starts, at)
+        return self._rates[backend_id][i - 1] if i else None
+
+    @classmethod
+    def load(cls, conn: Connection) -> Catalog:
+        """Read every price book, rule and rate card."""
+        rules: dict[int, list[PriceRule]] = defaultdict(list)
+        query = select(PriceRuleRow.__table__).order_by(PriceRuleRow.priority, PriceRuleRow.price_rule_id)
+        for r in conn.execute(query):
+            surcharge = {k: v for k, v in (("input", r.surcharge_input_per_mtok),
+                                           ("cache_read", r.surcharge_cache_read_per_mtok),
+                                           ("cache_write", r.surcharge_cache_write_per_mtok),
+                                           ("output", r.surcharge_output_per_mtok)) if v is not None}
+            rules[r.price_book_id].append(PriceRule(
+                r.name, r.priority, r.match_provider, r.match_model, r.match_backend, r.match_route_kind,
+                r.markup_pct, surcharge, r.fee_per_request, r.min_charge_per_request, r.max_charge_per_request,
+                r.bill_failed_attempts, r.bill_zero_completion, r.price_rule_id))
+        books = [PriceBook(b.app_id, b.version, b.effective_from, b.currency, tuple(rules[b.price_book_id]),
+                           b.platform_fee_pct, b.payment_fee_pct, b.price_book_id)
+                 for b in conn.execute(select(PriceBookRow.__table__))]
+        rates = [CostRate(c.backend_id, c.effective_from, c.currency, c.input_per_mtok, c.cache_read_per_mtok,
+                          c.cache_write_5m_per_mtok, c.cache_write_1h_per_mtok, c.output_per_mtok,
+                          c.reasoning_per_mtok, c.per_request, c.source, c.cost_rate_id)
+                 for c in conn.execute(select(CostRateRow.__table__))]
+        return cls(books, rates)
+
+    def platform_fee_pct(self, app_id: str, at: datetime) -> tuple[Decimal, Decimal]:
+        book = self.book_for(app_id, at)
+        return (book.platform_fee_pct, book.payment_fee_pct) if book else (Decimal(0), Decimal(0))

@@ -1,0 +1,178 @@
+"""``kvroute billing ...`` and ``kvroute report ...`` commands (SQLAlchemy and friends load inside commands)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import typer
+
+billing_app = typer.Typer(no_args_is_help=True, help="Usage ledger: ingest events, load price books, close periods.")
+report_app = typer.Typer(no_args_is_help=True, help="Monthly usage, margin and payout reports.")
+
+DB_HELP = "SQLAlchemy URL or SQLite path (default: KVROUTE_BILLING_DB, else .kvroute/billing.db)."
+
+
+def _ledger(db: str | None) -> Any:
+    from kvroute.billing.ledger import Ledger
+    from kvroute.billing.settings import BillingSettings
+    return Ledger.open(db or BillingSettings().db)
+
+
+def _fail(message: str, code: int = 2) -> None:
+    typer.echo(message, err=True)
+    raise typer.Exit(code)
+
+
+@billing_app.command("ingest")
+def ingest(file: Path = typer.Argument(..., help="JSONL file of usage events (schema: kvroute.billing.events)."),
+           db: str | None = typer.Option(None, help=DB_HELP),
+           skip_invalid: bool = typer.Option(False, help="Insert the valid lines even when some lines are bad."),
+           batch_size: int = typer.Option(5000, min=1, help="Events per transaction.")) -> None:
+    """Import usage events idempotently; bad lines are listed (line, field, reason) and nothing is inserted."""
+    from kvroute.billing.ingest import ingest_file
+    from kvroute.policies.errors import InputError
+    ledger = _ledger(db)
+    try:
+        result = ingest_file(ledger, file, batch_size=batch_size, skip_invalid=skip_invalid)
+    except InputError as exc:
+        _fail(f"error: {exc}")
+    finally:
+        ledger.close()
+    for err in result.errors[:200]:
+        typer.echo(f"{file}: {err}", err=True)
+    if len(result.errors) > 200:
+        typer.echo(f"... and {len(result.errors) - 200} more bad lines", err=True)
+    if result.errors and not skip_invalid:
+        _fail(f"{len(result.errors)} bad line(s); nothing was inserted (fix them or pass --skip-invalid)")
+    typer.echo(f"{result.valid} valid events, {result.inserted} inserted, {result.valid - result.inserted} "
+               f"already present, {len(result.errors)} skipped")
+
+
+@billing_app.command("load-prices")
+def load_prices(file: Path = typer.Argument(..., help="YAML or TOML price file (backends, rates, price books)."),
+                db: str | None = typer.Option(None, help=DB_HELP),
+                check: bool = typer.Option(False, "--check", help="Only validate the file.")) -> None:
+    """Validate and load price books and rate cards; errors name the bad rule or field."""
+    from kvroute.billing.price_file import read_price_file
+    from kvroute.billing.price_store import store_prices
+    from kvroute.policies.errors import ConfigError
+    try:
+        pf = read_price_file(file)
+    except ConfigError as exc:
+        _fail(f"{file}: {exc}")
+    if check:
+        typer.echo(f"{file}: ok ({len(pf.backends)} backends, {len(pf.rates)} rate cards, {len(pf.books)} books)")
+        return
+    ledger = _ledger(db)
+    try:
+        summary = store_prices(ledger, pf)
+    except ConfigError as exc:
+        _fail(f"{file}: {exc}")
+    finally:
+        ledger.close()
+    typer.echo(f"backends +{summary.backends_added}, rate cards +{summary.rates_added}, price books "
+               f"+{summary.books_added} ({summary.books_unchanged} unchanged)")
+
+
+@billing_app.command("close-period")
+def close_period_cmd(period: str = typer.Option(..., "--period", help="YYYY-MM"),
+                     app: str | None = typer.Option(None, "--app", help="Close one app only."),
+                     db: str | None = typer.Option(None, help=DB_HELP),
+                     grace_hours: float | None = typer.Option(None, help="Grace window (default from settings)."),
+                     force: bool = typer.Option(False, help="Close now, ignoring the grace window.")) -> None:
+    """Close a period: ``closing`` during the grace window, then statements and payouts are frozen."""
+    from kvroute.billing.periods import close_period
+    from kvroute.billing.settings import BillingSettings
+    from kvroute.policies.errors import InputError
+    settings = BillingSettings()
+    ledger = _ledger(db)
+    try:
+        result = close_period(ledger, period, app=app, force=force,
+                              grace_hours=settings.grace_hours if grace_hours is None else grace_hours)
+    except InputError as exc:
+        _fail(f"error: {exc}")
+    finally:
+        ledger.close()
+    if result.status == "closing":
+        typer.echo(f"{period}: closing; late events still land until {result.grace_until.isoformat()} "
+                   "(run again after that, or pass --force)")
+    else:
+        typer.echo(f"{period}: closed; {result.statements} statement(s) for {len(result.apps)} app(s)")
+
+
+def _report(kind: str, period: str, app: str | None, fmt: str, out: Path | None, db: str | None) -> None:
+    from kvroute.billing import export, reports
+    from kvroute.billing.periods import check_period
+    from kvroute.policies.errors import InputError
+    if fmt not in export.FORMATS:
+        _fail(f"error: --format must be one of {', '.join(export.FORMATS)}")
+    if fmt == "parquet" and out is None:
+        _fail("error: --format parquet needs --out FILE")
+    try:
+        check_period(period)
+    except InputError as exc:
+        _fail(f"error: {exc}")
+    build, columns = {"usage": (reports.usage_report, reports.USAGE_COLUMNS),
+                      "margin": (reports.margin_report, reports.MARGIN_COLUMNS),
+                      "payouts": (reports.payout_report, reports.PAYOUT_COLUMNS)}[kind]
+    ledger = _ledger(db)
+    try:
+        with ledger.engine.connect() as conn:
+            rows = build(conn, ledger.catalog(refresh=True), period, app)
+    finally:
+        ledger.close()
+    total_rows = reports.totals(rows)
+    everything = rows + total_rows
+    title = f"kvroute {kind} report {period}" + (f" · app {app}" if app else "")
+    if fmt == "table" and out is None:
+        export.render_table(everything, reports.TABLE_COLUMNS[kind], title)
+        return
+    import contextlib
+
+    from rich.console import Console
+    from rich.progress import Progress
+    show = out is not None and sys.stderr.isatty() and len(everything) > 2000
+    progress = Progress(transient=True, console=Console(stderr=True)) if show else None
+    task = progress.add_task(f"writing {kind} report", total=len(everything)) if progress else None
+
+    def tick() -> None:
+        if progress is not None and task is not None:
+            progress.advance(task)
+
+    with progress if progress is not None else contextlib.nullcontext():
+        if fmt == "csv":
+            text = export.to_csv(everything, columns, tick=tick)
+        elif fmt == "json":
+            text = export.to_json(rows, columns, total_rows)
+        elif fmt == "parquet":
+            export.write_parquet(everything, columns, out)  # type: ignore[arg-type]
+            typer.echo(f"wrote {len(everything)} rows to {out}")
+            return
+        else:
+            import io
+            buf = io.StringIO()
+            export.render_table(everything, columns, title, file=buf, width=240)
+            text = buf.getvalue()
+    if out is None:
+        typer.echo(text, nl=False)
+    else:
+        out.write_text(text)
+        typer.echo(f"wrote {len(everything)} rows to {out}")
+
+
+def _report_command(kind: str, doc: str) -> None:
+    def command(period: str = typer.Option(..., "--period", help="YYYY-MM"),
+                app: str | None = typer.Option(None, "--app", help="Only this app."),
+                fmt: str = typer.Option("table", "--format", help="table | csv | json | parquet"),
+                out: Path | None = typer.Option(None, "--out", help="Write to a file instead of stdout."),
+                db: str | None = typer.Option(None, help=DB_HELP)) -> None:
+        _report(kind, period, app, fmt, out, db)
+    command.__doc__ = doc
+    report_app.command(kind)(command)
+
+
+_report_command("usage", "Requests and tokens per app × served model × provider × backend, with cache hit ratio.")
+_report_command("margin", "Provider cost, markup, billed, fees, margin and payout per app × model × provider.")
+_report_command("payouts", "Per-app payout: frozen at period close, provisional before.")

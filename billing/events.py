@@ -1,0 +1,227 @@
+"""``UsageEvent``: one upstream attempt, unrated, with a deterministic id; and its JSON form.
+
+JSON schema (one object per line in ``kvroute billing ingest`` files, and in the spool):
+
+=====================  ========  ==========================================================================
+field                  required  meaning
+=====================  ========  ==========================================================================
+request_id             yes       the request (LiteLLM call id); attempts of one request share it
+attempt                no        0-based attempt number (default 0)
+final                  no        this attempt answered the request (default true); only final attempts bill
+app_id                 yes       the app the request is billed to
+occurred_at            yes       RFC 3339 time with a UTC offset, e.g. ``2026-10-03T12:00:00Z``
+served_model           yes       the model that ran; ``requested_model`` (default: served_model)
+provider, backend_id   yes       who served it; ``route_kind``: ``marketplace|self_hosted|direct`` (default direct)
+status                 no        ``success|provider_failure|capacity|client_error|cancelled|zero_completion``
+usage                  yes*      buckets ``input_uncached, cache_read, cache_write_5m, cache_write_1h, output,
+                                 reasoning`` -- or ``raw_usage``: a provider usage object, normalised on ingest
+provider_cost          no        cost the provider reported (decimal string), e.g. OpenRouter ``usage.cost``
+litellm_cost           no        LiteLLM's cost for the attempt *before* LiteLLM's own margin
+currency               no        ISO-4217, default ``USD``
+end_user, api_key_hash no        attribution details (never prompt text)
+http_status, error_type, streamed, sticky_hit, fallback_depth, ttft_ms, duration_ms, router_attempts: optional
+event_id               no        if given, must equal the deterministic id (sha256 of app|request|attempt)
+=====================  ========  ==========================================================================
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from decimal import Decimal
+from typing import Any
+
+from kvroute.billing.money import check_currency, to_decimal
+from kvroute.billing.usage import TokenBuckets, normalize_usage
+from kvroute.policies.errors import InputError
+
+STATUSES = ("success", "provider_failure", "capacity", "client_error", "cancelled", "zero_completion")
+ROUTE_KINDS = ("marketplace", "self_hosted", "direct")
+
+
+def event_id_for(app_id: str, request_id: str, attempt: int | str) -> str:
+    """Deterministic event id: the first 32 hex digits of sha256(app|request|attempt)."""
+    return hashlib.sha256(f"{app_id}|{request_id}|{attempt}".encode()).hexdigest()[:32]
+
+
+def period_of(moment: datetime) -> str:
+    """The billing period (``YYYY-MM``, UTC) a moment falls in."""
+    utc = moment.astimezone(UTC)
+    return f"{utc.year:04d}-{utc.month:02d}"
+
+
+@dataclass(frozen=True, slots=True)
+class UsageEvent:
+    """One upstream attempt as metered (raw quantities and any reported cost); rating happens in the ledger."""
+
+    request_id: str
+    app_id: str
+    occurred_at: datetime
+    served_model: str
+    provider: str
+    backend_id: str
+    tokens: TokenBuckets
+    attempt: int = 0
+    is_final: bool = True
+    status: str = "success"
+    requested_model: str | None = None
+    route_kind: str = "direct"
+    end_user: str | None = None
+    api_key_hash: str | None = None
+    http_status: int | None = None
+    error_type: str | None = None
+    streamed: bool = False
+    sticky_hit: bool = False
+    fallback_depth: int = 0
+    ttft_ms: int | None = None
+    duration_ms: int | None = None
+    provider_cost: Decimal | None = None
+    litellm_cost: Decimal | None = None
+    currency: str = "USD"
+    raw_usage: dict[str, Any] | None = None
+    router_attempts: list[Any] | None = None
+    attempt_key: str | None = None
+    event_id: str = field(default="")
+
+    def __post_init__(self) -> None:
+        if self.occurred_at.tzinfo is None:
+            raise InputError("occurred_at", "must carry a UTC offset")
+        if self.status not in STATUSES:
+            raise InputError("status", f"must be one of {', '.join(STATUSES)}, got {self.status!r}")
+        if self.route_kind not in ROUTE_KINDS:
+            raise InputError("route_kind", f"must be one of {', '.join(ROUTE_KINDS)}, got {self.route_kind!r}")
+        for name in ("request_id", "app_id", "served_model", "provider", "backend_id"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise InputError(name, "must be a non-empty string")
+        if self.requested_model is None:
+            object.__setattr__(self, "requested_model", self.served_model)
+        expected = event_id_for(self.app_id, self.request_id,
+                                self.attempt if self.attempt_key is None else self.attempt_key)
+        if not self.event_id:
+            object.__setattr__(self, "event_id", expected)
+        elif self.event_id != expected:
+            raise InputError("event_id", f"does not match the deterministic id {expected} of app|request|attempt")
+
+    @property
+    def period(self) -> str:
+        return period_of(self.occurred_at)
+
+    def to_json(self) -> dict[str, Any]:
+        """The documented JSON form (money as decimal strings)."""
+        out: dict[str, Any] = {
+            "event_id": self.event_id, "request_id": self.request_id, "attempt": self.attempt,
+            "final": self.is_final, "app_id": self.app_id,
+            "occurred_at": self.occurred_at.astimezone(UTC).isoformat().replace("+00:00", "Z"),
+            "requested_model": self.requested_model, "served_model": self.served_model,
+            "provider": self.provider, "backend_id": self.backend_id, "route_kind": self.route_kind,
+            "status": self.status, "usage": self.tokens.as_dict(), "currency": self.currency,
+            "streamed": self.streamed, "sticky_hit": self.sticky_hit, "fallback_depth": self.fallback_depth,
+        }
+        for name in ("end_user", "api_key_hash", "http_status", "error_type", "ttft_ms", "duration_ms",
+                     "raw_usage", "router_attempts", "attempt_key"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        for name in ("provider_cost", "litellm_cost"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = str(value)
+        return out
+
+    def to_line(self) -> str:
+        return json.dumps(self.to_json(), separators=(",", ":"), sort_keys=True)
+
+
+_KNOWN = {"event_id", "request_id", "attempt", "final", "app_id", "occurred_at", "requested_model", "served_model",
+          "provider", "backend_id", "route_kind", "status", "usage", "raw_usage", "usage_provider", "currency",
+          "streamed", "sticky_hit", "fallback_depth", "end_user", "api_key_hash", "http_status", "error_type",
+          "ttft_ms", "duration_ms", "router_attempts", "provider_cost", "litellm_cost", "attempt_key"}
+
+
+def _str(data: Mapping[str, Any], key: str, required: bool = False) -> str | None:
+    value = data.get(key)
+    if value is None:
+        if required:
+            raise InputError(key, "is required")
+        return None
+    if not isinstance(value, str) or not value:
+        raise InputError(key, f"must be a non-empty string, got {value!r}")
+    return value
+
+
+def _optint(data: Mapping[str, Any], key: str, default: int | None = None) -> int | None:
+    value = data.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InputError(key, f"must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _bool(data: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = data.get(key, default)
+    if not isinstance(value, bool):
+        raise InputError(key, f"must be true or false, got {value!r}")
+    return value
+
+
+def parse_time(value: object, key: str = "occurred_at") -> datetime:
+    """Parse an RFC 3339 timestamp with an offset into an aware UTC datetime."""
+    if not isinstance(value, str):
+        raise InputError(key, f"must be an RFC 3339 string, got {value!r}")
+    try:
+        moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise InputError(key, f"not an RFC 3339 time: {value!r}") from None
+    if moment.tzinfo is None:
+        raise InputError(key, f"needs a UTC offset (e.g. 'Z'): {value!r}")
+    return moment.astimezone(UTC)
+
+
+def event_from_json(data: object) -> UsageEvent:
+    """Validate one JSON object of the documented schema; ``InputError.where`` names the bad field."""
+    if not isinstance(data, Mapping):
+        raise InputError("(line)", f"expected a JSON object, got {type(data).__name__}")
+    unknown = set(data) - _KNOWN
+    if unknown:
+        raise InputError(sorted(unknown)[0], "unknown field")
+    if "usage" in data and data["usage"] is not None:
+        if not isinstance(data["usage"], Mapping):
+            raise InputError("usage", "must be an object of token buckets")
+        tokens = TokenBuckets.from_dict(data["usage"])
+    elif isinstance(data.get("raw_usage"), Mapping):
+        tokens = normalize_usage(data["raw_usage"], _str(data, "usage_provider") or data.get("provider"))
+    else:
+        raise InputError("usage", "is required (token buckets) unless raw_usage is given")
+    currency = check_currency(data.get("currency", "USD"))
+    costs = {k: (None if data.get(k) is None else to_decimal(data[k], k)) for k in ("provider_cost", "litellm_cost")}
+    for key, value in costs.items():
+        if value is not None and value < 0:
+            raise InputError(key, f"must not be negative, got {value}")
+    attempts = data.get("router_attempts")
+    if attempts is not None and not isinstance(attempts, list):
+        raise InputError("router_attempts", "must be a list")
+    served = _str(data, "served_model", True)
+    return UsageEvent(
+        request_id=_str(data, "request_id", True), app_id=_str(data, "app_id", True),
+        occurred_at=parse_time(data.get("occurred_at")) if "occurred_at" in data else _missing("occurred_at"),
+        served_model=served, provider=_str(data, "provider", True), backend_id=_str(data, "backend_id", True),
+        tokens=tokens, attempt=_optint(data, "attempt", 0), is_final=_bool(data, "final", True),
+        status=data.get("status", "success"), requested_model=_str(data, "requested_model") or served,
+        route_kind=data.get("route_kind", "direct"), end_user=_str(data, "end_user"),
+        api_key_hash=_str(data, "api_key_hash"), http_status=_optint(data, "http_status"),
+        error_type=_str(data, "error_type"), streamed=_bool(data, "streamed", False),
+        sticky_hit=_bool(data, "sticky_hit", False), fallback_depth=_optint(data, "fallback_depth", 0),
+        ttft_ms=_optint(data, "ttft_ms"), duration_ms=_optint(data, "duration_ms"),
+        provider_cost=costs["provider_cost"], litellm_cost=costs["litellm_cost"], currency=currency,
+        raw_usage=dict(data["raw_usage"]) if isinstance(data.get("raw_usage"), Mapping) else None,
+        router_attempts=attempts, attempt_key=_str(data, "attempt_key"), event_id=_str(data, "event_id") or "",
+    )
+
+
+def _missing(key: str) -> datetime:
+    raise InputError(key, "is required")

@@ -1,0 +1,180 @@
+"""Rate cards (what a backend costs us) and price books (what an app pays), and rating one event.
+
+Formulas (research §8.3), all in ``Decimal`` at scale 1e-10, never rounded to cents here:
+``provider_cost`` = reported cost, else LiteLLM's cost before its margin, else Σ tokens × rate / 1e6 + per_request;
+``billed`` = clamp(cost + cost × markup + Σ tokens × surcharge / 1e6 + fee, min, max), or 0 for non-final attempts
+and zero completions unless the rule bills them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from decimal import Decimal
+from fnmatch import fnmatchcase
+
+from kvroute.billing.events import UsageEvent
+from kvroute.billing.money import MILLION, ZERO, fix
+from kvroute.billing.usage import TokenBuckets
+
+#: Surcharge buckets of a price rule and the token buckets each one applies to.
+SURCHARGE_BUCKETS = {"input": ("input_uncached",), "cache_read": ("cache_read",),
+                     "cache_write": ("cache_write_5m", "cache_write_1h"), "output": ("output",)}
+
+
+@dataclass(frozen=True, slots=True)
+class CostRate:
+    """A versioned rate card of one backend, per million tokens (self-hosted: amortised GPU cost)."""
+
+    backend_id: str
+    effective_from: datetime
+    currency: str = "USD"
+    input_per_mtok: Decimal = ZERO
+    cache_read_per_mtok: Decimal = ZERO
+    cache_write_5m_per_mtok: Decimal = ZERO
+    cache_write_1h_per_mtok: Decimal = ZERO
+    output_per_mtok: Decimal = ZERO
+    reasoning_per_mtok: Decimal | None = None
+    per_request: Decimal = ZERO
+    source: str = "manual"
+    cost_rate_id: int | None = None
+
+    def cost(self, t: TokenBuckets) -> Decimal:
+        """Σ tokens × rate / 1e6 + per-request cost; reasoning tokens use their own rate when set."""
+        output_rate = self.output_per_mtok
+        total = (t.input_uncached * self.input_per_mtok + t.cache_read * self.cache_read_per_mtok
+                 + t.cache_write_5m * self.cache_write_5m_per_mtok + t.cache_write_1h * self.cache_write_1h_per_mtok)
+        if self.reasoning_per_mtok is not None:
+            total += (t.output - t.reasoning) * output_rate + t.reasoning * self.reasoning_per_mtok
+        else:
+            total += t.output * output_rate
+        return total / MILLION + self.per_request
+
+
+@dataclass(frozen=True, slots=True)
+class PriceRule:
+    """One ordered rule of a price book; ``None`` matchers are wildcards, ``model`` may be a glob."""
+
+    name: str
+    priority: int
+    match_provider: str | None = None
+    match_model: str | None = None
+    match_backend: str | None = None
+    match_route_kind: str | None = None
+    markup_pct: Decimal | None = None
+    surcharge_per_mtok: dict[str, Decimal] = field(default_factory=dict)
+    fee_per_request: Decimal | None = None
+    min_per_request: Decimal | None = None
+    max_per_request: Decimal | None = None
+    bill_failed_attempts: bool = False
+    bill_zero_completion: bool = False
+    price_rule_id: int | None = None
+
+    def matches(self, e: UsageEvent) -> bool:
+        return ((self.match_provider is None or self.match_provider == e.provider)
+                and (self.match_model is None or fnmatchcase(e.served_model, self.match_model))
+                and (self.match_backend is None or self.match_backend == e.backend_id)
+                and (self.match_route_kind is None or self.match_route_kind == e.route_kind))
+
+    def describe(self) -> str:
+        """Human-readable terms, e.g. ``+20 % · +$0.50/Mtok input · $0.001/req``."""
+        parts = []
+        if self.markup_pct is not None:
+            parts.append(f"+{(self.markup_pct * 100).normalize():f} %")
+        for bucket, amount in self.surcharge_per_mtok.items():
+            parts.append(f"+{amount.normalize():f}/Mtok {bucket}")
+        if self.fee_per_request is not None:
+            parts.append(f"{self.fee_per_request.normalize():f}/req")
+        if self.min_per_request is not None:
+            parts.append(f"min {self.min_per_request.normalize():f}")
+        if self.max_per_request is not None:
+            parts.append(f"max {self.max_per_request.normalize():f}")
+        return f"{self.name}: " + (" · ".join(parts) if parts else "at cost")
+
+
+@dataclass(frozen=True, slots=True)
+class PriceBook:
+    """A versioned set of ordered rules for one app (``app_id=None``: the default book)."""
+
+    app_id: str | None
+    version: int
+    effective_from: datetime
+    currency: str = "USD"
+    rules: tuple[PriceRule, ...] = ()
+    platform_fee_pct: Decimal = ZERO
+    payment_fee_pct: Decimal = ZERO
+    price_book_id: int | None = None
+
+    def rule_for(self, e: UsageEvent) -> PriceRule | None:
+        for rule in self.rules:  # kept sorted by priority
+            if rule.matches(e):
+                return rule
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class Rating:
+    """The money of one rated event (scale 1e-10)."""
+
+    provider_cost: Decimal
+    cost_source: str
+    provider_cost_computed: Decimal | None
+    markup_amount: Decimal
+    surcharge_amount: Decimal
+    fee_amount: Decimal
+    billed_amount: Decimal
+    absorbed_cost: Decimal
+    currency: str
+    cost_rate_id: int | None = None
+    price_book_id: int | None = None
+    price_book_version: int | None = None
+    price_rule_id: int | None = None
+
+
+def rate_event(e: UsageEvent, cost_rate: CostRate | None, book: PriceBook | None) -> Rating:
+    """Rate one event against a rate card and a price book (either may be missing: cost 0 / billed at cost)."""
+    computed = fix(cost_rate.cost(e.tokens)) if cost_rate is not None else None
+    if e.provider_cost is not None:
+        cost, source = fix(e.provider_cost), "provider_reported"
+    elif e.litellm_cost is not None:
+        cost, source = fix(e.litellm_cost), "litellm"
+    elif computed is not None:
+        cost, source = computed, cost_rate.source if cost_rate.source != "manual" else "rate_card"
+    else:
+        cost, source = ZERO, "unknown"
+    rule = book.rule_for(e) if book is not None else None
+    markup = surcharge = fee = ZERO
+    if rule is not None:
+        if rule.markup_pct is not None:
+            markup = fix(cost * rule.markup_pct)
+        if rule.surcharge_per_mtok:
+            t = e.tokens
+            total = sum((sum(getattr(t, b) for b in SURCHARGE_BUCKETS[k]) * amount
+                         for k, amount in rule.surcharge_per_mtok.items()), ZERO)
+            surcharge = fix(total / MILLION)
+        if rule.fee_per_request is not None:
+            fee = rule.fee_per_request
+    billed = cost + markup + surcharge + fee
+    if rule is not None:
+        if rule.min_per_request is not None and billed < rule.min_per_request:
+            billed = rule.min_per_request
+        if rule.max_per_request is not None and billed > rule.max_per_request:
+            billed = rule.max_per_request
+    if e.is_final and e.status == "success":
+        bill_it = True
+    elif e.is_final and e.status == "zero_completion":
+        bill_it = rule is not None and rule.bill_zero_completion
+    else:  # a failed or superseded attempt
+        bill_it = rule is not None and rule.bill_failed_attempts
+    if not bill_it:
+        billed = ZERO
+    if billed == ZERO:
+        markup = surcharge = fee = ZERO
+    else:  # what the app pays beyond cost is split into markup/surcharge/fee; clamp differences land on markup
+        markup = billed - cost - surcharge - fee
+    absorbed = cost if billed == ZERO else ZERO
+    return Rating(fix(cost), source, computed, fix(markup), surcharge, fix(fee), fix(billed), fix(absorbed),
+                  book.currency if book is not None else e.currency,
+                  cost_rate.cost_rate_id if cost_rate is not None else None,
+                  book.price_book_id if book is not None else None, book.version if book is not None else None,
+                  rule.price_rule_id if rule is not None else None)

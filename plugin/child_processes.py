@@ -1,0 +1,159 @@
+"""Child processes that never outlive their parent: spawn with logs to a file, stop by process group, clean up on
+exit, SIGTERM/SIGHUP and parent death. Used by the engine fleet, the proxy runner and the demo.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+
+from kvroute.policies.errors import KvrouteError
+
+_LIVE: set[subprocess.Popen] = set()
+_LOCK = threading.Lock()
+
+
+class ChildStartError(KvrouteError):
+    """A child did not start or become ready; the message carries the tail of its log."""
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(Exception):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def spawn(cmd: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None,
+          cwd: str | Path | None = None) -> subprocess.Popen:
+    """Start ``cmd`` in its own session with stdout+stderr appended to ``log_path``; it gets SIGTERM if we die."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(list(cmd), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                env=dict(env) if env is not None else None, cwd=cwd, start_new_session=True,
+                                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+    with _LOCK:
+        _LIVE.add(proc)
+    return proc
+
+
+def terminate(proc: subprocess.Popen, timeout: float = 5.0) -> int | None:
+    """SIGTERM the child's process group, SIGKILL it after ``timeout`` s; return the exit code."""
+    try:
+        if proc.poll() is None:
+            _signal_group(proc, signal.SIGTERM)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                _signal_group(proc, signal.SIGKILL)
+                proc.wait(5)
+        _signal_group(proc, signal.SIGKILL)  # stragglers left in the group
+        return proc.returncode
+    finally:
+        with _LOCK:
+            _LIVE.discard(proc)
+
+
+def kill(proc: subprocess.Popen) -> None:
+    """SIGKILL the child's group at once (a crash, for failover tests) and reap it."""
+    _signal_group(proc, signal.SIGKILL)
+    with contextlib.suppress(Exception):
+        proc.wait(5)
+    with _LOCK:
+        _LIVE.discard(proc)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+    with contextlib.suppress(ProcessLookupError, PermissionError, OSError):
+        if proc.poll() is None:
+            proc.send_signal(sig)
+
+
+def live_children() -> list[int]:
+    """PIDs of the children started here and not yet stopped."""
+    with _LOCK:
+        return [p.pid for p in _LIVE if p.poll() is None]
+
+
+def terminate_many(procs: list[subprocess.Popen], timeout: float = 5.0) -> None:
+    """Stop several children in parallel: SIGTERM all, wait up to ``timeout`` s in total, SIGKILL the rest."""
+    for proc in procs:
+        if proc.poll() is None:
+            _signal_group(proc, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        with contextlib.suppress(Exception):
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        with contextlib.suppress(Exception):
+            terminate(proc, 0.5)
+
+
+def terminate_all(timeout: float = 5.0) -> None:
+    """Stop every child still alive (atexit and signal handlers call this)."""
+    with _LOCK:
+        procs = list(_LIVE)
+    terminate_many(procs, timeout)
+
+
+atexit.register(terminate_all)
+
+
+@contextlib.contextmanager
+def exit_on_signals() -> Iterator[None]:
+    """Turn SIGTERM/SIGHUP into ``SystemExit`` while inside, so ``finally`` blocks stop the children.
+
+    Only acts in the main thread and only where the default action (die without cleanup) is installed.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous: dict[int, object] = {}
+
+    def handler(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) in (signal.SIG_DFL, None):
+            previous[sig] = signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            with contextlib.suppress(Exception):
+                signal.signal(sig, old)
+
+
+def write_ready_file(path: str | Path, port: int, name: str) -> None:
+    """Atomically publish ``{"port", "pid", "name"}`` so a parent knows the server is listening."""
+    target = Path(path)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(json.dumps({"port": port, "pid": os.getpid(), "name": name}))
+    tmp.replace(target)
+
+
+def read_ready_file(path: Path) -> dict | None:
+    """The ready record, or None while the child has not written it."""
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def log_tail(path: Path, lines: int = 30) -> str:
+    """The last ``lines`` lines of a child's log (for error messages)."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as exc:
+        return f"(log {path} unreadable: {exc.strerror or exc}; was its directory removed?)"

@@ -1,0 +1,416 @@
+"""An OpenAI-compatible fake replica with a real prefix-cache model and fault injection, for tests and the demo.
+
+Serves ``/v1/chat/completions`` and ``/v1/completions`` (JSON and SSE), ``/v1/models``, ``/health``, ``/metrics``
+(vLLM- or llama.cpp-style names), ``POST/DELETE /admin/fault``, ``GET /admin/stats`` and ``POST /admin/reset``.
+Prefill takes time in proportion to the *uncached* prompt tokens, so TTFT shows cache reuse. Prompt text is never
+logged or exposed. Run it with ``python -m kvroute.plugin.fake_engine --port 0 --capacity-tokens 8192``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+
+import xxhash
+
+from kvroute.plugin.child_processes import write_ready_file
+from kvroute.plugin.fake_cache import BYTES_PER_TOKEN, PrefixCache, token_count
+from kvroute.plugin.fake_faults import FaultPlan
+from kvroute.plugin.fake_http import ConnectionDropped, Exchange, Request, start_server
+from kvroute.policies.errors import ConfigError
+
+log = logging.getLogger("kvroute.fake_engine")
+
+_REDACTED_HEADERS = {"authorization", "api-key", "x-api-key", "cookie"}
+_WORDS = [w.ljust(BYTES_PER_TOKEN)[:BYTES_PER_TOKEN] for w in
+          ("the ", "kv ", "of ", "a ", "is ", "to ", "and ", "on ", "in ", "it ", "we ", "at ", "so ", "by ")]
+
+
+@dataclass(frozen=True)
+class FakeEngineConfig:
+    """Knobs of one fake replica; times are seconds, speeds tokens per second."""
+
+    name: str = "fake-0"
+    model: str = "fake-model"
+    capacity_tokens: int = 16384
+    block_tokens: int = 16
+    prefill_tokens_per_s: float = 20000.0
+    decode_s_per_token: float = 0.002
+    slots: int = 4
+    default_max_tokens: int = 16
+    metrics_style: str = "vllm"
+
+    def __post_init__(self) -> None:
+        if self.capacity_tokens < 0:
+            raise ConfigError("capacity_tokens", "must be >= 0")
+        if self.block_tokens <= 0:
+            raise ConfigError("block_tokens", "must be > 0")
+        if self.prefill_tokens_per_s <= 0:
+            raise ConfigError("prefill_tokens_per_s", "must be > 0")
+        if self.decode_s_per_token < 0:
+            raise ConfigError("decode_s_per_token", "must be >= 0")
+        if self.slots <= 0:
+            raise ConfigError("slots", "must be > 0")
+        if self.metrics_style not in ("vllm", "llamacpp"):
+            raise ConfigError("metrics_style", "must be 'vllm' or 'llamacpp'")
+
+
+@dataclass
+class EngineStats:
+    """Counters exposed by ``/admin/stats`` and ``/metrics``; holds header values and body keys, never text."""
+
+    requests: int = 0
+    completions: int = 0
+    succeeded: int = 0
+    faults: dict[str, int] = field(default_factory=dict)
+    cancelled: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    prefill_seconds: float = 0.0
+    last_request: dict = field(default_factory=dict)
+
+
+class BadRequest(ValueError):
+    """A request the OpenAI API would answer with 400."""
+
+
+def render_chat(messages: object) -> str:
+    """The prompt text a chat request becomes: ``<|role|>\\ncontent\\n`` per message, then the assistant tag."""
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty list")
+    parts = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or "role" not in message:
+            raise BadRequest(f"messages[{i}] must be an object with a role")
+        content = message.get("content") or ""
+        if isinstance(content, list):
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        parts.append(f"<|{message['role']}|>\n{content}\n")
+    return "".join(parts) + "<|assistant|>\n"
+
+
+def _prompt_text(prompt: object) -> str:
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise BadRequest("prompt must be a string")
+    return prompt
+
+
+def generate_text(prompt: str, n_tokens: int) -> str:
+    """Deterministic output of exactly ``n_tokens`` fake tokens, chosen by a hash of the prompt."""
+    seed = xxhash.xxh3_64_intdigest(prompt.encode("utf-8"))
+    return "".join(_WORDS[((seed >> (i % 56)) ^ i) % len(_WORDS)] for i in range(n_tokens))
+
+
+class FakeEngine:
+    """The replica's state and request handling, independent of the socket layer."""
+
+    def __init__(self, config: FakeEngineConfig) -> None:
+        self.config = config
+        self.cache = PrefixCache(config.capacity_tokens, config.block_tokens)
+        self.fault = FaultPlan()
+        self.stats = EngineStats()
+        self._slots = asyncio.Semaphore(config.slots)
+        self.running = 0
+        self.waiting = 0
+        self.started_at = time.time()
+
+    # ------------------------------------------------------------------ routing
+    async def handle(self, request: Request, ex: Exchange) -> None:
+        self.stats.requests += 1
+        route = (request.method, request.path.rstrip("/") or "/")
+        if route in (("POST", "/v1/chat/completions"), ("POST", "/chat/completions")):
+            await self._completion(request, ex, chat=True)
+        elif route in (("POST", "/v1/completions"), ("POST", "/completions")):
+            await self._completion(request, ex, chat=False)
+        elif route in (("GET", "/health"), ("GET", "/health/readiness")):
+            await ex.send_json(200, {"status": "ok", "name": self.config.name})
+        elif route in (("GET", "/v1/models"), ("GET", "/models")):
+            await ex.send_json(200, {"object": "list", "data": [
+                {"id": self.config.model, "object": "model", "created": int(self.started_at),
+                 "owned_by": "kvroute-fake"}]})
+        elif route == ("GET", "/metrics"):
+            await ex.send(200, self.metrics_text().encode(), {"content-type": "text/plain; version=0.0.4"})
+        elif route == ("POST", "/admin/fault"):
+            await self._set_fault(request, ex)
+        elif route == ("DELETE", "/admin/fault"):
+            self.fault = FaultPlan()
+            await ex.send_json(200, {"fault": None})
+        elif route == ("GET", "/admin/stats"):
+            await ex.send_json(200, self.stats_view())
+        elif route == ("POST", "/admin/reset"):
+            self.cache.clear()
+            self.stats = EngineStats()
+            await ex.send_json(200, {"reset": True})
+        else:
+            await ex.send_json(404, {"error": {"message": f"no route {request.method} {request.path}"}})
+
+    async def _set_fault(self, request: Request, ex: Exchange) -> None:
+        try:
+            self.fault = FaultPlan.parse(request.json())
+        except (ValueError, ConfigError) as exc:
+            await ex.send_json(400, {"error": {"message": str(exc)}})
+            return
+        await ex.send_json(200, {"fault": asdict(self.fault)})
+
+    def stats_view(self) -> dict:
+        view = asdict(self.stats)
+        view.update(name=self.config.name, running=self.running, waiting=self.waiting,
+                    cache_used_tokens=self.cache.used_tokens, cache_capacity_tokens=self.cache.capacity_tokens,
+                    cache_evicted_blocks=self.cache.evicted_blocks, fault=asdict(self.fault))
+        return view
+
+    # ------------------------------------------------------------------ completions
+    async def _completion(self, request: Request, ex: Exchange, chat: bool) -> None:
+        self.stats.completions += 1
+        try:
+            body = request.json()
+            if not isinstance(body, dict):
+                raise BadRequest("body must be a JSON object")
+            prompt = render_chat(body.get("messages")) if chat else _prompt_text(body.get("prompt"))
+            max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or self.config.default_max_tokens
+            if not isinstance(max_tokens, int) or max_tokens <= 0:
+                raise BadRequest("max_tokens must be a positive integer")
+        except (ValueError, BadRequest) as exc:
+            await ex.send_json(400, {"error": {"message": str(exc), "type": "invalid_request_error"}})
+            return
+        headers = {k: ("<redacted>" if k in _REDACTED_HEADERS else v) for k, v in request.headers.items()}
+        self.stats.last_request = {"path": request.path, "headers": headers, "body_keys": sorted(body)}
+        fault = self.fault.take()
+        mode = fault.mode if fault else None
+        if fault is not None:
+            self.stats.faults[mode] = self.stats.faults.get(mode, 0) + 1
+        if mode == "drop":
+            ex.abort()
+            return
+        if mode == "500":
+            await ex.send_json(500, {"error": {"message": "injected fault: internal server error",
+                                               "type": "server_error", "code": 500}})
+            return
+        if mode == "429":
+            await ex.send_json(429, {"error": {"message": "injected fault: rate limited", "type": "rate_limit_error",
+                                               "code": 429}},
+                               {"retry-after": f"{fault.retry_after_s:g}"})
+            return
+        self.waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self.waiting -= 1
+        self.running += 1
+        try:
+            await self._run(body, prompt, max_tokens, chat, fault, ex)
+        except (asyncio.CancelledError, ConnectionDropped):  # the client went away mid-request
+            self.stats.cancelled += 1
+            raise
+        finally:
+            self.running -= 1
+            self._slots.release()
+
+    async def _run(self, body: dict, prompt: str, max_tokens: int, chat: bool, fault: FaultPlan | None,
+                   ex: Exchange) -> None:
+        cfg = self.config
+        prompt_tokens = token_count(prompt)
+        cached = self.cache.lookup(prompt)
+        output = generate_text(prompt, max_tokens)
+        self.cache.insert(prompt + output)
+        prefill_s = (prompt_tokens - cached) / cfg.prefill_tokens_per_s
+        self.stats.prompt_tokens += prompt_tokens
+        self.stats.cached_tokens += cached
+        self.stats.prefill_seconds += prefill_s
+        mode = fault.mode if fault else None
+        log.info("%s prompt_tokens=%d cached_tokens=%d max_tokens=%d fault=%s",
+                 "chat" if chat else "completion", prompt_tokens, cached, max_tokens, mode)
+        await asyncio.sleep(prefill_s)
+        if fault is not None and mode == "slow_first_token":
+            await asyncio.sleep(fault.delay_s)
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": max_tokens,
+                 "total_tokens": prompt_tokens + max_tokens,
+                 "prompt_tokens_details": {"cached_tokens": cached}}
+        extra: dict = {}
+        if cfg.metrics_style == "llamacpp":  # llama.cpp also reports its cache hit in ``timings``
+            extra["timings"] = {"cache_n": cached, "prompt_n": prompt_tokens - cached,
+                                "prompt_ms": round(prefill_s * 1000, 3), "predicted_n": max_tokens}
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        model = str(body.get("model") or cfg.model)
+        pieces = [output[i:i + BYTES_PER_TOKEN] for i in range(0, len(output), BYTES_PER_TOKEN)]
+        if body.get("stream"):
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            if not await self._stream(ex, rid, model, chat, pieces, usage if include_usage else None, fault, extra):
+                return
+        else:
+            await asyncio.sleep(cfg.decode_s_per_token * max_tokens)
+            if mode == "cut":
+                await ex.start(200, {"content-type": "application/json"}, length=4096)
+                await ex.chunk(b'{"id": "' + rid.encode() + b'", "choices": [')
+                ex.abort()
+                return
+            if chat:
+                choice = {"index": 0, "message": {"role": "assistant", "content": output}, "finish_reason": "length",
+                          "logprobs": None}
+            else:
+                choice = {"index": 0, "text": output, "finish_reason": "length", "logprobs": None}
+            await ex.send_json(200, {"id": rid, "object": "chat.completion" if chat else "text_completion",
+                                     "created": int(time.time()), "model": model, "system_fingerprint": cfg.name,
+                                     "choices": [choice], "usage": usage, **extra})
+        self.stats.succeeded += 1
+        self.stats.completion_tokens += max_tokens
+
+    async def _stream(self, ex: Exchange, rid: str, model: str, chat: bool, pieces: list[str], usage: dict | None,
+                      fault: FaultPlan | None, extra: dict) -> bool:
+        """Send the SSE stream; False when a ``cut`` fault ended it early."""
+        created = int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def event(choices: list, **fields: object) -> bytes:
+            payload = {"id": rid, "object": obj, "created": created, "model": model,
+                       "system_fingerprint": self.config.name, "choices": choices, **fields}
+            return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+        def choice(text: str | None, finish: str | None, first: bool = False) -> dict:
+            if chat:
+                delta: dict = {"role": "assistant", "content": ""} if first else {}
+                if text is not None:
+                    delta["content"] = text
+                return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+
+        await ex.start(200, {"content-type": "text/event-stream", "cache-control": "no-cache"})
+        sent = 0
+        if chat:
+            await ex.chunk(event([choice(None, None, first=True)]))
+            sent += 1
+        for i, piece in enumerate(pieces):
+            if fault is not None and fault.mode == "cut" and sent >= fault.cut_after_chunks:
+                ex.abort()
+                return False
+            if i:
+                await asyncio.sleep(self.config.decode_s_per_token)
+            await ex.chunk(event([choice(piece, None)]))
+            sent += 1
+        if fault is not None and fault.mode == "cut":
+            ex.abort()
+            return False
+        await ex.chunk(event([choice(None if chat else "", "length")]))
+        if usage is not None:
+            await ex.chunk(event([], usage=usage, **extra))
+        await ex.chunk(b"data: [DONE]\n\n")
+        await ex.end()
+        return True
+
+    # ------------------------------------------------------------------ metrics
+    def metrics_text(self) -> str:
+        """Prometheus exposition of queue depth, running, KV usage and prefix-cache counters."""
+        s, c, m = self.stats, self.cache, self.config.model
+        if self.config.metrics_style == "llamacpp":
+            rows = [("llamacpp:requests_processing", "gauge", self.running),
+                    ("llamacpp:requests_deferred", "gauge", self.waiting),
+                    ("llamacpp:kv_cache_usage_ratio", "gauge", c.usage),
+                    ("llamacpp:kv_cache_tokens", "gauge", c.used_tokens),
+                    ("llamacpp:n_tokens_max", "gauge", c.capacity_tokens),
+                    ("llamacpp:prompt_tokens_total", "counter", s.prompt_tokens - s.cached_tokens),
+                    ("llamacpp:prompt_tokens_cached_total", "counter", s.cached_tokens),
+                    ("llamacpp:prompt_seconds_total", "counter", s.prefill_seconds),
+                    ("llamacpp:tokens_predicted_total", "counter", s.completion_tokens)]
+            label = ""
+        else:
+            rows = [("vllm:num_requests_running", "gauge", self.running),
+                    ("vllm:num_requests_waiting", "gauge", self.waiting),
+                    ("vllm:kv_cache_usage_perc", "gauge", c.usage),
+                    ("vllm:prefix_cache_queries_total", "counter", c.query_tokens),
+                    ("vllm:prefix_cache_hits_total", "counter", c.hit_tokens),
+                    ("vllm:prompt_tokens_total", "counter", s.prompt_tokens),
+                    ("vllm:prompt_tokens_cached_total", "counter", s.cached_tokens),
+                    ("vllm:generation_tokens_total", "counter", s.completion_tokens),
+                    ("vllm:request_success_total", "counter", s.succeeded)]
+            label = '{model_name="' + m.replace('"', '') + '"}'
+        lines = []
+        for name, kind, value in rows:
+            lines.append(f"# TYPE {name} {kind}")
+            lines.append(f"{name}{label} {float(value)!r}")
+        return "\n".join(lines) + "\n"
+
+
+class FakeEngineServer:
+    """A running fake replica on 127.0.0.1 inside the current event loop: ``async with FakeEngineServer(cfg)``."""
+
+    def __init__(self, config: FakeEngineConfig | None = None, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.engine = FakeEngine(config or FakeEngineConfig())
+        self.host = host
+        self.port = port
+        self._server: asyncio.Server | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def start(self) -> FakeEngineServer:
+        self._server = await start_server(self.engine.handle, self.host, self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 2)
+            self._server = None
+
+    async def __aenter__(self) -> FakeEngineServer:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+async def _main(args: argparse.Namespace) -> None:
+    config = FakeEngineConfig(name=args.name, model=args.model, capacity_tokens=args.capacity_tokens,
+                              block_tokens=args.block_tokens, prefill_tokens_per_s=args.prefill_tps,
+                              decode_s_per_token=args.decode_ms / 1000.0, slots=args.slots,
+                              metrics_style=args.metrics_style)
+    server = await FakeEngineServer(config, args.host, args.port).start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("fake engine %s listening on %s", config.name, server.base_url)
+    print(f"listening on {server.base_url}", flush=True)
+    if args.ready_file:
+        write_ready_file(args.ready_file, server.port, config.name)
+    await stop.wait()
+    await server.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m kvroute.plugin.fake_engine", description=__doc__.splitlines()[0])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0 = a free port (see --ready-file)")
+    p.add_argument("--name", default="fake-0")
+    p.add_argument("--model", default="fake-model")
+    p.add_argument("--capacity-tokens", type=int, default=16384)
+    p.add_argument("--block-tokens", type=int, default=16)
+    p.add_argument("--prefill-tps", type=float, default=20000.0, help="simulated prefill speed, tokens/s")
+    p.add_argument("--decode-ms", type=float, default=2.0, help="simulated decode time per output token")
+    p.add_argument("--slots", type=int, default=4, help="concurrent requests; others queue")
+    p.add_argument("--metrics-style", choices=("vllm", "llamacpp"), default="vllm")
+    p.add_argument("--ready-file", default=None, help="write {port, pid, name} here once listening")
+    p.add_argument("--log-level", default="INFO")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        asyncio.run(_main(args))
+    except ConfigError as exc:
+        p.error(str(exc))
+
+
+if __name__ == "__main__":
+    main()

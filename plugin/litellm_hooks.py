@@ -1,0 +1,772 @@
+"""The LiteLLM callback: pins each request to the policy's pick and feeds outcomes back (proxy and SDK alike).
+
+Request flow (verified on LiteLLM 1.110.2): ``async_filter_deployments`` (pick; one call per attempt) →
+``async_pre_call_deployment_hook`` (the deployment really used) → ``async_log_success_event`` or
+``async_post_call_failure_deployment_hook`` (per attempt) + ``async_log_failure_event`` (request level).
+Attempts are linked through a routing id written into the request's metadata dict (shared by every hook)
+and, as a backup, LiteLLM's ``litellm_trace_id``. Every hook catches its own errors and counts them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+import tempfile
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from litellm.integrations.custom_logger import CustomLogger
+
+from kvroute.plugin.deployments import Backend, Deployments, litellm_cost_map
+from kvroute.plugin.metrics import Metrics
+from kvroute.plugin.rules import RuleBook, request_tags
+from kvroute.plugin.settings import KvrouteSettings, load_settings, read_model_list
+from kvroute.plugin.signals import HealthAdapter, breaker_config, cached_tokens_of, classify_failure, ttft_of
+from kvroute.policies import FingerprintConfig, PrefixIndexConfig, Router, RouterConfig
+from kvroute.policies.registry import policy_names
+
+log = logging.getLogger("kvroute.plugin")
+
+RID_KEY = "kvroute_rid"
+ATTEMPT_KEY = "kvroute_attempt"
+CACHE_KEY_PROVIDERS = {"openai", "openai_compatible", "marketplace", "azure", "deepseek"}
+MAX_TICKETS = 100_000
+
+
+@dataclass(slots=True)
+class Ticket:
+    """What the plugin remembers about one routed attempt until its outcome arrives."""
+
+    rid: str
+    group: str
+    router: Router
+    backend: str | None
+    app: str | None
+    predicted_tokens: int
+    prompt_tokens: int
+    cache_key: str | None
+    started: float
+    first_token: bool = False
+    outcome: str | None = None
+    request: Any = None
+    policy: Any = None
+
+
+def _metadata(kwargs: Mapping[str, Any], create: bool = False) -> dict[str, Any] | None:
+    """The request's metadata dict (the same object reaches every hook of the request)."""
+    for name in ("metadata", "litellm_metadata"):
+        meta = kwargs.get(name)
+        if isinstance(meta, dict):
+            return meta
+    params = kwargs.get("litellm_params")
+    if isinstance(params, Mapping) and isinstance(params.get("metadata"), dict):
+        return params["metadata"]
+    if create and isinstance(kwargs, dict):
+        meta = kwargs["metadata"] = {}
+        return meta
+    return None
+
+
+def _deployment_id(kwargs: Mapping[str, Any]) -> str | None:
+    info = kwargs.get("model_info")
+    if isinstance(info, Mapping) and info.get("id"):
+        return str(info["id"])
+    slo = kwargs.get("standard_logging_object")
+    if isinstance(slo, Mapping) and slo.get("model_id"):
+        return str(slo["model_id"])
+    params = kwargs.get("litellm_params")
+    if isinstance(params, Mapping):
+        info = params.get("model_info")
+        if isinstance(info, Mapping) and info.get("id"):
+            return str(info["id"])
+    meta = _metadata(kwargs)
+    if meta and isinstance(meta.get("model_info"), Mapping) and meta["model_info"].get("id"):
+        return str(meta["model_info"]["id"])
+    return None
+
+
+class KvrouteCallback(CustomLogger):
+    """KV-cache-aware routing, health filtering, metrics and billing hooks for LiteLLM (proxy and SDK)."""
+
+    def __init__(self, settings: KvrouteSettings | None = None, *, metrics: Metrics | None = None,
+                 clock: Callable[[], float] = time.monotonic, proxy_config: str | None = None,
+                 health: HealthAdapter | None = None, mount: bool = True) -> None:
+        super().__init__()
+        self._settings = settings
+        self._proxy_config = proxy_config
+        self._metrics = metrics
+        self.clock = clock
+        self._health = health
+        self._mount = mount
+        self._ready = False
+        self.routers: dict[str, Router] = {}
+        self.fleet = Deployments(litellm_cost_map, group_kind=self._group_kind)
+        self.rules = RuleBook()
+        self.tickets: OrderedDict[str, Ticket] = OrderedDict()
+        self._by_trace: OrderedDict[str, str] = OrderedDict()
+        self._failed: OrderedDict[str, list[str]] = OrderedDict()
+        self._attached: dict[int, int] = {}
+        self.precise: dict[str, Any] = {}
+        self._last_expire = clock()
+        self.recorder: Any = None
+        self._event_from_callback: Callable[..., Any] | None = None
+        self._shared: Any = None
+        self.mounted: list[str] = []
+
+    # --- lazy set-up (the proxy imports the module before its config and router exist) -----------
+    @property
+    def settings(self) -> KvrouteSettings:
+        self._setup()
+        assert self._settings is not None
+        return self._settings
+
+    @property
+    def metrics(self) -> Metrics:
+        if self._metrics is None:
+            self._setup()
+        assert self._metrics is not None
+        return self._metrics
+
+    @property
+    def health(self) -> HealthAdapter:
+        self._setup()
+        assert self._health is not None
+        return self._health
+
+    def _setup(self) -> None:
+        """Load settings and start side services once; a bad config raises ``ConfigError`` (and retries later)."""
+        if self._ready:
+            return
+        self._ready = True
+        try:
+            self._build()
+        except BaseException:
+            self._ready = False
+            raise
+
+    def _build(self) -> None:
+        if self._settings is None:
+            self._settings = load_settings(self._proxy_config or _proxy_config_path())
+        s = self._settings
+        if self._metrics is None:
+            from prometheus_client import REGISTRY
+
+            self._metrics = Metrics(REGISTRY, max_app_labels=s.max_app_labels)
+        if self._health is None:
+            self._health = HealthAdapter.build(self._metrics, breaker_config(s.breaker),
+                                               redis=self._shared_state())
+        self.rules = RuleBook.from_settings(s.rules)
+        if s.metrics_port is not None:
+            try:
+                self._metrics.serve(s.metrics_port, s.metrics_host)
+            except OSError as exc:
+                log.warning("kvroute: cannot serve metrics on port %s: %s", s.metrics_port, exc)
+        if s.billing_enabled:
+            self._start_billing(s)
+        if self._mount:
+            self._mount_on_proxy()
+        self._learn_proxy_model_list()
+
+    def _learn_proxy_model_list(self) -> None:
+        """Classify the proxy's ``model_list`` up front so status shows every backend before traffic."""
+        path = self._proxy_config or _proxy_config_path()
+        if not path:
+            return
+        try:
+            entries = read_model_list(path)
+        except Exception:
+            return
+        for i, entry in enumerate(entries):
+            if not isinstance(entry, Mapping) or not (entry.get("model_info") or {}).get("id"):
+                continue  # LiteLLM assigns an id itself; the backend is learned on its first request
+            try:
+                self.fleet.add_model_list([entry])
+            except Exception as exc:  # e.g. os.environ/ references resolved only by LiteLLM
+                log.warning("kvroute: model_list.%d not classified at startup: %s", i, exc)
+        for group, backends in self.fleet.groups().items():
+            self.router_for(group, backends)
+
+    def _shared_state(self) -> Any:
+        s = self._settings
+        if s is None or not s.redis_url:
+            return None
+        try:
+            from kvroute.plugin import shared_state  # written by the resilience engineer
+        except ImportError:
+            log.warning("kvroute: KVROUTE_REDIS_URL set but kvroute.plugin.shared_state is not available")
+            return None
+        try:
+            self._shared = shared_state.connect(s.redis_url,
+                                                shared_state.SharedStateConfig(namespace=s.redis_namespace))
+        except Exception as exc:
+            log.warning("kvroute: redis shared state unavailable (%s); routing on local state", exc)
+            self._shared = None
+        return self._shared
+
+    def _start_billing(self, s: KvrouteSettings) -> None:
+        try:
+            from kvroute.billing.litellm_events import event_from_callback
+            from kvroute.billing.recorder import UsageRecorder
+        except ImportError as exc:
+            log.warning("kvroute: billing enabled but unavailable: %s", exc)
+            return
+        if not s.billing_db:
+            log.warning("kvroute: billing enabled but KVROUTE_BILLING_DB is not set")
+            return
+        spool = s.billing_spool or Path(tempfile.gettempdir()) / "kvroute-usage-spool"
+        try:
+            recorder = UsageRecorder(s.billing_db, spool).start()
+        except Exception as exc:
+            log.warning("kvroute: billing recorder failed to start: %s", exc)
+            self.metrics.error("billing_start")
+            return
+        self.recorder = recorder
+        self._event_from_callback = event_from_callback
+
+    def _mount_on_proxy(self) -> None:
+        """Add ``GET <status_path>`` and ``<status_path>/metrics`` to the running proxy app (if any)."""
+        proxy = sys.modules.get("litellm.proxy.proxy_server")
+        app = getattr(proxy, "app", None) if proxy else None
+        if app is None:
+            return
+        try:
+            from kvroute.plugin.status import mount_routes
+
+            self.mounted = mount_routes(app, self, self.settings.status_path)
+        except Exception as exc:
+            log.warning("kvroute: could not mount status routes: %s", exc)
+
+    def _group_kind(self, group: str) -> str:
+        s = self._settings
+        return s.group(group).kind if s is not None else "auto"
+
+    # --- routers -----------------------------------------------------------------------------------
+    def router_for(self, group: str, backends: Sequence[Backend]) -> Router:
+        """One ``kvroute.policies.Router`` per model group, built on first use."""
+        router = self.routers.get(group)
+        if router is not None:
+            return router
+        s = self.settings
+        gs = s.group(group)
+        hosted = bool(backends) and not any(b.self_hosted for b in backends)
+        block_tokens = s.block_bytes / 4.0
+        index_config = PrefixIndexConfig(capacity_tokens=s.kv_capacity_tokens, block_tokens=block_tokens,
+                                          ttl_s=s.index_ttl_s if not hosted else (s.index_ttl_s or 600.0))
+        index: Any = None
+        load = None
+        if gs.mode == "precise":
+            index = _precise_index(index_config)
+        elif self._shared is not None:
+            try:
+                index = self._shared.index(group, index_config)
+                load = self._shared.load(group)
+            except Exception as exc:
+                log.warning("kvroute: shared state for %s unavailable: %s", group, exc)
+                index, load = None, None
+        config = RouterConfig(
+            default_policy=s.default_policy,
+            default_knobs=s.default_knobs,
+            fingerprint=FingerprintConfig(block_bytes=s.block_bytes),
+            index=index_config,
+            max_request_age_s=s.max_request_age_s,
+        )
+        router = Router(config, clock=self.clock, index=index, load=load)
+        if gs.mode == "precise" and index is not None:
+            self._start_precise(group, gs.precise, index, router)
+        if gs.policy is not None:
+            policy = router.set_policy(group, gs.policy, gs.knobs)
+        elif hosted and s.hosted_policy in policy_names():
+            policy = router.set_policy(group, s.hosted_policy, {})
+        else:
+            policy = router.policy_for(group)
+        self._attach(policy, backends)
+        for b in backends:
+            if b.kv_capacity_tokens and hasattr(router.index, "set_capacity"):
+                router.index.set_capacity(b.id, b.kv_capacity_tokens)  # type: ignore[attr-defined]
+        self.routers[group] = router
+        return router
+
+    def _start_precise(self, group: str, block: Mapping[str, Any], index: Any, router: Router) -> None:
+        """Start the precise group's KV-event feed and metrics scraper (approximate keys until it has a tokenizer)."""
+        try:
+            from kvroute.plugin.precise import group_from_config
+
+            self.precise[group] = group_from_config(group, block, index, router=router,
+                                                    where=f"kvroute.groups.{group}.precise").start()
+        except Exception as exc:
+            log.warning("kvroute: precise mode for %s unavailable: %s", group, exc)
+            self._count_error("precise_setup")
+
+    def _attach(self, policy: Any, backends: Sequence[Backend]) -> None:
+        """Give a marketplace-style policy the health board and the rate cards of priced backends."""
+        if hasattr(policy, "attach_health") and getattr(policy, "health", None) is None:
+            policy.attach_health(self.health.board)
+        if hasattr(policy, "set_quotes"):
+            quotes = [q for q in (_quote(b) for b in backends) if q is not None]
+            known = {q.backend for q in getattr(policy, "_quotes", {}).values()} if hasattr(policy, "_quotes") \
+                else set()
+            if quotes and not {q.backend for q in quotes} <= known:
+                merged = {q.backend: q for q in getattr(policy, "_quotes", {}).values()}
+                merged.update({q.backend: q for q in quotes})
+                policy.set_quotes(merged.values())
+
+    # --- the pick ----------------------------------------------------------------------------------
+    async def async_filter_deployments(self, model: str, healthy_deployments: list, messages: Any,
+                                       request_kwargs: dict | None = None, parent_otel_span: Any = None) -> list:
+        try:
+            precise = None
+            group = self.precise.get(str(model))
+            if group is not None and healthy_deployments:
+                kwargs = request_kwargs if isinstance(request_kwargs, dict) else {}
+                precise = await group.afingerprint(_prompt_source(kwargs, messages), model=str(model))
+            return self.filter(model, healthy_deployments, messages, request_kwargs, precise=precise)
+        except Exception:
+            log.debug("kvroute filter failed", exc_info=True)
+            self._count_error("filter")
+            return healthy_deployments
+
+    def filter(self, model: str, healthy: list, messages: Any, request_kwargs: dict | None,
+               precise: Any = None) -> list:
+        """Synchronous core of ``async_filter_deployments`` (the SDK and the proxy share it)."""
+        s = self.settings
+        if not s.enabled or not healthy:
+            return healthy
+        kwargs = request_kwargs if isinstance(request_kwargs, dict) else {}
+        now = self.clock()
+        self._maybe_expire(now)
+        pairs = [(d, self.fleet.backend(d)) for d in healthy]
+        group = str(model)
+        allowed = [(d, b) for d, b in pairs if self.health.available(b.id, now)]
+        meta = _metadata(kwargs, create=True)
+        assert meta is not None
+        self._close_previous(meta, kwargs)
+        rid = self._new_rid(meta, kwargs)
+        failed = self._failed.get(rid.rsplit(":", 1)[0])
+        if failed and allowed:  # a retry: avoid what already failed for this request while others remain
+            untried = [(d, b) for d, b in allowed if b.id not in failed]
+            allowed = untried or allowed
+        if not allowed:
+            if any(b.self_hosted for _, b in pairs):
+                self.metrics.fallbacks.labels(group, "all_open").inc()
+                return []
+            allowed = pairs  # hosted group with every breaker open: let LiteLLM try (Portkey-style bypass)
+        backends = [b for _, b in allowed]
+        router = self.router_for(group, backends)
+        app = self._app(meta, kwargs)
+        tags = request_tags(meta, s.tag_metadata_keys, kwargs.get("tags") if isinstance(kwargs.get("tags"), list)
+                            else None)
+        headers = meta.get("headers") if isinstance(meta.get("headers"), Mapping) else None
+        if precise is not None:
+            request = precise
+            request.request_id, request.app, request.tags = rid, app, tags
+        else:
+            request = router.fingerprint(_prompt_source(kwargs, messages), model=group, app=app, request_id=rid,
+                                         tags=tags, headers=headers)
+        rule = self.rules.resolve(group, app, tags) if len(self.rules) else None
+        policy = rule.policy if rule is not None else router.policy_for(group)
+        if self._attached.get(id(policy)) != len(backends):
+            self._attach(policy, backends)
+            self._attached[id(policy)] = len(backends)
+        decision = router.pick(request, [b.id for b in backends], group=group, policy=policy)
+        self.metrics.decision(group, decision.policy, decision.reason.split(":", 1)[0], decision.matched_tokens)
+        if decision.backend is None:
+            if decision.reason.startswith("no_acceptable_provider"):
+                self.metrics.fallbacks.labels(group, "no_acceptable_provider").inc()
+                return []
+            return [d for d, _ in allowed]
+        self.health.admit(decision.backend, now)
+        cache_key = None
+        if request.session_key or request.keys:
+            cache_key = f"kvr-{request.session_key or format(request.prefix_key(1024) or 0, 'x')}"
+        self._remember(Ticket(rid, group, router, decision.backend, app, decision.matched_tokens,
+                              request.prompt_tokens, cache_key, now, request=request,
+                              policy=policy if hasattr(policy, "record_success") else None))
+        chosen = [d for d, b in allowed if b.id == decision.backend]
+        return chosen or [d for d, _ in allowed]
+
+    def _app(self, meta: Mapping[str, Any], kwargs: Mapping[str, Any]) -> str | None:
+        keys = self.settings.app_metadata_keys
+        for src in (meta, meta.get("requester_metadata")):
+            if isinstance(src, Mapping):
+                for key in keys:
+                    if src.get(key):
+                        return str(src[key])
+        for key in ("user_api_key_alias", "user_api_key_team_alias", "user_api_key_team_id"):
+            if meta.get(key):
+                return str(meta[key])
+        return None
+
+    def _new_rid(self, meta: dict[str, Any], kwargs: Mapping[str, Any]) -> str:
+        base = kwargs.get("litellm_trace_id") or kwargs.get("litellm_call_id") or meta.get("kvroute_trace")
+        if not base:
+            base = meta["kvroute_trace"] = uuid.uuid4().hex
+        attempt = int(meta.get(ATTEMPT_KEY) or 0) + 1
+        meta[ATTEMPT_KEY] = attempt
+        rid = f"{base}:{attempt}"
+        meta[RID_KEY] = rid
+        self._by_trace[str(base)] = rid
+        call_id = kwargs.get("litellm_call_id")
+        if call_id and call_id != base:
+            self._by_trace[str(call_id)] = rid
+        if len(self._by_trace) > MAX_TICKETS:
+            self._by_trace.popitem(last=False)
+        return rid
+
+    def _close_previous(self, meta: Mapping[str, Any], kwargs: Mapping[str, Any]) -> None:
+        """A new pick for the same request means the previous attempt is over (retry or fallback)."""
+        prev = meta.get(RID_KEY)
+        ticket = self.tickets.pop(str(prev), None) if prev else None
+        if ticket is not None:
+            ticket.router.on_failure(ticket.rid, before_prefill=True)
+
+    def _remember(self, ticket: Ticket) -> None:
+        self.tickets[ticket.rid] = ticket
+        if len(self.tickets) > MAX_TICKETS:
+            _, old = self.tickets.popitem(last=False)
+            old.router.on_cancel(old.rid)
+
+    def _ticket(self, kwargs: Mapping[str, Any], pop: bool = False) -> Ticket | None:
+        meta = _metadata(kwargs)
+        rid = meta.get(RID_KEY) if meta else None
+        if not rid:
+            slo = kwargs.get("standard_logging_object")
+            slo = slo if isinstance(slo, Mapping) else {}
+            for trace in (kwargs.get("litellm_trace_id"), slo.get("trace_id"), kwargs.get("litellm_call_id")):
+                rid = self._by_trace.get(str(trace)) if trace else None
+                if rid:
+                    break
+        if not rid:
+            return None
+        return self.tickets.pop(str(rid), None) if pop else self.tickets.get(str(rid))
+
+    def _maybe_expire(self, now: float) -> None:
+        if now - self._last_expire < self.settings.expire_every_s:
+            return
+        self._last_expire = now
+        for router in self.routers.values():
+            router.expire()
+        horizon = now - self.settings.max_request_age_s
+        while self.tickets:
+            t = next(iter(self.tickets.values()))
+            if t.started >= horizon:
+                break
+            self.tickets.popitem(last=False)
+        self.metrics.set_inflight((b.id, self.routers[b.group].load.inflight(b.id))
+                                  for b in self.fleet.backends.values() if b.group in self.routers)
+
+    # --- the attempt -------------------------------------------------------------------------------
+    async def async_pre_call_deployment_hook(self, kwargs: dict, call_type: Any) -> dict | None:
+        try:
+            return self.pre_call(kwargs)
+        except Exception:
+            log.debug("kvroute pre-call failed", exc_info=True)
+            self._count_error("pre_call")
+            return None
+
+    def pre_call(self, kwargs: dict) -> dict | None:
+        ticket = self._ticket(kwargs)
+        backend_id = _deployment_id(kwargs)
+        if ticket is None or backend_id is None:
+            return None
+        if backend_id != ticket.backend:
+            ticket.router.on_attempt(ticket.rid, backend_id)
+            ticket.backend = backend_id
+        ticket.started = self.clock()
+        backend = self.fleet.backends.get(backend_id)
+        if backend is None or backend.self_hosted or not self.settings.forward_cache_key or not ticket.cache_key:
+            return None
+        return _forward_cache_key(kwargs, backend, ticket.cache_key)
+
+    async def async_post_call_streaming_deployment_hook(self, request_data: dict, response_chunk: Any,
+                                                        call_type: Any) -> Any:
+        self._first_token(request_data)
+        return None
+
+    async def async_post_call_streaming_iterator_hook(self, user_api_key_dict: Any, response: Any,
+                                                      request_data: dict) -> Any:
+        """Proxy streams: mark the first token, and release the pick if the client goes away mid-stream.
+
+        On a client disconnect LiteLLM closes this iterator and never logs the request, so the pick would
+        otherwise hold its load until it expires.
+        """
+        done = False
+        first = True
+        try:
+            async for item in response:
+                if first:
+                    first = False
+                    self._first_token(request_data)
+                yield item
+            done = True
+        except Exception:
+            done = True  # an upstream error: the failure hooks report it
+            raise
+        finally:
+            if not done:  # GeneratorExit / CancelledError: the client went away
+                self._cancelled(request_data)
+
+    def _first_token(self, kwargs: Mapping[str, Any]) -> None:
+        try:
+            ticket = self._ticket(kwargs)
+            if ticket is not None and not ticket.first_token:
+                ticket.first_token = True
+                ticket.router.on_first_token(ticket.rid)
+        except Exception:
+            self._count_error("stream_chunk")
+
+    def _cancelled(self, kwargs: Mapping[str, Any]) -> None:
+        """The client went away: release load (what was prefilled may stay cached); neutral for health."""
+        try:
+            ticket = self._ticket(kwargs, pop=True)
+            if ticket is None:
+                return
+            ticket.router.on_cancel(ticket.rid)
+            if ticket.backend is not None:
+                self.health.record(ticket.backend, "cancelled", self.clock(), started_at=ticket.started)
+                self.metrics.failed(ticket.backend, "cancelled", app=ticket.app)
+        except Exception:
+            self._count_error("cancel")
+
+    # --- outcomes ----------------------------------------------------------------------------------
+    async def async_log_success_event(self, kwargs: dict, response_obj: Any, start_time: Any, end_time: Any) -> None:
+        try:
+            self.on_success(kwargs, response_obj, start_time, end_time)
+        except Exception:
+            log.debug("kvroute success hook failed", exc_info=True)
+            self._count_error("success")
+
+    def on_success(self, kwargs: Mapping[str, Any], response_obj: Any, start_time: Any, end_time: Any) -> None:
+        ticket = self._ticket(kwargs, pop=True)
+        slo = kwargs.get("standard_logging_object") if isinstance(kwargs.get("standard_logging_object"), Mapping) \
+            else {}
+        backend_id = _deployment_id(kwargs) or (ticket.backend if ticket else None)
+        cached = cached_tokens_of(response_obj)
+        ttft = ttft_of(kwargs, slo, start_time, end_time)
+        group = str(slo.get("model_group") or (ticket.group if ticket else "") or "")
+        prompt_tokens = _prompt_tokens(response_obj, slo)
+        if ticket is not None:
+            if not ticket.first_token:
+                ticket.router.on_first_token(ticket.rid)
+            ticket.router.on_complete(ticket.rid, cached_tokens=cached, backend=backend_id)
+            ticket.outcome = "success"
+            if ticket.policy is not None and backend_id is not None:
+                ticket.policy.record_success(ticket.request, backend_id, self.clock(), cached_tokens=cached,
+                                             ttft_s=ttft, output_tokens=_completion_tokens(response_obj),
+                                             duration_s=_seconds(start_time, end_time))
+        if backend_id is not None:
+            self.health.record(backend_id, "success", self.clock(), ttft_s=ttft,
+                               started_at=ticket.started if ticket else None)
+            cost = kwargs.get("response_cost", slo.get("response_cost"))
+            app = ticket.app if ticket else self._app(_metadata(kwargs) or {}, kwargs)
+            self.metrics.completed(group, backend_id, app, prompt_tokens, cached, ttft,
+                                   cost if isinstance(cost, int | float) else None)
+            if ticket is not None:
+                router = ticket.router
+                self.metrics.inflight.labels(self.metrics.backend_label(backend_id)).set(
+                    router.load.inflight(backend_id))
+        self._bill(kwargs, response_obj, "success", start_time, end_time)
+
+    async def async_post_call_failure_deployment_hook(self, request_data: Mapping[str, Any], exception: Exception,
+                                                      call_type: Any, fallback_depth: int | None = None) -> None:
+        try:
+            self.on_attempt_failure(request_data, exception)
+        except Exception:
+            log.debug("kvroute failure hook failed", exc_info=True)
+            self._count_error("attempt_failure")
+
+    def on_attempt_failure(self, request_data: Mapping[str, Any], exception: BaseException) -> None:
+        ticket = self._ticket(request_data, pop=True)
+        backend_id = _deployment_id(request_data) or (ticket.backend if ticket else None)
+        failure = classify_failure(exception)
+        if ticket is not None:
+            if failure.outcome == "cancelled":
+                ticket.router.on_cancel(ticket.rid)
+            else:
+                ticket.router.on_failure(ticket.rid, before_prefill=failure.before_prefill)
+        if backend_id is not None:
+            if ticket is not None and failure.outcome not in ("cancelled", "client_error"):
+                base = ticket.rid.rsplit(":", 1)[0]
+                self._failed[base] = [*self._failed.get(base, ()), backend_id][-16:]
+                self._failed.move_to_end(base)
+                while len(self._failed) > 10_000:
+                    self._failed.popitem(last=False)
+            self.health.record(backend_id, failure.outcome, self.clock(), status=failure.status,
+                               retry_after_s=failure.retry_after_s, started_at=ticket.started if ticket else None)
+            self.metrics.failed(backend_id, failure.outcome)
+
+    async def async_log_failure_event(self, kwargs: dict, response_obj: Any, start_time: Any, end_time: Any) -> None:
+        try:
+            exc = kwargs.get("exception")
+            ticket = self._ticket(kwargs)
+            if ticket is not None:  # the per-attempt hook did not run (bare SDK call, cancellation)
+                self.on_attempt_failure(kwargs, exc if isinstance(exc, BaseException) else RuntimeError(str(exc)))
+            self._bill(kwargs, response_obj, "failure", start_time, end_time)
+        except Exception:
+            self._count_error("failure")
+
+    async def log_success_fallback_event(self, original_model_group: str, kwargs: dict,
+                                         original_exception: Exception) -> None:
+        try:
+            self.metrics.fallbacks.labels(str(original_model_group), "litellm_fallback").inc()
+        except Exception:
+            self._count_error("fallback")
+
+    # --- billing -----------------------------------------------------------------------------------
+    def _bill(self, kwargs: Mapping[str, Any], response_obj: Any, outcome: str, start: Any, end: Any) -> None:
+        if self.recorder is None or self._event_from_callback is None:
+            return
+        try:
+            rid = str((_metadata(kwargs) or {}).get(RID_KEY) or "")
+            base, _, attempt = rid.rpartition(":")
+            event = self._event_from_callback(kwargs, response_obj, outcome=outcome, start_time=start,
+                                              end_time=end, backend_id=_deployment_id(kwargs),
+                                              request_id=base or None,
+                                              attempt=int(attempt) if attempt.isdigit() else None)
+            if event is not None:
+                self.recorder.record(event)
+        except Exception:
+            log.debug("kvroute billing failed", exc_info=True)
+            self._count_error("billing")
+
+    def _count_error(self, hook: str) -> None:
+        with contextlib.suppress(Exception):
+            self.metrics.error(hook)
+
+    # --- introspection -----------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        """Breaker and routing state for ``kvroute status`` (ids, numbers and states only)."""
+        now = self.clock()
+        backends = {}
+        for b in self.fleet.backends.values():
+            router = self.routers.get(b.group)
+            backends[b.id] = {
+                "group": b.group,
+                "kind": b.kind,
+                "provider": b.provider,
+                "api_base": b.api_base,
+                "breaker": self.health.state(b.id, now),
+                "inflight": router.load.inflight(b.id) if router else 0,
+                "index_blocks": router.index.blocks(b.id) if router else 0,
+            }
+        groups = {}
+        for name, router in self.routers.items():
+            groups[name] = {"policy": router.policy_for(name).name, "errors": router.errors}
+        return {"groups": groups, "backends": backends, "rules": [r.name for r in self.rules.rules],
+                "pending": len(self.tickets)}
+
+    async def aclose(self) -> None:
+        if self.recorder is not None:
+            try:
+                close = self.recorder.close()
+                if asyncio.iscoroutine(close):
+                    await close
+            except Exception:
+                self._count_error("billing_close")
+        if self._metrics is not None:
+            self._metrics.close()
+        for group in self.precise.values():
+            with contextlib.suppress(Exception):
+                group.stop()
+        if self._shared is not None:
+            with contextlib.suppress(Exception):
+                self._shared.close()
+
+
+def _prompt_tokens(response_obj: Any, slo: Mapping[str, Any]) -> int:
+    usage = getattr(response_obj, "usage", None)
+    if usage is None and isinstance(response_obj, Mapping):
+        usage = response_obj.get("usage")
+    value = getattr(usage, "prompt_tokens", None) if usage is not None and not isinstance(usage, Mapping) \
+        else (usage or {}).get("prompt_tokens")
+    if value is None:
+        value = slo.get("prompt_tokens")
+    try:
+        return int(value or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+def _completion_tokens(response_obj: Any) -> int | None:
+    usage = getattr(response_obj, "usage", None)
+    value = getattr(usage, "completion_tokens", None) if usage is not None else None
+    return int(value) if isinstance(value, int) else None
+
+
+def _seconds(start: Any, end: Any) -> float | None:
+    try:
+        value = (end - start).total_seconds()
+    except Exception:
+        return None
+    return value if value >= 0 else None
+
+
+def _quote(backend: Backend) -> Any:
+    """The marketplace rate card of a priced hosted backend (None when unpriced or self-hosted)."""
+    if backend.self_hosted or backend.input_price is None or backend.output_price is None:
+        return None
+    from kvroute.policies.marketplace import ProviderQuote
+
+    return ProviderQuote(backend=backend.id, provider=backend.provider, model=backend.model,
+                         input_price=backend.input_price, output_price=backend.output_price,
+                         cache_read_price=backend.cache_read_price, kind=backend.provider,
+                         currency=backend.currency)
+
+
+def _forward_cache_key(kwargs: dict, backend: Backend, key: str) -> dict | None:
+    """Set ``prompt_cache_key`` (OpenAI-compatible) or OpenRouter ``session_id`` unless the user set one."""
+    if backend.provider == "openrouter":
+        extra = kwargs.get("extra_body")
+        if not isinstance(extra, dict):
+            extra = {}
+        if "session_id" in extra or kwargs.get("session_id"):
+            return None
+        kwargs["extra_body"] = {**extra, "session_id": key}
+        return kwargs
+    if backend.provider in CACHE_KEY_PROVIDERS:
+        if kwargs.get("prompt_cache_key"):
+            return None
+        extra = kwargs.get("extra_body")
+        if isinstance(extra, Mapping) and extra.get("prompt_cache_key"):
+            return None
+        kwargs["prompt_cache_key"] = key
+        return kwargs
+    return None
+
+
+def _precise_index(fallback: PrefixIndexConfig) -> Any:
+    """An event-fed index that answers from its approximate fallback for backends without events."""
+    from kvroute.policies.precise_index import PreciseIndex, PreciseIndexConfig
+
+    return PreciseIndex(PreciseIndexConfig(fallback=fallback))
+
+
+def _prompt_source(kwargs: Mapping[str, Any], messages: Any) -> Mapping[str, Any]:
+    if kwargs.get("messages") is not None or kwargs.get("prompt") is not None:
+        return kwargs
+    return {**kwargs, "messages": messages}
+
+
+def _proxy_config_path() -> str | None:
+    proxy = sys.modules.get("litellm.proxy.proxy_server")
+    path = getattr(proxy, "user_config_file_path", None) if proxy else None
+    return str(path) if path else None
+
+
+_instance: KvrouteCallback | None = None
+
+
+def get_callback() -> KvrouteCallback:
+    """The process-wide callback named ``kvroute.plugin.kvroute_callback`` in configs."""
+    global _instance
+    if _instance is None:
+        instance = KvrouteCallback()
+        instance._setup()  # validate config (ConfigError names the key) and mount routes at startup
+        _instance = instance
+    return _instance

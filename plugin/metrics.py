@@ -1,0 +1,137 @@
+"""Prometheus metrics of the plugin (prometheus-client), with bounded per-app label cardinality.
+
+Served on ``KVROUTE_METRICS_PORT`` (``serve``) and/or through the registry the proxy's ``/metrics`` exposes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from decimal import Decimal
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+OTHER = "other"
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+BREAKER_STATES = ("closed", "half_open", "open")
+
+
+class LabelLimiter:
+    """Keeps the first ``limit`` distinct values; later ones collapse into ``other``."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, value: str | None) -> str:
+        if not value:
+            return "unknown"
+        if value in self._seen:
+            return value
+        with self._lock:
+            if len(self._seen) < self.limit:
+                self._seen.add(value)
+                return value
+        return OTHER
+
+
+class Metrics:
+    """All kvroute series in one registry (pass a fresh one per test)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, max_app_labels: int = 50) -> None:
+        r = registry if registry is not None else CollectorRegistry()
+        self.registry = r
+        self.app_label = LabelLimiter(max_app_labels)
+        self.backend_label = LabelLimiter(1024)
+        self.decisions = Counter("kvroute_decisions_total", "Routing decisions", ["group", "policy", "reason"],
+                                 registry=r)
+        self.predicted_cached = Counter("kvroute_predicted_cached_tokens_total",
+                                        "Prompt tokens the router predicted cached", ["group"], registry=r)
+        self.confirmed_cached = Counter("kvroute_confirmed_cached_tokens_total",
+                                        "Prompt tokens the backend reported cached", ["group"], registry=r)
+        self.prompt_tokens = Counter("kvroute_prompt_tokens_total", "Prompt tokens of completed requests",
+                                     ["group"], registry=r)
+        self.ttft = Histogram("kvroute_ttft_seconds", "Time to first token per backend", ["backend"],
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.inflight = Gauge("kvroute_inflight_requests", "Requests in flight per backend", ["backend"],
+                              registry=r)
+        self.outcomes = Counter("kvroute_attempts_total", "Upstream attempts by outcome", ["backend", "outcome"],
+                                registry=r)
+        self.breaker_state = Gauge("kvroute_breaker_state", "1 for the breaker's current state",
+                                   ["backend", "state"], registry=r)
+        self.breaker_transitions = Counter("kvroute_breaker_transitions_total", "Breaker state changes",
+                                           ["backend", "to"], registry=r)
+        self.fallbacks = Counter("kvroute_fallbacks_total", "Requests handed to LiteLLM fallbacks",
+                                 ["group", "reason"], registry=r)
+        self.errors = Counter("kvroute_plugin_errors_total", "Internal plugin errors (request not affected)",
+                              ["hook"], registry=r)
+        self.app_requests = Counter("kvroute_app_requests_total", "Completed requests per app", ["app", "outcome"],
+                                    registry=r)
+        self.app_prompt_tokens = Counter("kvroute_app_prompt_tokens_total", "Prompt tokens per app", ["app"],
+                                         registry=r)
+        self.app_cached_tokens = Counter("kvroute_app_cached_tokens_total", "Cached prompt tokens per app",
+                                         ["app"], registry=r)
+        self.app_cost = Counter("kvroute_app_cost_total", "Upstream cost per app (LiteLLM response_cost)",
+                                ["app", "currency"], registry=r)
+        self.app_ttft = Histogram("kvroute_app_ttft_seconds", "Time to first token per app", ["app"],
+                                  buckets=TTFT_BUCKETS, registry=r)
+        self._server: tuple[object, threading.Thread] | None = None
+
+    # --- recorders (never raise: callers are on the request path) --------------------------------
+    def decision(self, group: str, policy: str, reason: str, predicted_tokens: int) -> None:
+        self.decisions.labels(group, policy, reason).inc()
+        if predicted_tokens > 0:
+            self.predicted_cached.labels(group).inc(predicted_tokens)
+
+    def completed(self, group: str, backend: str, app: str | None, prompt_tokens: int, cached_tokens: int | None,
+                  ttft_s: float | None, cost: float | Decimal | None, currency: str = "USD") -> None:
+        b = self.backend_label(backend)
+        a = self.app_label(app)
+        self.outcomes.labels(b, "success").inc()
+        self.prompt_tokens.labels(group).inc(max(0, prompt_tokens))
+        self.app_requests.labels(a, "success").inc()
+        self.app_prompt_tokens.labels(a).inc(max(0, prompt_tokens))
+        if cached_tokens:
+            self.confirmed_cached.labels(group).inc(cached_tokens)
+            self.app_cached_tokens.labels(a).inc(cached_tokens)
+        if ttft_s is not None and ttft_s >= 0:
+            self.ttft.labels(b).observe(ttft_s)
+            self.app_ttft.labels(a).observe(ttft_s)
+        if cost:
+            self.app_cost.labels(a, currency).inc(float(cost))
+
+    def failed(self, backend: str, outcome: str, app: str | None = None) -> None:
+        self.outcomes.labels(self.backend_label(backend), outcome).inc()
+        if app is not None:
+            self.app_requests.labels(self.app_label(app), outcome).inc()
+
+    def set_inflight(self, counts: Iterable[tuple[str, int]]) -> None:
+        for backend, n in counts:
+            self.inflight.labels(self.backend_label(backend)).set(n)
+
+    def breaker(self, backend: str, state: str, previous: str | None) -> None:
+        b = self.backend_label(backend)
+        for s in BREAKER_STATES:
+            self.breaker_state.labels(b, s).set(1.0 if s == state else 0.0)
+        if previous is not None and previous != state:
+            self.breaker_transitions.labels(b, state).inc()
+
+    def error(self, hook: str) -> None:
+        self.errors.labels(hook).inc()
+
+    # --- exposition ------------------------------------------------------------------------------
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        """Serve ``/metrics`` on ``host:port`` (0 = any free port); returns the bound port. Idempotent."""
+        if self._server is None:
+            server, thread = start_http_server(port, addr=host, registry=self.registry)
+            self._server = (server, thread)
+        server = self._server[0]
+        return int(server.server_address[1])  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        if self._server is not None:
+            server = self._server[0]
+            server.shutdown()  # type: ignore[attr-defined]
+            server.server_close()  # type: ignore[attr-defined]
+            self._server = None

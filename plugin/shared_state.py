@@ -1,0 +1,636 @@
+"""Prefix index, in-flight load and breaker state shared by proxy workers through Redis.
+
+Design (chosen for decision latency): the request path never waits on Redis. Every worker keeps the full
+local ``PrefixIndex``/``LoadTracker``/``HealthBoard`` and answers ``match``/``view``/``available`` from
+memory (no extra latency vs one worker; ``bench/shared_state_bench.py`` measures it against a read-through
+design that costs a Redis round trip per pick). Writes are queued and a background thread
+(one per worker, one connection) every ``flush_interval_s``:
+
+- appends this worker's index updates (record/confirm/forget/...) to the stream ``<ns>:prefix`` and
+  applies the other workers' updates from it (so all agree within tens of milliseconds);
+- writes this worker's in-flight counts per backend to ``<ns>:load:<worker>`` (TTL ``worker_ttl_s``) and
+  sums everybody else's into the local view (a dead worker's load vanishes with its key);
+- publishes breaker openings and probe-confirmed closings to ``<ns>:health`` (latest per backend also in
+  the hash ``<ns>:breakers`` for late joiners); followers adopt them, waiting ``follower_grace_s`` longer
+  than the opener before probing, so normally the opener's probe is the only one.
+
+When Redis is down each worker routes on its local state (no exception reaches the request path), the
+queue keeps the newest ``max_outbox`` updates, and the thread reconnects with jittered exponential
+backoff; on return it flushes the queue, reads what it missed and re-publishes its open breakers. The
+prefix stream keeps ``stream_retention_s`` of history (Redis memory ≈ update rate × that window).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import random
+import socket
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from kvroute.policies.health import BreakerConfig, BreakerState, HealthBoard, Transition
+from kvroute.policies.load import BackendLoad, LoadTracker
+from kvroute.policies.prefix_index import PrefixIndex, PrefixIndexConfig
+
+log = logging.getLogger("kvroute.shared_state")
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder().decode
+
+
+@dataclass(frozen=True, slots=True)
+class SharedStateConfig:
+    """Knobs of the Redis link; ``namespace`` prefixes every key (one per deployment)."""
+
+    namespace: str = "kvroute"
+    flush_interval_s: float = 0.02
+    heartbeat_s: float = 0.5
+    worker_ttl_s: float = 3.0
+    stream_retention_s: float = 60.0
+    stream_maxlen: int = 20_000
+    max_batch_ops: int = 256
+    max_outbox: int = 50_000
+    bootstrap_entries: int = 5_000
+    max_pending_per_group: int = 50_000
+    backoff_min_s: float = 0.1
+    backoff_max_s: float = 5.0
+    socket_timeout_s: float = 1.0
+    follower_grace_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("flush_interval_s", "heartbeat_s", "worker_ttl_s", "backoff_min_s", "backoff_max_s",
+                     "socket_timeout_s", "stream_retention_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive")
+        for name in ("stream_maxlen", "max_batch_ops", "max_outbox", "bootstrap_entries", "max_pending_per_group"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an integer >= 1")
+        if self.follower_grace_s < 0:
+            raise ValueError("follower_grace_s must be >= 0")
+        if not self.namespace or any(c.isspace() for c in self.namespace):
+            raise ValueError("namespace must be a non-empty word")
+
+
+class SharedPrefixIndex:
+    """A ``PrefixLocator``: local ``PrefixIndex`` for reads, updates also queued for the other workers."""
+
+    def __init__(self, shared: SharedState, group: str, config: PrefixIndexConfig | None = None) -> None:
+        self._shared = shared
+        self.group = group
+        self.local = PrefixIndex(config)
+        self.config = self.local.config
+        self._lock = threading.Lock()
+
+    # --- reads (hot path, memory only) ----------------------------------------------------------
+    def match(self, keys: Sequence[int], backends: Iterable[str], now: float) -> dict[str, int]:
+        with self._lock:
+            return self.local.match(keys, backends, now)
+
+    def blocks(self, backend: str | None = None) -> int:
+        with self._lock:
+            return self.local.blocks(backend)
+
+    def backends(self) -> list[str]:
+        with self._lock:
+            return self.local.backends()
+
+    def accuracy(self, backend: str) -> float | None:
+        with self._lock:
+            return self.local.accuracy(backend)
+
+    def capacity_blocks(self, backend: str) -> int:
+        with self._lock:
+            return self.local.capacity_blocks(backend)
+
+    # --- writes: applied locally, then shared ---------------------------------------------------
+    def record(self, backend: str, keys: Sequence[int], now: float) -> None:
+        with self._lock:
+            self.local.record(backend, keys, now)
+        if keys:
+            self._shared._queue_index(self.group, ("r", backend, _as_list(keys)))
+
+    def confirm(self, backend: str, keys: Sequence[int], cached_blocks: int, now: float,
+                predicted_blocks: int | None = None) -> None:
+        with self._lock:
+            self.local.confirm(backend, keys, cached_blocks, now, predicted_blocks)
+        self._shared._queue_index(self.group, ("c", backend, _as_list(keys), int(cached_blocks),
+                                               -1 if predicted_blocks is None else int(predicted_blocks)))
+
+    def forget(self, backend: str, keys: Sequence[int]) -> None:
+        with self._lock:
+            self.local.forget(backend, keys)
+        if keys:
+            self._shared._queue_index(self.group, ("f", backend, _as_list(keys)))
+
+    def remove_backend(self, backend: str) -> None:
+        with self._lock:
+            self.local.remove_backend(backend)
+        self._shared._queue_index(self.group, ("x", backend))
+
+    def set_capacity(self, backend: str, capacity_tokens: int) -> None:
+        """Capacity comes from each worker's own config, so it is not shared."""
+        with self._lock:
+            self.local.set_capacity(backend, capacity_tokens)
+
+    def retain(self, live: Iterable[str]) -> list[str]:
+        with self._lock:
+            gone = self.local.retain(live)
+        for b in gone:
+            self._shared._queue_index(self.group, ("x", b))
+        return gone
+
+    # --- remote updates (sync thread) -----------------------------------------------------------
+    def apply(self, op: Sequence[Any], now: float) -> None:
+        kind, backend = op[0], str(op[1])
+        with self._lock:
+            if kind == "r":
+                self.local.record(backend, op[2], now)
+            elif kind == "c":
+                self.local.confirm(backend, op[2], int(op[3]), now, None if op[4] < 0 else int(op[4]))
+            elif kind == "f":
+                self.local.forget(backend, op[2])
+            elif kind == "x":
+                self.local.remove_backend(backend)
+
+
+class SharedLoadTracker(LoadTracker):
+    """``LoadTracker`` whose views add the other workers' in-flight counts (heartbeat, TTL-bounded)."""
+
+    def __init__(self, shared: SharedState, group: str, half_life_s: float = 2.0) -> None:
+        super().__init__(half_life_s)
+        self._shared = shared
+        self.group = group
+        # backend -> (in-flight, prefill tokens, last pick on this worker's clock); replaced wholesale by
+        # the sync thread, and emptied when heartbeats stop succeeding (the hot path only does dict gets).
+        self._remote: dict[str, tuple[int, int, float]] = {}
+
+    def local_counts(self) -> dict[str, tuple[int, int, float]]:
+        """This worker's own counts (read by the sync thread; dict copies are atomic)."""
+        inflight, prefill, last = dict(self._inflight), dict(self._prefill), dict(self._last_pick)
+        return {b: (n, prefill.get(b, 0), last.get(b, -math.inf)) for b, n in inflight.items()}
+
+    def set_remote(self, remote: dict[str, tuple[int, int, float]]) -> None:
+        self._remote = remote
+
+    # Hot path: plain dict reads (no super() calls); the parent's counters are ``_inflight``/``_prefill``.
+    def inflight(self, backend: str) -> int:
+        r = self._remote.get(backend)
+        n = self._inflight.get(backend, 0)
+        return n + r[0] if r else n
+
+    def prefill_tokens(self, backend: str) -> int:
+        r = self._remote.get(backend)
+        n = self._prefill.get(backend, 0)
+        return n + r[1] if r else n
+
+    def total_inflight(self, backends: Iterable[str]) -> int:
+        local, remote = self._inflight, self._remote
+        total = 0
+        for b in backends:
+            total += local.get(b, 0)
+            r = remote.get(b)
+            if r:
+                total += r[0]
+        return total
+
+    def last_pick(self, backend: str) -> float:
+        r = self._remote.get(backend)
+        return max(super().last_pick(backend), r[2] if r else -math.inf)
+
+    def view(self, backend: str, now: float) -> BackendLoad:
+        local = super().view(backend, now)
+        r = self._remote.get(backend)
+        if r is None:
+            return local
+        inflight = local.inflight + r[0]
+        prefill = local.prefill_tokens + r[1]
+        # The local view already took the max with engine signals; adding the remote counts keeps that max.
+        return BackendLoad(inflight, prefill, max(local.queue_tokens, float(prefill)), max(local.running, inflight),
+                           local.kv_usage, max(local.last_pick, r[2]))
+
+
+class SharedHealth:
+    """Mirrors breaker openings and probe-confirmed closings between workers (last writer wins)."""
+
+    def __init__(self, shared: SharedState, board: HealthBoard) -> None:
+        self._shared = shared
+        self.board = board
+        self._last: dict[str, float] = {}  # backend -> wall time of the newest event applied or sent
+        self._mine: set[str] = set()  # backends whose newest opening was decided here
+        board.add_listener(self._on_transition)
+
+    def _event(self, t: Transition, at_wall: float) -> dict[str, Any]:
+        until_wall = None
+        if t.until is not None:
+            until_wall = self._shared.wall() + (t.until - self._shared.clock())
+        return {"b": t.backend, "s": t.new.value, "u": until_wall, "l": t.level, "r": t.reason, "t": at_wall,
+                "w": self._shared.worker_id}
+
+    def _on_transition(self, t: Transition) -> None:
+        if t.origin != "local":
+            return
+        if t.new is BreakerState.OPEN or (t.new is BreakerState.CLOSED and t.reason == "probe_succeeded"):
+            at = self._shared.wall()
+            at = max(at, self._last.get(t.backend, 0.0) + 1e-6)
+            self._last[t.backend] = at
+            (self._mine.add if t.new is BreakerState.OPEN else self._mine.discard)(t.backend)
+            self._shared._queue_health(self._event(t, at))
+
+    def republish(self) -> list[dict[str, Any]]:
+        """Current openings of this worker, for a Redis that came back (possibly empty)."""
+        events = []
+        now = self._shared.clock()
+        for name in list(self._mine):
+            br = self.board.breaker(name)
+            if br.state is BreakerState.OPEN and br.until is not None and br.until > now:
+                at = self._last.get(name, self._shared.wall())
+                t = Transition(name, br.state, BreakerState.OPEN, br.reason, now, br.until, br.level)
+                events.append(self._event(t, at))
+        return events
+
+    def apply(self, event: dict[str, Any]) -> bool:
+        """Adopt another worker's transition if it is newer than what this worker knows."""
+        if event.get("w") == self._shared.worker_id:
+            return False
+        backend, at = str(event["b"]), float(event["t"])
+        if at <= self._last.get(backend, 0.0):
+            return False
+        self._last[backend] = at
+        self._mine.discard(backend)
+        now = self._shared.clock()
+        br = self.board.breaker(backend)
+        if event["s"] == BreakerState.OPEN.value and event.get("u") is not None:
+            remaining = float(event["u"]) - self._shared.wall()
+            if remaining <= 0:
+                return False
+            grace = 0.0 if event.get("r") == "capacity" else self._shared.config.follower_grace_s
+            br.force_open(now, now + remaining + grace, level=int(event.get("l", 0)),
+                          reason=str(event.get("r") or "remote"))
+            return True
+        if event["s"] == BreakerState.CLOSED.value:
+            br.force_close(now, reason="remote_probe_succeeded")
+            return True
+        return False
+
+
+class SharedState:
+    """One worker's link to Redis; hands out shared indexes and load trackers per model group."""
+
+    def __init__(
+        self,
+        url: str,
+        config: SharedStateConfig | None = None,
+        *,
+        worker_id: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+        client_factory: Callable[[str, SharedStateConfig], Any] | None = None,
+        start: bool = True,
+    ) -> None:
+        self.url = url
+        self.config = cfg = config or SharedStateConfig()
+        self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}:{os.urandom(3).hex()}"
+        self.clock = clock
+        self.wall = wall
+        self._client_factory = client_factory or _redis_client
+        ns = cfg.namespace
+        self._k_prefix, self._k_health, self._k_breakers = f"{ns}:prefix", f"{ns}:health", f"{ns}:breakers"
+        self._k_workers, self._k_load = f"{ns}:workers", f"{ns}:load:"
+        self._indexes: dict[str, SharedPrefixIndex] = {}
+        self._loads: dict[str, SharedLoadTracker] = {}
+        self._pending: dict[str, deque[Sequence[Any]]] = {}
+        self._health: SharedHealth | None = None
+        self._outbox: deque[tuple[str, Any]] = deque(maxlen=cfg.max_outbox)
+        self._health_out: deque[dict[str, Any]] = deque(maxlen=10_000)
+        self._groups_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._client: Any = None
+        self._ids = {self._k_prefix: "$", self._k_health: "$"}
+        self._bootstrapped = False
+        self._health_bootstrap = False
+        self._last_sync = -math.inf
+        self._rng = random.Random()
+        self.connected = False
+        self.counters = {"sent": 0, "applied": 0, "dropped": 0, "connects": 0, "errors": 0, "health_applied": 0}
+        self.last_error = ""
+        _INSTANCES.add(self)
+        if start:
+            self.start()
+
+    def _after_fork(self) -> None:
+        """In a forked worker (uvicorn/gunicorn ``--workers``): a new identity, fresh locks and thread."""
+        running = self._thread is not None and not self._stop.is_set()
+        self.worker_id = f"{socket.gethostname()}:{os.getpid()}:{os.urandom(3).hex()}"
+        self._thread, self._client, self.connected = None, None, False
+        self._stop = threading.Event()
+        self._groups_lock = threading.Lock()
+        for idx in self._indexes.values():
+            idx._lock = threading.Lock()
+        if self._health is not None:
+            for name in self._health.board.known():
+                self._health.board.breaker(name)._lock = threading.RLock()
+            self._health.board._lock = threading.RLock()
+        self._outbox.clear()
+        self._health_out.clear()
+        self._last_sync = -math.inf
+        if running:
+            self.start()
+
+    # --- what the plugin asks for ---------------------------------------------------------------
+    def index(self, group: str, config: PrefixIndexConfig | None = None) -> SharedPrefixIndex:
+        """The shared index of ``group`` (created on first call; replays updates that came earlier)."""
+        with self._groups_lock:
+            idx = self._indexes.get(group)
+            if idx is None:
+                idx = self._indexes[group] = SharedPrefixIndex(self, group, config)
+                pending = self._pending.pop(group, None)
+            else:
+                pending = None
+        if pending:
+            now = self.clock()
+            for op in pending:
+                idx.apply(op, now)
+        return idx
+
+    def load(self, group: str, half_life_s: float = 2.0) -> SharedLoadTracker:
+        with self._groups_lock:
+            tracker = self._loads.get(group)
+            if tracker is None:
+                tracker = self._loads[group] = SharedLoadTracker(self, group, half_life_s)
+            return tracker
+
+    def health_board(self, config: BreakerConfig | None = None, board: HealthBoard | None = None) -> HealthBoard:
+        """A ``HealthBoard`` whose openings and closings every worker sees (one per worker)."""
+        if self._health is None:
+            self._health = SharedHealth(self, board or HealthBoard(config))
+            self._health_bootstrap = True  # the sync thread loads the breakers open right now
+        return self._health.board
+
+    def remote_fresh(self) -> bool:
+        """Other workers' load is trusted only while heartbeats succeed (within ``worker_ttl_s``)."""
+        return self.clock() - self._last_sync <= self.config.worker_ttl_s
+
+    def _expire_remote(self) -> None:
+        if not self.remote_fresh():
+            for tracker in list(self._loads.values()):
+                if tracker._remote:
+                    tracker.set_remote({})
+
+    def stats(self) -> dict[str, Any]:
+        return {"worker": self.worker_id, "connected": self.connected,
+                "outbox": len(self._outbox) + len(self._health_out),
+                "groups": sorted(self._indexes), **self.counters, "last_error": self.last_error}
+
+    # --- queueing (request path: append only) ---------------------------------------------------
+    def _queue_index(self, group: str, op: tuple[Any, ...]) -> None:
+        if len(self._outbox) == self._outbox.maxlen:
+            self.counters["dropped"] += 1
+        self._outbox.append(("i", (group, op)))
+
+    def _queue_health(self, event: dict[str, Any]) -> None:
+        # A queue of its own: a long outage's index updates never push breaker events out.
+        self._health_out.append(event)
+
+    # --- the sync thread ------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name=f"kvroute-redis-{self.worker_id}", daemon=True)
+        self._thread.start()
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Stop the thread after a last flush attempt; local state stays usable."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(Exception):
+                client.close()
+        self.connected = False
+
+    def _run(self) -> None:
+        delay = self.config.backoff_min_s
+        next_beat = 0.0
+        while not self._stop.is_set():
+            try:
+                if self._client is None:
+                    self._client = self._client_factory(self.url, self.config)
+                    self._client.ping()
+                    self._on_connect()
+                    delay = self.config.backoff_min_s
+                if self._health_bootstrap and self._health is not None:
+                    self._load_breakers()
+                self._flush()
+                if self.clock() >= next_beat:
+                    self._heartbeat()
+                    next_beat = self.clock() + self.config.heartbeat_s
+                self._expire_remote()
+                more = self._read()
+                if not more:
+                    # Poll instead of XREAD BLOCK: Redis ends blocking reads only at its ``hz`` tick
+                    # (100 ms by default), far coarser than ``flush_interval_s``.
+                    self._stop.wait(self.config.flush_interval_s)
+            except Exception as exc:
+                self._on_error(exc)
+                wake = self.clock() + delay * (0.5 + self._rng.random())
+                while not self._stop.is_set() and self.clock() < wake:  # forget others' load once it is stale
+                    self._expire_remote()
+                    self._stop.wait(min(0.1, max(0.0, wake - self.clock())))
+                delay = min(self.config.backoff_max_s, delay * 2)
+                next_beat = 0.0
+        with contextlib.suppress(Exception):
+            if self._client is not None:
+                self._flush()
+
+    def _on_error(self, exc: BaseException) -> None:
+        self.counters["errors"] += 1
+        if self.connected:
+            log.warning("kvroute: redis shared state lost (%s); routing on local state", exc)
+        self.last_error = f"{type(exc).__name__}: {exc}"[:200]
+        self.connected = False
+        client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(Exception):
+                client.close()
+
+    def _on_connect(self) -> None:
+        c = self._client
+        if self.counters["connects"] or self._bootstrapped:
+            log.info("kvroute: redis shared state reconnected")
+        self.counters["connects"] += 1
+        if not self._bootstrapped:
+            # Late joiner: replay the newest updates and the breakers that are open right now.
+            for stream in (self._k_prefix,):
+                entries = c.xrevrange(stream, "+", "-", count=self.config.bootstrap_entries)
+                for entry_id, fields in reversed(entries):
+                    self._apply_entry(stream, fields)
+                    self._ids[stream] = _id(entry_id)
+                if not entries:
+                    self._ids[stream] = "0-0"
+            last = c.xrevrange(self._k_health, "+", "-", count=1)
+            self._ids[self._k_health] = _id(last[0][0]) if last else "0-0"
+            self._bootstrapped = True
+        elif self._health is not None:
+            for event in self._health.republish():
+                self._queue_health(event)
+        self.connected = True
+
+    def _load_breakers(self) -> None:
+        """Adopt the latest transition of every backend (a worker that starts or attaches late)."""
+        assert self._health is not None
+        for raw in self._client.hgetall(self._k_breakers).values():
+            try:
+                if self._health.apply(_decode(raw)):
+                    self.counters["health_applied"] += 1
+            except Exception:
+                self.counters["errors"] += 1
+        self._health_bootstrap = False
+
+    def _flush(self) -> None:
+        cfg = self.config
+        while self._outbox or self._health_out:
+            health = [self._health_out.popleft() for _ in range(min(len(self._health_out), cfg.max_batch_ops))]
+            index_ops = [self._outbox.popleft()[1] for _ in range(min(len(self._outbox), cfg.max_batch_ops))]
+            try:
+                pipe = self._client.pipeline(transaction=False)
+                for event in health:
+                    data = _encode(event)
+                    pipe.xadd(self._k_health, {"w": self.worker_id, "d": data}, maxlen=10_000, approximate=True)
+                    pipe.hset(self._k_breakers, event["b"], data)
+                if index_ops:
+                    # Keep ``stream_retention_s`` of history (catch-up and late joiners); the heartbeat
+                    # also caps the entry count.
+                    minid = f"{max(0, int((self.wall() - cfg.stream_retention_s) * 1000))}-0"
+                    pipe.xadd(self._k_prefix, {"w": self.worker_id, "d": _encode(index_ops)}, minid=minid,
+                              approximate=True)
+                pipe.execute()
+            except Exception:
+                # Put the batch back (oldest first) so nothing is lost while Redis is away.
+                self._health_out.extendleft(reversed(health))
+                for op in reversed(index_ops):
+                    if len(self._outbox) < (self._outbox.maxlen or 0):
+                        self._outbox.appendleft(("i", op))
+                    else:
+                        self.counters["dropped"] += 1
+                raise
+            self.counters["sent"] += len(health) + len(index_ops)
+
+    def _heartbeat(self) -> None:
+        cfg = self.config
+        wall, now = self.wall(), self.clock()
+        mine = {}
+        for group, tracker in list(self._loads.items()):
+            counts = tracker.local_counts()
+            # Last picks travel as wall-clock times so other workers can place them on their clocks.
+            mine[group] = {b: (n, p, wall - (now - t) if t > -math.inf else 0.0) for b, (n, p, t) in counts.items()}
+        ttl_ms = int(cfg.worker_ttl_s * 1000)
+        pipe = self._client.pipeline(transaction=False)
+        pipe.set(self._k_load + self.worker_id, _encode(mine), px=ttl_ms)
+        pipe.zadd(self._k_workers, {self.worker_id: wall})
+        pipe.zremrangebyscore(self._k_workers, "-inf", wall - cfg.worker_ttl_s)
+        pipe.xtrim(self._k_prefix, maxlen=cfg.stream_maxlen, approximate=True)
+        pipe.zrange(self._k_workers, 0, -1)
+        *_, workers = pipe.execute()
+        others = [w.decode() if isinstance(w, bytes) else str(w) for w in workers]
+        others = [w for w in others if w != self.worker_id]
+        blobs = self._client.mget([self._k_load + w for w in others]) if others else []
+        sums: dict[str, dict[str, list[float]]] = {}
+        for blob in blobs:
+            if not blob:
+                continue
+            for group, per in _decode(blob).items():
+                g = sums.setdefault(group, {})
+                for backend, (n, p, t_wall) in per.items():
+                    acc = g.setdefault(backend, [0, 0, -math.inf])
+                    acc[0] += int(n)
+                    acc[1] += int(p)
+                    if t_wall:
+                        acc[2] = max(acc[2], now - (wall - float(t_wall)))
+        for group, tracker in list(self._loads.items()):
+            per = sums.get(group, {})
+            tracker.set_remote({b: (int(v[0]), int(v[1]), v[2]) for b, v in per.items()})
+        self._last_sync = self.clock()
+
+    def _read(self) -> bool:
+        """Apply the other workers' new entries; True when a full page came (more may be waiting)."""
+        count = 512
+        result = self._client.xread(dict(self._ids), count=count)
+        full = False
+        for stream, entries in result or []:
+            name = stream.decode() if isinstance(stream, bytes) else str(stream)
+            for entry_id, fields in entries:
+                self._apply_entry(name, fields)
+                self._ids[name] = _id(entry_id)
+            full = full or len(entries) >= count
+        return full
+
+    def _apply_entry(self, stream: str, fields: dict[Any, Any]) -> None:
+        worker = fields.get(b"w", fields.get("w"))
+        if isinstance(worker, bytes):
+            worker = worker.decode()
+        if worker == self.worker_id:
+            return
+        data = _decode(fields.get(b"d", fields.get("d")))
+        if stream == self._k_health:
+            if self._health is not None and self._health.apply(data):
+                self.counters["health_applied"] += 1
+            return
+        now = self.clock()
+        for group, op in data:
+            idx = self._indexes.get(group)
+            if idx is None:
+                with self._groups_lock:
+                    idx = self._indexes.get(group)
+                    if idx is None:
+                        q = self._pending.setdefault(group, deque(maxlen=self.config.max_pending_per_group))
+                        q.append(op)
+                        continue
+            idx.apply(op, now)
+            self.counters["applied"] += 1
+            time.sleep(0)  # yield the GIL between ops: the request path comes first
+
+
+_INSTANCES: weakref.WeakSet[SharedState] = weakref.WeakSet()
+
+
+def _reinit_after_fork() -> None:
+    for shared in list(_INSTANCES):
+        with contextlib.suppress(Exception):
+            shared._after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reinit_after_fork)
+
+
+def _as_list(keys: Sequence[int]) -> list[int]:
+    """Keys as a list without copying the usual case (the router never mutates a request's keys)."""
+    return keys if isinstance(keys, list) else list(keys)
+
+
+def _id(entry_id: Any) -> str:
+    return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+
+
+def _redis_client(url: str, config: SharedStateConfig) -> Any:
+    import redis
+
+    return redis.Redis.from_url(url, socket_timeout=config.socket_timeout_s,
+                                socket_connect_timeout=config.socket_timeout_s, health_check_interval=0)
+
+
+def connect(url: str, config: SharedStateConfig | None = None, **kwargs: Any) -> SharedState:
+    """Start sharing through the Redis at ``url``; never raises for an unreachable Redis (it retries)."""
+    return SharedState(url, config, **kwargs)

@@ -1,0 +1,171 @@
+"""What LiteLLM payloads say about an attempt: cached tokens, TTFT, failure class; and the health board adapter.
+
+Cached tokens come from ``usage.prompt_tokens_details.cached_tokens`` (OpenAI/vLLM/SGLang; LiteLLM maps
+Anthropic ``cache_read_input_tokens`` there too), Anthropic's raw ``cache_read_input_tokens`` and llama.cpp's
+``timings.cache_n``. Nothing here reads or keeps prompt text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from kvroute.plugin.metrics import Metrics
+from kvroute.policies.errors import ConfigError
+from kvroute.policies.health import BreakerConfig, HealthBoard, Outcome, Transition, classify
+
+
+def _get(obj: Any, name: str) -> Any:
+    if obj is None:
+        return None
+    if isinstance(obj, Mapping):
+        return obj.get(name)
+    value = getattr(obj, name, None)
+    if value is None:
+        extra = getattr(obj, "model_extra", None) or getattr(obj, "_hidden_params", None)
+        if isinstance(extra, Mapping):
+            value = extra.get(name)
+    return value
+
+
+def _int(value: Any) -> int | None:
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        return None
+    return n if n >= 0 else None
+
+
+def cached_tokens_of(response: Any) -> int | None:
+    """Cached prompt tokens the backend reported, or None when it reported nothing."""
+    usage = _get(response, "usage")
+    details = _get(usage, "prompt_tokens_details")
+    found = _int(_get(details, "cached_tokens"))
+    if found is not None:
+        return found
+    found = _int(_get(usage, "cache_read_input_tokens"))
+    if found is not None:
+        return found
+    timings = _get(response, "timings")
+    return _int(_get(timings, "cache_n"))
+
+
+def _epoch(value: Any) -> float | None:
+    if isinstance(value, datetime):
+        return value.timestamp()
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def ttft_of(kwargs: Mapping[str, Any], slo: Mapping[str, Any], start: Any, end: Any) -> float | None:
+    """Seconds to the first token (for non-streaming calls LiteLLM reports the full response time)."""
+    first = _epoch(slo.get("completionStartTime")) or _epoch(kwargs.get("completion_start_time"))
+    began = _epoch(slo.get("startTime")) or _epoch(start)
+    if first is None or began is None:
+        return None
+    value = first - began
+    return value if 0 <= value < 3600 else None
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """One failed attempt, classified for the breaker and the index."""
+
+    outcome: str
+    status: int | None
+    retry_after_s: float | None
+    before_prefill: bool
+
+
+def _retry_after(exc: BaseException) -> float | None:
+    for holder in (getattr(exc, "response", None), exc):
+        headers = getattr(holder, "headers", None)
+        if headers is None:
+            continue
+        try:
+            value = headers.get("retry-after") or headers.get("Retry-After")
+        except Exception:
+            value = None
+        if value is not None:
+            try:
+                return max(0.0, float(value))
+            except (TypeError, ValueError):
+                return None
+    return None
+
+
+def classify_failure(exc: BaseException | None) -> Failure:
+    """Classify an attempt's exception (LiteLLM/OpenAI errors carry ``status_code``)."""
+    if exc is None:
+        return Failure(Outcome.PROVIDER_FAILURE.value, None, None, True)
+    status = _int(getattr(exc, "status_code", None))
+    retry_after = _retry_after(exc)
+    text = f"{type(exc).__name__} {str(exc)[:200]}".lower()
+    mid_stream = "midstream" in text.replace("-", "").replace(" ", "") or "incomplete chunked read" in text
+    outcome = classify(status, type(exc), mid_stream=mid_stream, retry_after_s=retry_after)
+    if outcome is Outcome.PROVIDER_FAILURE and status is None and ("cancel" in text or "disconnect" in text):
+        outcome = Outcome.CANCELLED
+    return Failure(outcome.value, status, retry_after, before_prefill=not mid_stream)
+
+
+def breaker_config(knobs: Mapping[str, Any], where: str = "kvroute.breaker") -> BreakerConfig:
+    """``BreakerConfig`` from config knobs; unknown or bad knobs raise ``ConfigError`` naming them."""
+    names = {f.name for f in dataclasses.fields(BreakerConfig)}
+    for key in knobs:
+        if key not in names:
+            raise ConfigError(f"{where}.{key}", "unknown breaker setting")
+    try:
+        return BreakerConfig(**dict(knobs))
+    except (TypeError, ValueError) as exc:
+        bad = next((k for k in knobs if k in str(exc)), None)
+        raise ConfigError(f"{where}.{bad}" if bad else where, str(exc)) from exc
+
+
+class HealthAdapter:
+    """The plugin's view of ``HealthBoard``: peek/admit, record outcomes, and mirror states to metrics."""
+
+    def __init__(self, board: HealthBoard, metrics: Metrics | None = None) -> None:
+        self.board = board
+        self.metrics = metrics
+        if metrics is not None:
+            board.add_listener(self._on_transition)
+
+    @classmethod
+    def build(cls, metrics: Metrics | None, config: BreakerConfig | None = None,
+              redis: Any = None) -> HealthAdapter:
+        board = None
+        if redis is not None and hasattr(redis, "health_board"):
+            try:
+                board = redis.health_board(config)
+            except Exception:
+                board = None
+        return cls(board or HealthBoard(config), metrics)
+
+    def _on_transition(self, t: Transition) -> None:
+        if self.metrics is not None:
+            self.metrics.breaker(t.backend, t.new.value, t.old.value)
+
+    def available(self, backend: str, now: float) -> bool:
+        return self.board.available(backend, now)
+
+    def admit(self, backend: str, now: float) -> bool:
+        """Take the half-open probe token for the backend the router chose."""
+        return self.board.allow(backend, now)
+
+    def record(self, backend: str, outcome: str, now: float, *, status: int | None = None,
+               retry_after_s: float | None = None, ttft_s: float | None = None,
+               started_at: float | None = None) -> str:
+        return self.board.record(backend, outcome, now, retry_after_s=retry_after_s, ttft_s=ttft_s,
+                                 started_at=started_at).value
+
+    def state(self, backend: str, now: float) -> str:
+        return self.board.state(backend, now).value
+
+    def snapshot(self, now: float) -> dict[str, dict[str, Any]]:
+        return self.board.snapshot(now)

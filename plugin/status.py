@@ -1,0 +1,95 @@
+"""``kvroute status``: breaker and routing state read from a running proxy, and the routes that serve it.
+
+The plugin mounts ``GET /kvroute/status`` (JSON) and ``GET /kvroute/metrics`` (Prometheus text) on the
+LiteLLM proxy app; the command reads the first one.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import typer
+
+
+def mount_routes(app: Any, callback: Any, path: str = "/kvroute/status") -> list[str]:
+    """Add the status and metrics routes to a FastAPI/Starlette app, ahead of catch-all routes."""
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+
+    async def status_endpoint(_request: Any) -> Any:
+        try:
+            return JSONResponse(callback.status())
+        except Exception as exc:
+            return JSONResponse({"error": type(exc).__name__}, status_code=500)
+
+    async def metrics_endpoint(_request: Any) -> Any:
+        return Response(generate_latest(callback.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    metrics_path = path.rsplit("/", 1)[0] + "/metrics" if path.count("/") > 1 else "/kvroute-metrics"
+    existing = {getattr(r, "path", None) for r in app.router.routes}
+    added = []
+    for route_path, endpoint in ((path, status_endpoint), (metrics_path, metrics_endpoint)):
+        if route_path in existing:
+            continue
+        app.router.routes.insert(0, Route(route_path, endpoint, methods=["GET"]))
+        added.append(route_path)
+    return added
+
+
+def fetch_status(proxy: str, path: str = "/kvroute/status", api_key: str | None = None,
+                 timeout: float = 5.0) -> dict[str, Any]:
+    """GET the status JSON from a proxy base URL; raises ``RuntimeError`` with a readable message."""
+    import httpx
+
+    url = proxy.rstrip("/") + path
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        resp = httpx.get(url, headers=headers, timeout=timeout)
+    except httpx.HTTPError as exc:
+        raise RuntimeError(f"cannot reach {url}: {exc}") from exc
+    if resp.status_code != 200:
+        raise RuntimeError(f"{url} answered {resp.status_code}: {resp.text[:200]}")
+    try:
+        return resp.json()
+    except ValueError as exc:
+        raise RuntimeError(f"{url} did not return JSON") from exc
+
+
+def render_table(data: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    table = Table(title="kvroute backends")
+    for col in ("backend", "group", "kind", "provider", "breaker", "in flight", "index blocks"):
+        table.add_column(col)
+    for name, b in sorted(data.get("backends", {}).items()):
+        breaker = b.get("breaker", "closed")
+        colour = {"closed": "green", "half_open": "yellow", "open": "red"}.get(breaker, "white")
+        table.add_row(name, str(b.get("group", "")), str(b.get("kind", "")), str(b.get("provider", "")),
+                      f"[{colour}]{breaker}[/{colour}]", str(b.get("inflight", 0)), str(b.get("index_blocks", 0)))
+    return table
+
+
+def status(
+    proxy: str = typer.Option("http://127.0.0.1:4000", "--proxy", help="Base URL of the LiteLLM proxy."),
+    as_json: bool = typer.Option(False, "--json", help="Print the raw JSON."),
+    api_key: str | None = typer.Option(None, "--api-key", help="Proxy key, if the route is protected."),
+    path: str = typer.Option("/kvroute/status", "--path", help="Status route the plugin mounted."),
+) -> None:
+    """Breaker state, in-flight requests and index size per backend, from the running proxy."""
+    try:
+        data = fetch_status(proxy, path, api_key)
+    except RuntimeError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    if as_json:
+        typer.echo(json.dumps(data, indent=2, sort_keys=True))
+        return
+    from rich.console import Console
+
+    console = Console()
+    console.print(render_table(data))
+    groups = data.get("groups", {})
+    for name, g in sorted(groups.items()):
+        console.print(f"group [bold]{name}[/bold]: policy {g.get('policy')}, internal errors {g.get('errors', 0)}")

@@ -1,0 +1,367 @@
+"""Precise prefix index: which backend holds which blocks, as the engines themselves report it.
+
+Dual-key design: on ``BlockStored`` the index computes its *own* chained keys from the event's token ids
+(``token_keys`` seeded by ``chain_seed(model or LoRA name, cache salt)``, continued from the parent
+block's own key), so request keys computed from a prompt's token ids in the engine's block size match
+directly, whatever hash seed or algorithm the engine uses. The engine hash is kept only to map
+``BlockRemoved`` back to an own key. Copies (per source, DP rank, medium, group, ...) are reference
+counted; a source's state is dropped as a whole on ``AllBlocksCleared``, a sequence reset or reconnect.
+
+A pick inserts its keys speculatively with a short TTL (the gap until the engine's event arrives).
+Backends no event source covers are answered by a fallback approximate ``PrefixIndex``, so one index
+serves precise and approximate model groups side by side. Mutations from the event thread hold a lock;
+``match`` takes no lock and only does dict look-ups, so it never waits on the feed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvroute.policies.fingerprint import token_keys
+from kvroute.policies.prefix_index import PrefixIndex, PrefixIndexConfig
+
+CopyTag = Hashable
+
+
+@dataclass(frozen=True, slots=True)
+class PreciseIndexConfig:
+    """Speculative entries live ``speculative_ttl_s`` (bounded per backend); sources are bounded too."""
+
+    speculative_ttl_s: float = 2.0
+    max_speculative_per_backend: int = 65_536
+    max_blocks_per_source: int = 4_000_000
+    max_blocks_per_event: int = 1 << 16
+    fallback: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
+
+    def __post_init__(self) -> None:
+        if self.speculative_ttl_s < 0:
+            raise ValueError("speculative_ttl_s must be >= 0")
+        if self.max_speculative_per_backend < 0 or self.max_blocks_per_source < 1:
+            raise ValueError("bounds must be positive")
+
+
+@dataclass(slots=True)
+class SourceCounters:
+    """What the index did with one source's events."""
+
+    blocks_stored: int = 0
+    blocks_removed: int = 0
+    clears: int = 0
+    orphan_blocks: int = 0
+    unknown_removals: int = 0
+    dropped_blocks: int = 0
+
+
+class _Source:
+    __slots__ = ("backend", "counters", "engine")
+
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+        # engine hash -> [own key, {copy tag: count}]
+        self.engine: dict[int, list] = {}
+        self.counters = SourceCounters()
+
+
+class PreciseIndex:
+    """Event-fed ``PrefixLocator``: own keys → {backend: copies}; engine hash → own key per source."""
+
+    def __init__(self, config: PreciseIndexConfig | None = None, fallback: PrefixIndex | None = None) -> None:
+        self.config = config or PreciseIndexConfig()
+        self.fallback = fallback if fallback is not None else PrefixIndex(self.config.fallback)
+        self._holders: dict[int, dict[str, int]] = {}
+        self._backend_blocks: dict[str, int] = {}
+        self._sources: dict[Hashable, _Source] = {}
+        self._covered: dict[str, int] = {}  # backend -> number of sources feeding it
+        self._spec: dict[str, OrderedDict[int, float]] = {}
+        self._lock = threading.Lock()
+
+    # --- sources --------------------------------------------------------------------------------
+    def attach(self, source: Hashable, backend: str) -> None:
+        """Declare that events from ``source`` describe ``backend``'s cache (it becomes precise)."""
+        with self._lock:
+            current = self._sources.get(source)
+            if current is not None:
+                if current.backend == backend:
+                    return
+                self._drop_source(source, current)
+            self._sources[source] = _Source(backend)
+            self._covered[backend] = self._covered.get(backend, 0) + 1
+
+    def detach(self, source: Hashable) -> None:
+        with self._lock:
+            state = self._sources.get(source)
+            if state is not None:
+                self._drop_source(source, state)
+
+    def covers(self, backend: str) -> bool:
+        return backend in self._covered
+
+    def sources(self) -> list[Hashable]:
+        return list(self._sources)
+
+    def counters(self, source: Hashable) -> SourceCounters | None:
+        state = self._sources.get(source)
+        return state.counters if state else None
+
+    def source_blocks(self, source: Hashable) -> int:
+        state = self._sources.get(source)
+        return len(state.engine) if state else 0
+
+    # --- events ---------------------------------------------------------------------------------
+    def stored(self, source: Hashable, engine_hashes: Sequence[int], parent_hash: int | None,
+               token_ids: Sequence[int], block_size: int, seed: int, copy: CopyTag = None) -> int:
+        """Apply one ``BlockStored``; returns the blocks newly held. Parents unknown → orphans, skipped."""
+        state = self._sources.get(source)
+        if state is None or not engine_hashes or block_size <= 0:
+            return 0
+        with self._lock:
+            return self._stored(state, engine_hashes, parent_hash, token_ids, block_size, seed, copy)
+
+    def _stored(self, state: _Source, engine_hashes: Sequence[int], parent_hash: int | None,
+                token_ids: Sequence[int], block_size: int, seed: int, copy: CopyTag) -> int:
+        engine = state.engine
+        counters = state.counters
+        n = min(len(engine_hashes), self.config.max_blocks_per_event)
+        if parent_hash is None:
+            start = seed
+        else:
+            parent = engine.get(parent_hash)
+            if parent is None:
+                counters.orphan_blocks += n
+                return 0
+            start = parent[0]
+        full = len(token_ids) // block_size
+        own: Sequence[int] = token_keys(token_ids, block_size, start, n) if full else ()
+        added = 0
+        holders = self._holders
+        backend = state.backend
+        limit = self.config.max_blocks_per_source
+        for i in range(n):
+            h = engine_hashes[i]
+            entry = engine.get(h)
+            if entry is not None:
+                # Another copy of a known block (other medium, or a repeated announcement).
+                copies = entry[1]
+                copies[copy] = copies.get(copy, 0) + 1
+                continue
+            if i >= len(own):
+                # Tokenless ("hash-only") or short store for a block we never saw: nothing to key it by.
+                counters.orphan_blocks += 1
+                continue
+            if len(engine) >= limit:
+                counters.dropped_blocks += 1
+                continue
+            key = own[i]
+            engine[h] = [key, {copy: 1}]
+            held = holders.get(key)
+            if held is None:
+                holders[key] = {backend: 1}
+                self._backend_blocks[backend] = self._backend_blocks.get(backend, 0) + 1
+            else:
+                refs = held.get(backend, 0)
+                if refs == 0:
+                    self._backend_blocks[backend] = self._backend_blocks.get(backend, 0) + 1
+                held[backend] = refs + 1
+            added += 1
+        counters.blocks_stored += added
+        return added
+
+    def removed(self, source: Hashable, engine_hashes: Sequence[int], copy: CopyTag = None) -> int:
+        """Apply one ``BlockRemoved``; returns the blocks the backend no longer holds in any copy."""
+        state = self._sources.get(source)
+        if state is None:
+            return 0
+        with self._lock:
+            engine = state.engine
+            counters = state.counters
+            gone = 0
+            for h in engine_hashes:
+                entry = engine.get(h)
+                if entry is None:
+                    counters.unknown_removals += 1
+                    continue
+                copies = entry[1]
+                refs = copies.get(copy)
+                if refs is None:
+                    if len(copies) != 1:
+                        counters.unknown_removals += 1
+                        continue
+                    # Removal named a copy differently from its store (e.g. medium omitted): the one copy.
+                    copy_key = next(iter(copies))
+                    refs = copies[copy_key]
+                else:
+                    copy_key = copy
+                if refs > 1:
+                    copies[copy_key] = refs - 1
+                    continue
+                del copies[copy_key]
+                if copies:
+                    continue
+                del engine[h]
+                self._release(entry[0], state.backend)
+                gone += 1
+            counters.blocks_removed += gone
+            return gone
+
+    def cleared(self, source: Hashable) -> int:
+        """``AllBlocksCleared``, a sequence reset or a reconnect: drop everything this source reported."""
+        state = self._sources.get(source)
+        if state is None:
+            return 0
+        with self._lock:
+            n = self._clear(state)
+            state.counters.clears += 1
+            return n
+
+    def _clear(self, state: _Source) -> int:
+        n = len(state.engine)
+        for entry in state.engine.values():
+            self._release(entry[0], state.backend)
+        state.engine = {}
+        return n
+
+    def _release(self, key: int, backend: str) -> None:
+        held = self._holders.get(key)
+        if held is None:
+            return
+        refs = held.get(backend, 0) - 1
+        if refs > 0:
+            held[backend] = refs
+            return
+        held.pop(backend, None)
+        if not held:
+            del self._holders[key]
+        left = self._backend_blocks.get(backend, 0) - 1
+        if left > 0:
+            self._backend_blocks[backend] = left
+        else:
+            self._backend_blocks.pop(backend, None)
+
+    def _drop_source(self, source: Hashable, state: _Source) -> None:
+        self._clear(state)
+        del self._sources[source]
+        left = self._covered.get(state.backend, 0) - 1
+        if left > 0:
+            self._covered[state.backend] = left
+        else:
+            self._covered.pop(state.backend, None)
+
+    # --- PrefixLocator --------------------------------------------------------------------------
+    def match(self, keys: Sequence[int], backends: Iterable[str], now: float) -> dict[str, int]:
+        """Leading blocks held per backend: engine-confirmed or speculative; others via the fallback."""
+        result: dict[str, int] = {}
+        precise: list[str] = []
+        approximate: list[str] = []
+        for b in backends:
+            (precise if b in self._covered else approximate).append(b)
+        if approximate:
+            result.update(self.fallback.match(keys, approximate, now))
+        if not precise or not keys:
+            return result
+        holders = self._holders
+        spec = self._spec
+        alive = precise
+        depth = 0
+        for key in keys:
+            held = holders.get(key)
+            still: list[str] = []
+            for b in alive:
+                if held is not None and b in held:
+                    still.append(b)
+                    continue
+                s = spec.get(b)
+                if s is not None:
+                    exp = s.get(key)
+                    if exp is not None and exp >= now:
+                        still.append(b)
+                        continue
+                if depth:
+                    result[b] = depth
+            depth += 1
+            alive = still
+            if not alive:
+                break
+        else:
+            for b in alive:
+                result[b] = depth
+        return result
+
+    def record(self, backend: str, keys: Sequence[int], now: float) -> None:
+        """A pick: precise backends get short-TTL speculative entries; others go to the fallback."""
+        if backend not in self._covered:
+            self.fallback.record(backend, keys, now)
+            return
+        ttl = self.config.speculative_ttl_s
+        if not keys or ttl <= 0:
+            return
+        s = self._spec.get(backend)
+        if s is None:
+            s = self._spec[backend] = OrderedDict()
+        expiry = now + ttl
+        move = s.move_to_end
+        for key in keys:
+            if key in s:
+                move(key)
+            s[key] = expiry
+        cap = self.config.max_speculative_per_backend
+        while len(s) > cap:
+            s.popitem(last=False)
+        # Expired entries sit at the front (insertion order ≈ time order): trim them cheaply.
+        while s:
+            first = next(iter(s))
+            if s[first] >= now:
+                break
+            del s[first]
+
+    def confirm(self, backend: str, keys: Sequence[int], cached_blocks: int, now: float,
+                predicted_blocks: int | None = None) -> None:
+        """Engines report their own state through events; only approximate backends learn here."""
+        if backend not in self._covered:
+            self.fallback.confirm(backend, keys, cached_blocks, now, predicted_blocks)
+
+    def forget(self, backend: str, keys: Sequence[int]) -> None:
+        if backend not in self._covered:
+            self.fallback.forget(backend, keys)
+            return
+        s = self._spec.get(backend)
+        if s is not None:
+            for key in keys:
+                s.pop(key, None)
+
+    def remove_backend(self, backend: str) -> None:
+        self.fallback.remove_backend(backend)
+        self._spec.pop(backend, None)
+        with self._lock:
+            for state in list(self._sources.values()):
+                if state.backend == backend:
+                    self._clear(state)
+
+    def retain(self, live: Iterable[str]) -> list[str]:
+        keep = set(live)
+        gone = self.fallback.retain(keep)
+        for b in [b for b in self._spec if b not in keep]:
+            del self._spec[b]
+        return gone
+
+    def set_capacity(self, backend: str, capacity_tokens: int) -> None:
+        """Capacity only bounds the approximate side; precise entries mirror the engine's own LRU."""
+        self.fallback.set_capacity(backend, capacity_tokens)
+
+    def blocks(self, backend: str | None = None) -> int:
+        """Engine-confirmed distinct blocks (per backend, or over all), plus approximate ones."""
+        if backend is not None:
+            if backend in self._covered:
+                return self._backend_blocks.get(backend, 0)
+            return self.fallback.blocks(backend)
+        return sum(self._backend_blocks.values()) + self.fallback.blocks()
+
+    def speculative_blocks(self, backend: str) -> int:
+        s = self._spec.get(backend)
+        return len(s) if s else 0
+
+    def holders(self, key: int) -> dict[str, int]:
+        """Copies per backend of one own key (a copy of the internal counts)."""
+        return dict(self._holders.get(key, {}))

@@ -1,0 +1,336 @@
+"""Baseline routers re-implemented from ``shared/research/kv-routing-anchors.md`` as ``Policy`` objects.
+
+Each one is registered in the shared policy registry under its own name, so the simulator (and any
+experiment) builds it exactly like kvroute's own policies. Round robin and least-load are kvroute's
+built-ins (``round_robin``, ``least_load``). Baselines that learn from completions expose
+``on_request_done(rid, backend, now)``; the oracle reads the simulated engines through ``attach_fleet``.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvroute.policies import (
+    DEFAULT_POLICY,
+    Decision,
+    PrefixIndex,
+    PrefixIndexConfig,
+    RoutingRequest,
+    RoutingState,
+    register_policy,
+)
+
+
+def _decision(policy: str, request: RoutingRequest, backend: str, reason: str, matched_blocks: int = 0,
+              scores: dict[str, float] | None = None) -> Decision:
+    matched = min(request.prompt_tokens, int(matched_blocks * request.block_tokens))
+    return Decision(backend, policy, reason, matched_tokens=matched, matched_blocks=matched_blocks,
+                    prompt_tokens=request.prompt_tokens, scores=scores or {}, request_id=request.request_id,
+                    predicted_prefill_tokens=request.prompt_tokens - matched)
+
+
+# --- random -----------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class RandomConfig:
+    """Uniform choice (LiteLLM's default ``simple-shuffle`` with equal weights); ``seed`` fixes the draw."""
+
+    seed: int = 0
+
+
+class RandomPolicy:
+    name = "random"
+
+    def __init__(self, config: RandomConfig | None = None) -> None:
+        self.config = config or RandomConfig()
+        self._rng = random.Random(self.config.seed)
+
+    def select(self, request: RoutingRequest, candidates: Sequence[str], state: RoutingState,
+               now: float) -> Decision:
+        return _decision(self.name, request, self._rng.choice(list(candidates)), "random")
+
+
+# --- LiteLLM prompt_caching -------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class LiteLLMPromptCachingConfig:
+    """LiteLLM ``optional_pre_call_checks: ["prompt_caching"]``: pin TTL 300 s, prompts of ≥ 1024 tokens."""
+
+    ttl_s: float = 300.0
+    min_prompt_tokens: int = 1024
+    seed: int = 0
+
+
+class LiteLLMPromptCaching:
+    """Exact pin of the cacheable prefix (up to the last ``cache_control`` marker) to the deployment that
+    served it, written on success, read before routing; otherwise simple-shuffle (uniform random).
+
+    The marker position comes from the request tag ``cache_prefix_blocks`` (set by workloads and log
+    loaders where a client would put ``cache_control``); without a marker the check does nothing.
+    """
+
+    name = "litellm_prompt_caching"
+
+    def __init__(self, config: LiteLLMPromptCachingConfig | None = None) -> None:
+        self.config = config or LiteLLMPromptCachingConfig()
+        self._rng = random.Random(self.config.seed)
+        self._pins: dict[int, tuple[str, float]] = {}
+        self._pending: dict[str, int] = {}
+
+    def _prefix_key(self, request: RoutingRequest) -> int | None:
+        raw = request.tags.get("cache_prefix_blocks") if request.tags else None
+        if raw is None or request.prompt_tokens < self.config.min_prompt_tokens:
+            return None
+        n = int(raw)
+        if n <= 0 or n > len(request.keys):
+            return None
+        return request.keys[n - 1]
+
+    def select(self, request: RoutingRequest, candidates: Sequence[str], state: RoutingState,
+               now: float) -> Decision:
+        key = self._prefix_key(request)
+        if key is not None:
+            if request.request_id:
+                self._pending[request.request_id] = key
+            pin = self._pins.get(key)
+            if pin is not None and pin[1] >= now and pin[0] in candidates:
+                return _decision(self.name, request, pin[0], "prompt_cache_pin")
+        return _decision(self.name, request, self._rng.choice(list(candidates)), "simple_shuffle")
+
+    def on_request_done(self, rid: str, backend: str | None, now: float) -> None:
+        key = self._pending.pop(rid, None)
+        if key is not None and backend is not None:
+            self._pins[key] = (backend, now + self.config.ttl_s)
+
+
+# --- SGLang cache_aware ------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class SGLangCacheAwareConfig:
+    """SGLang/SMG ``cache_aware`` with the **CLI** defaults (``smg launch``): threshold 0.3, balance
+    abs 64 / rel 1.5, tree 2^26 characters (≈ 2^24 tokens at 4 chars/token), eviction every 120 s."""
+
+    cache_threshold: float = 0.3
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+    max_tree_tokens: int = (1 << 26) // 4
+    eviction_interval_s: float = 120.0
+
+
+class SGLangCacheAware:
+    """Imbalance switch (``max−min > abs`` and ``max > rel·min`` → least-loaded), else the best prefix
+    match if its rate beats ``cache_threshold``, else least-loaded; the chosen worker's tree gets the
+    prompt. Load is the router's in-flight count per worker. Tree = per-worker block LRU."""
+
+    name = "sglang_cache_aware"
+
+    def __init__(self, config: SGLangCacheAwareConfig | None = None) -> None:
+        self.config = config or SGLangCacheAwareConfig()
+        self._index: PrefixIndex | None = None
+
+    def _tree(self, request: RoutingRequest) -> PrefixIndex:
+        if self._index is None:
+            bt = max(1.0, float(request.block_tokens))
+            self._index = PrefixIndex(PrefixIndexConfig(capacity_tokens=self.config.max_tree_tokens,
+                                                        block_tokens=bt))
+        return self._index
+
+    def select(self, request: RoutingRequest, candidates: Sequence[str], state: RoutingState,
+               now: float) -> Decision:
+        cfg = self.config
+        tree = self._tree(request)
+        loads = {b: state.load.inflight(b) for b in candidates}
+        least = min(candidates, key=lambda b: loads[b])
+        hi, lo = max(loads.values()), min(loads.values())
+        matched_blocks = 0
+        if hi - lo > cfg.balance_abs_threshold and hi > cfg.balance_rel_threshold * lo:
+            backend, reason = least, "imbalanced"
+        else:
+            matches = tree.match(request.keys, candidates, now)
+            best = max(candidates, key=lambda b: (matches.get(b, 0), -loads[b])) if matches else least
+            matched_blocks = matches.get(best, 0)
+            rate = matched_blocks * request.block_tokens / request.prompt_tokens if request.prompt_tokens else 0
+            if rate > cfg.cache_threshold:
+                backend, reason = best, "cache_hit"
+            else:
+                backend, reason, matched_blocks = least, "cache_miss", matches.get(least, 0)
+        tree.record(backend, request.keys, now)
+        return _decision(self.name, request, backend, reason, matched_blocks)
+
+
+# --- llm-d approximate prefix + queue + kv-utilisation -----------------------------------------------
+@dataclass(frozen=True, slots=True)
+class LlmdApproxConfig:
+    """llm-d default Helm scorers: prefix-cache 3, queue 2, kv-cache-utilization 2; max-score picker;
+    approximate index LRU of 31,250 blocks per pod (not autotuned); ≤ 2048 blocks matched."""
+
+    prefix_weight: float = 3.0
+    queue_weight: float = 2.0
+    kv_weight: float = 2.0
+    lru_capacity_blocks: int = 31_250
+    max_prefix_blocks: int = 2048
+    seed: int = 0
+
+
+class LlmdApprox:
+    """Σ weight·score with prefix = matched/total blocks, queue = min–max normalised waiting queue
+    (scraped), kv = 1 − KV usage (scraped); highest total wins, random tie-break; index written at pick."""
+
+    name = "llmd_approx"
+
+    def __init__(self, config: LlmdApproxConfig | None = None) -> None:
+        self.config = config or LlmdApproxConfig()
+        self._rng = random.Random(self.config.seed)
+        self._index: PrefixIndex | None = None
+
+    def select(self, request: RoutingRequest, candidates: Sequence[str], state: RoutingState,
+               now: float) -> Decision:
+        cfg = self.config
+        bt = max(1.0, float(request.block_tokens))
+        if self._index is None:
+            self._index = PrefixIndex(PrefixIndexConfig(capacity_tokens=int(cfg.lru_capacity_blocks * bt),
+                                                        block_tokens=bt))
+        keys = request.keys[: cfg.max_prefix_blocks]
+        matches = self._index.match(keys, candidates, now)
+        total = len(keys)
+        queues: dict[str, float] = {}
+        kv: dict[str, float] = {}
+        for b in candidates:
+            sig = state.load.signal(b)
+            queues[b] = float(sig.queue_depth or 0.0) if sig is not None else 0.0
+            kv[b] = float(sig.kv_usage or 0.0) if sig is not None else 0.0
+        qmax, qmin = max(queues.values()), min(queues.values())
+        scores: dict[str, float] = {}
+        for b in candidates:
+            prefix = matches.get(b, 0) / total if total else 0.0
+            queue = 1.0 if qmax == qmin else (qmax - queues[b]) / (qmax - qmin)
+            scores[b] = cfg.prefix_weight * prefix + cfg.queue_weight * queue + cfg.kv_weight * (1.0 - kv[b])
+        top = max(scores.values())
+        best = [b for b in candidates if scores[b] >= top - 1e-12]
+        backend = best[0] if len(best) == 1 else self._rng.choice(best)
+        self._index.record(backend, keys, now)
+        return _decision(self.name, request, backend, "max_score", matches.get(backend, 0), scores)
+
+
+# --- NVIDIA Dynamo KV router, approximate mode --------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class DynamoConfig:
+    """Dynamo ``--no-router-kv-events``: TTL 120 s, overlap credit 1.0, prefill_load_scale 1.0,
+    temperature 0 (argmin; ties → smaller tree, then random); tree pruned at 2^20 blocks."""
+
+    prefill_load_scale: float = 1.0
+    overlap_credit: float = 1.0
+    ttl_s: float = 120.0
+    max_tree_blocks: int = 1 << 20
+    seed: int = 0
+
+
+class DynamoApprox:
+    """cost = scale·max(active_prefill_blocks + prompt_blocks − overlap_blocks, 0) + active_decode_blocks.
+
+    Active prefill is the router's predicted prefill charged until first token; active decode blocks
+    are the prompt blocks of every request in flight on the worker, released at completion.
+    """
+
+    name = "dynamo"
+
+    def __init__(self, config: DynamoConfig | None = None) -> None:
+        self.config = config or DynamoConfig()
+        self._rng = random.Random(self.config.seed)
+        self._index: PrefixIndex | None = None
+        self._active: dict[str, tuple[str, int]] = {}
+        self._decode_blocks: dict[str, int] = {}
+
+    def select(self, request: RoutingRequest, candidates: Sequence[str], state: RoutingState,
+               now: float) -> Decision:
+        cfg = self.config
+        bt = max(1.0, float(request.block_tokens))
+        if self._index is None:
+            self._index = PrefixIndex(PrefixIndexConfig(capacity_tokens=int(cfg.max_tree_blocks * bt),
+                                                        block_tokens=bt, ttl_s=cfg.ttl_s))
+        matches = self._index.match(request.keys, candidates, now)
+        prompt_blocks = math.ceil(request.prompt_tokens / bt)
+        costs: dict[str, float] = {}
+        for b in candidates:
+            active_prefill = state.load.prefill_tokens(b) / bt
+            adjusted = max(active_prefill + prompt_blocks - cfg.overlap_credit * matches.get(b, 0), 0.0)
+            costs[b] = cfg.prefill_load_scale * adjusted + self._decode_blocks.get(b, 0)
+        low = min(costs.values())
+        tied = [b for b in candidates if costs[b] <= low + 1e-9]
+        if len(tied) > 1:
+            smallest = min(self._index.blocks(b) for b in tied)
+            tied = [b for b in tied if self._index.blocks(b) == smallest]
+        backend = tied[0] if len(tied) == 1 else self._rng.choice(tied)
+        self._index.record(backend, request.keys, now)
+        if request.request_id:
+            self._active[request.request_id] = (backend, prompt_blocks)
+            self._decode_blocks[backend] = self._decode_blocks.get(backend, 0) + prompt_blocks
+        return _decision(self.name, request, backend, "min_cost", matches.get(backend, 0), costs)
+
+    def on_request_done(self, rid: str, backend: str | None, now: float) -> None:
+        got = self._active.pop(rid, None)
+        if got is not None:
+            b, blocks = got
+            self._decode_blocks[b] = max(0, self._decode_blocks.get(b, 0) - blocks)
+
+
+# --- oracle: exact engine state (the precise-events upper reference) ----------------------------------
+@dataclass(frozen=True, slots=True)
+class OracleConfig:
+    """llm-d *precise* scorer weights from the 73%-capacity benchmark: prefix 3, kv-util 2, queue 2."""
+
+    prefix_weight: float = 3.0
+    queue_weight: float = 2.0
+    kv_weight: float = 2.0
+
+
+class Oracle:
+    """llm-d's precise profile fed with *exact, instant* engine state instead of KV events: prefix score
+    from each replica's real cache plus the prompts already queued there (what precise routing's
+    speculative entries predict), queue and KV usage read at the moment of the pick. Simulator only."""
+
+    name = "oracle"
+
+    def __init__(self, config: OracleConfig | None = None) -> None:
+        self.config = config or OracleConfig()
+        self._replicas: Mapping[str, Any] = {}
+
+    def attach_fleet(self, replicas: Mapping[str, Any], preset: Any) -> None:
+        self._replicas = replicas
+        for rep in replicas.values():
+            rep.track_scheduled()
+
+    def select(self, request: RoutingRequest, candidates: Sequence[str], state: RoutingState,
+               now: float) -> Decision:
+        if not self._replicas:
+            raise RuntimeError("oracle needs attach_fleet() (simulator only)")
+        cfg = self.config
+        total = len(request.keys)
+        hits = {b: self._replicas[b].known_blocks(request.keys) for b in candidates}
+        queues = {b: float(len(self._replicas[b].waiting)) for b in candidates}
+        qmax, qmin = max(queues.values()), min(queues.values())
+        scores: dict[str, float] = {}
+        for b in candidates:
+            prefix = hits[b] / total if total else 0.0
+            queue = 1.0 if qmax == qmin else (qmax - queues[b]) / (qmax - qmin)
+            kv = self._replicas[b].kv_usage()
+            scores[b] = cfg.prefix_weight * prefix + cfg.queue_weight * queue + cfg.kv_weight * (1.0 - kv)
+        backend = max(candidates, key=lambda b: (scores[b], -self._replicas[b].used_blocks(), b))
+        return _decision(self.name, request, backend, "exact_state", hits[backend], scores)
+
+
+BASELINES: dict[str, tuple[type, type]] = {
+    "random": (RandomPolicy, RandomConfig),
+    "litellm_prompt_caching": (LiteLLMPromptCaching, LiteLLMPromptCachingConfig),
+    "sglang_cache_aware": (SGLangCacheAware, SGLangCacheAwareConfig),
+    "llmd_approx": (LlmdApprox, LlmdApproxConfig),
+    "dynamo": (DynamoApprox, DynamoConfig),
+    "oracle": (Oracle, OracleConfig),
+}
+for _name, (_cls, _cfg) in BASELINES.items():
+    register_policy(_name, _cls, _cfg)
+
+#: kvroute's default first, then every baseline, in the order reports list them.
+DEFAULT_LINEUP = (DEFAULT_POLICY, "round_robin", "random", "least_load", "litellm_prompt_caching",
+                  "sglang_cache_aware", "llmd_approx", "dynamo", "oracle")

@@ -1,0 +1,178 @@
+"""``kvroute simulate`` and ``kvroute lint`` (mounted by ``kvroute.plugin.cli``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from kvroute.policies.errors import KvrouteError
+
+
+def _value(raw: str) -> Any:
+    low = raw.lower()
+    if low in ("inf", "infinity"):
+        return math.inf
+    if low in ("true", "false"):
+        return low == "true"
+    for cast in (int, float):
+        try:
+            return cast(raw)
+        except ValueError:
+            pass
+    return raw
+
+
+def _price(raw: str) -> Decimal:
+    from kvroute.policies.errors import ConfigError
+
+    try:
+        value = Decimal(raw)
+    except InvalidOperation:
+        raise ConfigError("usd_per_gpu_hour", f"not a number: {raw!r}") from None
+    if not value.is_finite() or value < 0:
+        raise ConfigError("usd_per_gpu_hour", "must be a non-negative number")
+    return value
+
+
+def parse_params(params: list[str]) -> dict[str, Any]:
+    """``key=value`` pairs (numbers, ``inf``, booleans, strings) for a workload generator."""
+    from kvroute.policies.errors import ConfigError
+
+    out: dict[str, Any] = {}
+    for p in params:
+        if "=" not in p:
+            raise ConfigError("param", f"expected key=value, got {p!r}")
+        k, v = p.split("=", 1)
+        out[k.strip().replace("-", "_")] = _value(v.strip())
+    return out
+
+
+def build_workload(spec: str, block_tokens: int, params: dict[str, Any], *, speedup: float = 1.0,
+                   limit: int | None = None) -> Any:
+    """A generator name (``gsp``, ``llmd-ladder``, ...) or ``mooncake:|kvct:|azure:|log:PATH``."""
+    from kvroute.policies.errors import ConfigError
+    from kvroute.sim import traces
+    from kvroute.sim.workloads import GENERATORS
+
+    kind, _, path = spec.partition(":")
+    if path:
+        if kind == "mooncake":
+            return traces.load_mooncake(path, speedup=speedup, limit=limit)
+        if kind == "kvct":
+            arr = traces.SessionArrivals(gap_s=float(params.pop("session_gap_s", 30.0)), speedup=speedup,
+                                         seed=int(params.pop("seed", 0)))
+            return traces.load_kvct(path, arrivals=arr, max_sessions=params.pop("max_sessions", 20),
+                                    shared_prefix=bool(params.pop("shared_prefix", False)), limit=limit)
+        if kind == "azure":
+            return traces.load_azure(path, speedup=speedup, prefix_groups=int(params.pop("prefix_groups", 0)),
+                                     prefix_tokens=int(params.pop("prefix_tokens", 0)), limit=limit)
+        if kind == "log":
+            return traces.load_request_log(path, rate=float(params.pop("rate", 5.0)), limit=limit)
+        raise ConfigError("workload", f"unknown trace kind {kind!r}; use mooncake:, kvct:, azure: or log:")
+    gen = GENERATORS.get(spec)
+    if gen is None:
+        raise ConfigError("workload", f"unknown workload {spec!r}; known: {', '.join(GENERATORS)} or "
+                                      "mooncake:PATH, kvct:PATH, azure:PATH, log:PATH")
+    try:
+        return gen(block_tokens, **params)
+    except TypeError as exc:
+        raise ConfigError("param", f"{spec}: {exc}") from None
+
+
+def simulate_command(
+    workload: str = typer.Option(..., "--workload", "-w", help="gsp|llmd-ladder|prefix-repetition|prefix-ratio|chat|"
+                                 "rag|agent|unique or mooncake:PATH|kvct:PATH|azure:PATH|log:PATH"),
+    replicas: int = typer.Option(8, "--replicas", "-r", min=1),
+    policies: str = typer.Option("", "--policies", help="Comma-separated; default: kvroute's default + baselines."),
+    preset: str = typer.Option("qwen3-32b-h100-tp2", "--preset"),
+    kv_tokens: int | None = typer.Option(None, "--kv-tokens", min=1, help="KV capacity per replica (tokens)."),
+    gpu_hour: str | None = typer.Option(None, "--usd-per-gpu-hour", help="Price per GPU-hour (default: preset's)."),
+    param: list[str] = typer.Option([], "--param", "-p", help="Generator parameter key=value (repeatable)."),
+    speedup: float = typer.Option(1.0, "--speedup", help="Divide trace timestamps by this."),
+    limit: int | None = typer.Option(None, "--limit", min=1, help="Read at most this many trace requests."),
+    max_concurrency: int | None = typer.Option(None, "--max-concurrency", min=1,
+                                               help="Client-side cap on in-flight requests."),
+    no_metrics: bool = typer.Option(False, "--no-metrics", help="Do not feed scraped engine metrics to routers."),
+    json_out: bool = typer.Option(False, "--json", help="Print the JSON summary instead of the table."),
+    csv_path: Path | None = typer.Option(None, "--csv", help="Write all figures as CSV."),
+    html_path: Path | None = typer.Option(None, "--html", help="Write a self-contained HTML report."),
+    plots_dir: Path | None = typer.Option(None, "--plots", help="Write PNG plots into this folder."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+) -> None:
+    """Replay a workload on a simulated fleet under several routing policies and compare them."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from kvroute.sim.baselines import DEFAULT_LINEUP
+    from kvroute.sim.engine import FleetConfig
+    from kvroute.sim.presets import get_preset
+    from kvroute.sim.report import dumps_json, print_table, to_csv, to_html
+    from kvroute.sim.runner import compare
+
+    err = Console(stderr=True)
+    try:
+        pr = get_preset(preset)
+        if gpu_hour is not None:
+            pr = dataclasses.replace(pr, usd_per_gpu_hour=_price(gpu_hour))
+        wl = build_workload(workload, pr.block_tokens, parse_params(param), speedup=speedup, limit=limit)
+        if max_concurrency is not None:
+            wl.max_concurrency = max_concurrency
+        fleet = FleetConfig(replicas, pr, kv_tokens=kv_tokens, metrics_interval_s=None if no_metrics else 0.05)
+        names = [p.strip() for p in policies.split(",") if p.strip()] or list(DEFAULT_LINEUP)
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=err, disable=quiet, transient=True) as bar:
+            tasks = {n: bar.add_task(n, total=len(wl.requests)) for n in names}
+            comp = compare(wl, fleet, names, lambda n, done, total: bar.update(tasks[n], completed=done))
+    except KvrouteError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    if json_out:
+        sys.stdout.write(dumps_json(comp) + "\n")
+    else:
+        print_table(comp)
+    if csv_path is not None:
+        csv_path.write_text(to_csv(comp), encoding="utf-8")
+    images: dict[str, bytes] = {}
+    if plots_dir is not None or html_path is not None:
+        from kvroute.sim import plots
+
+        try:
+            images = plots.render(comp)
+        except KvrouteError as exc:
+            if plots_dir is not None:
+                typer.echo(f"error: {exc}", err=True)
+                raise typer.Exit(2) from None
+            typer.echo(f"note: HTML report without plots ({exc})", err=True)
+        if plots_dir is not None:
+            plots.write(images, plots_dir, wl.name.replace(":", "-").replace("/", "-"))
+    if html_path is not None:
+        html_path.write_text(to_html(comp, images), encoding="utf-8")
+
+
+def lint_command(
+    log: Path = typer.Argument(..., help="JSONL request log (OpenAI-style bodies or LiteLLM spend logs)."),
+    json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    excerpts: bool = typer.Option(False, "--excerpts", help="Show one short excerpt per finding, volatile value "
+                                  "masked (off by default: no prompt text is printed)."),
+    limit: int | None = typer.Option(None, "--limit", min=1),
+) -> None:
+    """Find what breaks prefix reuse in your prompts (volatile fields early, reordered tools) and how to fix it."""
+    import json
+
+    from kvroute.sim.lint import lint_log, print_report
+
+    try:
+        report = lint_log(log, excerpts=excerpts, limit=limit)
+    except KvrouteError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    if json_out:
+        sys.stdout.write(json.dumps(report.as_dict(), indent=2) + "\n")
+    else:
+        print_report(report)

@@ -1,0 +1,241 @@
+"""Discrete-event fleet simulation driving the real ``kvroute.policies.Router`` on a simulated clock.
+
+Events are arrivals (routed at once through ``Router.pick``) and replica step ends. The router gets
+the same lifecycle feedback as in production: ``on_first_token`` when the engine emits the first token
+and ``on_complete(cached_tokens=...)`` with the prefix the engine really reused. Engine metrics (waiting
+queue, running, KV usage) are observed every ``metrics_interval_s`` like a scraper would (llm-d scrapes
+every 50 ms); KV events are never sent, so approximate indexes learn only from picks and responses.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvroute.policies import (
+    ExternalSignal,
+    Policy,
+    PrefixIndexConfig,
+    Router,
+    RouterConfig,
+    RoutingRequest,
+    build_policy,
+)
+from kvroute.sim.presets import Preset
+from kvroute.sim.replica import Live, Replica
+from kvroute.sim.workload import Workload
+
+_ARRIVE, _PLAN, _END = 0, 1, 2
+
+
+@dataclass(frozen=True, slots=True)
+class FleetConfig:
+    """Fleet shape: ``replicas`` of ``preset``; ``kv_tokens`` overrides the preset's capacity."""
+
+    replicas: int
+    preset: Preset
+    kv_tokens: int | None = None
+    metrics_interval_s: float | None = 0.05
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError("replicas must be >= 1")
+        if self.kv_tokens is not None and self.kv_tokens < 1:
+            raise ValueError("kv_tokens must be >= 1")
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.kv_tokens or self.preset.kv_tokens
+
+
+@dataclass(slots=True)
+class RunResult:
+    """Everything measured in one run (per request and per replica), before aggregation."""
+
+    policy: str
+    workload: str
+    replicas: int
+    requests: list[Live]
+    stages: list[int]
+    replica_busy: list[float]
+    replica_requests: list[int]
+    queue_samples: list[int]
+    reasons: Counter[str]
+    dropped: int = 0
+    preemptions: int = 0
+    evictions: int = 0
+    wall_s: float = 0.0
+    sim_end: float = 0.0
+    router_errors: int = 0
+    notes: list[str] = field(default_factory=list)
+    final_blocks: list[tuple[int, int, int]] = field(default_factory=list)  # (pinned, private, evictable)
+
+
+def _backend_names(n: int) -> list[str]:
+    width = len(str(n - 1))
+    return [f"replica-{i:0{width}d}" for i in range(n)]
+
+
+def make_policy(name: str, knobs: dict | None = None) -> Policy:
+    """Build ``name`` from the shared registry (importing the baselines registers them)."""
+    import kvroute.sim.baselines  # noqa: F401  (registers baseline policies)
+
+    return build_policy(name, knobs or {}, where=f"policies.{name}")
+
+
+def simulate(workload: Workload, policy: Policy | str, fleet: FleetConfig,
+             progress: Callable[[int, int], None] | None = None) -> RunResult:
+    """Replay ``workload`` on ``fleet`` with ``policy`` picking through a fresh ``Router``."""
+    t0 = time.perf_counter()
+    if isinstance(policy, str):
+        policy = make_policy(policy)
+    bt = workload.block_tokens
+    capacity = fleet.capacity_tokens
+    names = _backend_names(fleet.replicas)
+    now = 0.0
+    router = Router(
+        RouterConfig(index=PrefixIndexConfig(capacity_tokens=capacity, block_tokens=float(bt))),
+        clock=lambda: now,
+    )
+    replicas = [Replica(n, fleet.preset.cost, capacity // bt, bt) for n in names]
+    by_name = {r.name: i for i, r in enumerate(replicas)}
+    attach = getattr(policy, "attach_fleet", None)
+    if attach is not None:
+        attach(dict(zip(names, replicas, strict=True)), fleet.preset)
+    done_hook = getattr(policy, "on_request_done", None)
+
+    reqs = workload.requests
+    n = len(reqs)
+    lives: list[Live | None] = [None] * n
+    successors: dict[int, list[int]] = {}
+    heap: list[tuple[float, int, int, int, int]] = []
+    seq = 0
+    for i, spec in enumerate(reqs):
+        if spec.follows is None:
+            heap.append((spec.arrival, seq, _ARRIVE, i, 0))
+            seq += 1
+        else:
+            if not 0 <= spec.follows < i:
+                raise ValueError(f"request {i}: follows={spec.follows} must name an earlier request")
+            successors.setdefault(spec.follows, []).append(i)
+    heapq.heapify(heap)
+    # a request must fit an empty replica with its output (blocks minus the admission watermark)
+    usable_blocks = replicas[0].capacity - replicas[0].watermark - 1
+    max_tokens = min(fleet.preset.max_model_len, usable_blocks * bt)
+    reasons: Counter[str] = Counter()
+    queue_samples: list[int] = []
+    replica_requests = [0] * len(replicas)
+    dropped = 0
+    routed = 0
+    last_obs = -1e18
+    interval = fleet.metrics_interval_s
+    plan_pending = [False] * len(replicas)
+    cap = workload.max_concurrency
+    client_queue: deque[int] = deque()
+    in_flight = 0
+    push, pop = heapq.heappush, heapq.heappop
+
+    def release_successors(i: int, at: float) -> None:
+        nonlocal seq, in_flight
+        in_flight -= 1
+        for j in successors.pop(i, ()):
+            push(heap, (at + reqs[j].delay, seq, _ARRIVE, j, 0))
+            seq += 1
+        if client_queue:
+            push(heap, (at, seq, _ARRIVE, client_queue.popleft(), 1))
+            seq += 1
+
+    while heap:
+        t, _, kind, x, ver = pop(heap)
+        now = t
+        if kind == _ARRIVE:
+            if cap is not None and in_flight >= cap and ver == 0:
+                client_queue.append(x)
+                continue
+            in_flight += 1
+            spec = reqs[x]
+            rid = f"r{x}"
+            if interval is not None and now - last_obs >= interval:
+                last_obs = now
+                for rep in replicas:
+                    router.observe(rep.name, ExternalSignal(at=now, queue_depth=len(rep.waiting),
+                                                            running=len(rep.admitted), kv_usage=rep.kv_usage()))
+            tags = {} if spec.cache_prefix_blocks is None else {"cache_prefix_blocks": str(spec.cache_prefix_blocks)}
+            request = RoutingRequest(model="sim", keys=spec.keys, block_tokens=bt, prompt_tokens=spec.prompt_tokens,
+                                     session_key=spec.session, app=spec.app, request_id=rid, tags=tags,
+                                     kind="completion", key_space="tokens")
+            decision = router.pick(request, names, policy=policy)
+            reasons[decision.reason] += 1
+            routed += 1
+            live = Live(x, rid, spec.prompt_tokens, max(1, spec.output_tokens), spec.keys, now)
+            lives[x] = live
+            if spec.prompt_tokens + spec.output_tokens > max_tokens or decision.backend is None:
+                dropped += 1
+                router.on_failure(rid)
+                if done_hook is not None:
+                    done_hook(rid, decision.backend, now)
+                live.done_at = now
+                release_successors(x, now)
+                continue
+            ri = by_name[decision.backend]
+            rep = replicas[ri]
+            replica_requests[ri] += 1
+            queue_samples.append(sum(len(r.waiting) for r in replicas))
+            rep.enqueue(live)
+            if rep.step is None:
+                if not plan_pending[ri]:
+                    plan_pending[ri] = True
+                    push(heap, (now, seq, _PLAN, ri, 0))
+                    seq += 1
+            elif rep.interrupt(now):
+                push(heap, (rep.step.end, seq, _END, ri, rep.version))
+                seq += 1
+            if progress is not None and routed % 2000 == 0:
+                progress(routed, n)
+            continue
+        rep = replicas[x]
+        if kind == _PLAN:
+            plan_pending[x] = False
+            if rep.step is not None:
+                continue
+        else:
+            if rep.step is None or ver != rep.version:
+                continue
+            first, done = rep.finish(now)
+            for r in first:
+                router.on_first_token(r.rid)
+            for r in done:
+                router.on_complete(r.rid, cached_tokens=r.hit_tokens)
+                if done_hook is not None:
+                    done_hook(r.rid, rep.name, now)
+                release_successors(r.idx, now)
+        step = rep.plan(now)
+        if step is not None:
+            push(heap, (step.end, seq, _END, x, rep.version))
+            seq += 1
+    if progress is not None:
+        progress(n, n)
+    finished = [r for r in lives if r is not None]
+    return RunResult(
+        policy=getattr(policy, "name", str(policy)),
+        workload=workload.name,
+        replicas=fleet.replicas,
+        requests=finished,
+        stages=[reqs[r.idx].stage for r in finished],
+        replica_busy=[r.busy_time for r in replicas],
+        replica_requests=replica_requests,
+        queue_samples=queue_samples,
+        reasons=reasons,
+        dropped=dropped,
+        preemptions=sum(r.preemptions for r in replicas),
+        evictions=sum(r.evictions for r in replicas),
+        wall_s=time.perf_counter() - t0,
+        sim_end=now,
+        router_errors=router.errors,
+        notes=list(workload.notes),
+        final_blocks=[(len(r.pinned), r.private, len(r.evictable)) for r in replicas],
+    )

@@ -1,0 +1,125 @@
+"""Per-policy figures from one run: hit rate, TTFT percentiles, throughput, queue, hotspot, cost per task."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from decimal import ROUND_HALF_UP, Decimal
+
+from kvroute.sim.engine import FleetConfig, RunResult
+from kvroute.sim.workload import Workload
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (``q`` in [0, 100]) of a non-empty list; NaN when empty."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    if len(xs) == 1:
+        return xs[0]
+    pos = (len(xs) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+@dataclass(slots=True)
+class PolicyMetrics:
+    """What one policy achieved on one workload (times in seconds, money in ``currency``)."""
+
+    policy: str
+    requests: int
+    completed: int
+    dropped: int
+    hit_rate: float
+    first_pass_hit_rate: float | None
+    ttft_p50_s: float
+    ttft_p90_s: float
+    ttft_p99_s: float
+    ttft_mean_s: float
+    output_tok_s: float
+    queue_depth_mean: float
+    queue_depth_max: int
+    hotspot: float
+    cost_per_task: Decimal
+    currency: str
+    makespan_s: float
+    preemptions: int
+    evictions: int
+    wall_s: float
+    router_errors: int
+    reasons: dict[str, int] = field(default_factory=dict)
+    stage_ttft_p90: list[tuple[str, float]] = field(default_factory=list)
+
+    def public(self) -> dict[str, float]:
+        """The issue's JSON fields for this policy."""
+        return {
+            "hit_rate": round(self.hit_rate, 4),
+            "ttft_p50_s": _r(self.ttft_p50_s),
+            "ttft_p90_s": _r(self.ttft_p90_s),
+            "ttft_p99_s": _r(self.ttft_p99_s),
+            "ttft_mean_s": _r(self.ttft_mean_s),
+            "output_tok_s": round(self.output_tok_s, 1),
+            "hotspot": round(self.hotspot, 3),
+            "cost_per_task": float(self.cost_per_task),
+        }
+
+
+def _r(x: float) -> float:
+    return round(x, 4) if math.isfinite(x) else x
+
+
+def summarize(result: RunResult, workload: Workload, fleet: FleetConfig) -> PolicyMetrics:
+    """Aggregate a run. Hit rate is token-weighted over completed requests (cached prompt / prompt tokens)."""
+    done = [r for r in result.requests if r.first_token_at >= 0]
+    prompt = sum(r.prompt for r in done)
+    hit = sum(max(0, r.hit_tokens) for r in done)
+    first_pass = None
+    if workload.first_pass:
+        fp = [r for r in done if r.idx < workload.first_pass]
+        fp_prompt = sum(r.prompt for r in fp)
+        first_pass = sum(max(0, r.hit_tokens) for r in fp) / fp_prompt if fp_prompt else None
+    ttfts = [r.first_token_at - r.arrival for r in done]
+    start = min((r.arrival for r in result.requests), default=0.0)
+    end = max((r.done_at for r in result.requests), default=start)
+    makespan = max(end - start, 1e-9)
+    output = sum(r.output for r in done)
+    busy = result.replica_busy
+    mean_busy = sum(busy) / len(busy) if busy else 0.0
+    hotspot = max(busy) / mean_busy if mean_busy > 0 else 1.0
+    preset = fleet.preset
+    cost = (preset.usd_per_gpu_hour * preset.gpus * fleet.replicas * Decimal(str(makespan)) / Decimal(3600))
+    per_task = (cost / len(done)).quantize(Decimal("0.000001"), ROUND_HALF_UP) if done else Decimal(0)
+    stage_p90: list[tuple[str, float]] = []
+    if workload.stages:
+        by_stage: dict[int, list[float]] = {}
+        for r, st in zip(result.requests, result.stages, strict=True):
+            if r.first_token_at >= 0:
+                by_stage.setdefault(st, []).append(r.first_token_at - r.arrival)
+        stage_p90 = [(workload.stages[s][0], percentile(v, 90)) for s, v in sorted(by_stage.items())]
+    qs = result.queue_samples
+    return PolicyMetrics(
+        policy=result.policy,
+        requests=len(result.requests),
+        completed=len(done),
+        dropped=result.dropped,
+        hit_rate=hit / prompt if prompt else 0.0,
+        first_pass_hit_rate=first_pass,
+        ttft_p50_s=percentile(ttfts, 50),
+        ttft_p90_s=percentile(ttfts, 90),
+        ttft_p99_s=percentile(ttfts, 99),
+        ttft_mean_s=sum(ttfts) / len(ttfts) if ttfts else math.nan,
+        output_tok_s=output / makespan,
+        queue_depth_mean=sum(qs) / len(qs) / fleet.replicas if qs else 0.0,
+        queue_depth_max=max(qs) if qs else 0,
+        hotspot=hotspot,
+        cost_per_task=per_task,
+        currency="USD",
+        makespan_s=makespan,
+        preemptions=result.preemptions,
+        evictions=result.evictions,
+        wall_s=result.wall_s,
+        router_errors=result.router_errors,
+        reasons=dict(result.reasons),
+        stage_ttft_p90=stage_p90,
+    )

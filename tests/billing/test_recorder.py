@@ -1,0 +1,259 @@
+"""UsageRecorder: batching, idempotency, durable spool, database outages, kills mid-write, concurrent writers."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from billing_helpers import event, wait_for
+
+from kvroute.billing.ledger import Ledger
+from kvroute.billing.recorder import UsageRecorder
+from kvroute.billing.spool import Spool
+
+HERE = Path(__file__).parent
+WORKER = HERE / "recorder_worker.py"
+N_KILL = 10000
+
+
+def _spawn(*args: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(HERE)}
+    return subprocess.Popen([sys.executable, str(WORKER), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+
+
+def _count(url: str) -> int:
+    import sqlite3
+    with sqlite3.connect(url.removeprefix("sqlite:///"), timeout=30) as conn:
+        return conn.execute("SELECT count(*) FROM usage_event").fetchone()[0]
+
+
+def _ids(url: str) -> list[str]:
+    from sqlalchemy import select
+
+    from kvroute.billing.models import UsageEventRow
+    led = Ledger.open(url)
+    try:
+        with led.engine.connect() as conn:
+            return list(conn.execute(select(UsageEventRow.event_id)).scalars())
+    finally:
+        led.close()
+
+
+def test_record_batches_and_is_idempotent(db_url: str, tmp_path: Path) -> None:
+    rec = UsageRecorder(db_url, tmp_path / "spool", batch_size=100, flush_interval_s=0.05).start()
+    try:
+        for i in range(1000):
+            rec.record(event(i))
+        assert rec.flush(30)
+        for i in range(1000):  # callbacks fired twice
+            rec.record(event(i))
+        assert rec.flush(30)
+    finally:
+        rec.close()
+    ids = _ids(db_url)
+    assert len(ids) == len(set(ids)) == 1000
+    assert rec.stats.inserted == 1000 and rec.stats.recorded == 2000 and rec.stats.spooled == 0
+
+
+def test_sqlite_unavailable_then_back(tmp_path: Path) -> None:
+    blocker = tmp_path / "dbdir"
+    blocker.write_text("a file where the database folder should be")
+    url = f"sqlite:///{blocker / 'billing.db'}"
+    rec = UsageRecorder(url, tmp_path / "spool", batch_size=50, flush_interval_s=0.05, retry_interval_s=0.1).start()
+    try:
+        for i in range(300):
+            rec.record(event(i))
+        assert rec.flush(30)
+        assert rec.stats.spooled == 300 and not rec.db_available
+        blocker.unlink()
+        blocker.mkdir()  # the database can be created now
+        assert wait_for(lambda: rec.stats.replayed == 300, 20)
+        for i in range(250, 400):  # overlaps the spooled ones
+            rec.record(event(i))
+        assert rec.flush(30)
+    finally:
+        rec.close()
+    ids = _ids(url)
+    assert len(ids) == len(set(ids)) == 400
+    assert not list((tmp_path / "spool").glob("spool-*.jsonl"))  # replayed files are gone
+
+
+class _Cuttable:
+    """A TCP forwarder on 127.0.0.1 in front of PostgreSQL that the test can cut and restore."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self.listener = socket.socket()
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.listener.listen(64)
+        self.up = True
+        self.conns: list[socket.socket] = []
+        self._stop = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        self.listener.settimeout(0.1)
+        while not self._stop:
+            try:
+                client, _ = self.listener.accept()
+            except (TimeoutError, OSError):
+                continue
+            if not self.up:
+                client.close()
+                continue
+            try:
+                upstream = socket.create_connection(self.target)
+            except OSError:
+                client.close()
+                continue
+            self.conns += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(a: socket.socket, b: socket.socket) -> None:
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (a, b):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def cut(self) -> None:
+        self.up = False
+        for s in self.conns:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+        self.conns.clear()
+
+    def restore(self) -> None:
+        self.up = True
+
+    def close(self) -> None:
+        self._stop = True
+        self.cut()
+        self.listener.close()
+
+
+def test_postgres_outage_spools_and_replays(pg_url: str, tmp_path: Path) -> None:
+    from sqlalchemy.engine import make_url
+    url = make_url(pg_url)
+    proxy = _Cuttable((url.host or "127.0.0.1", url.port or 5432))
+    proxied = url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+    rec = UsageRecorder(proxied, tmp_path / "spool", batch_size=50, flush_interval_s=0.05,
+                        retry_interval_s=0.2).start()
+    try:
+        for i in range(200):
+            rec.record(event(i))
+        assert rec.flush(30) and rec.stats.inserted == 200
+        proxy.cut()
+        for i in range(150, 500):
+            rec.record(event(i))
+        assert rec.flush(60)
+        assert rec.stats.spooled > 0
+        proxy.restore()
+        assert wait_for(lambda: rec.db_available and rec.stats.replayed >= rec.stats.spooled, 30)
+        rec.record(event(500))
+        assert rec.flush(30)
+    finally:
+        rec.close()
+        proxy.close()
+    ids = _ids(pg_url)
+    assert len(ids) == len(set(ids)) == 501
+
+
+def test_spool_survives_a_kill_and_is_replayed_on_start(tmp_path: Path) -> None:
+    blocker = tmp_path / "dbdir"
+    blocker.write_text("not a folder")
+    down_url = f"sqlite:///{blocker / 'billing.db'}"
+    spool = tmp_path / "spool"
+    proc = _spawn("record", down_url, str(spool), "0", "300", "100", "hang")
+    try:
+        line = ""
+        while not line.startswith("flushed 300"):
+            line = proc.stdout.readline()  # type: ignore[union-attr]
+            assert line, proc.stderr.read()  # type: ignore[union-attr]
+        assert not Spool(spool).replay(lambda batch: pytest.fail("a live writer's file was replayed"))
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    files = list(spool.glob("spool-*.jsonl"))
+    assert len(files) == 1
+    with files[0].open("a") as f:
+        f.write('{"request_id": "torn", "app_')  # a write the crash cut short: never acknowledged
+    blocker.unlink()
+    blocker.mkdir()
+    rec = UsageRecorder(down_url, spool, flush_interval_s=0.05).start()
+    try:
+        assert wait_for(lambda: rec.stats.replayed == 300, 30)
+    finally:
+        rec.close()
+    ids = _ids(down_url)
+    assert len(ids) == len(set(ids)) == 300
+    assert not list(spool.glob("spool-*.jsonl"))
+
+
+def test_kill_during_ingest_loses_and_duplicates_nothing(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'billing.db'}"
+    src = tmp_path / "events.jsonl"
+    src.write_text("".join(event(i).to_line() + "\n" for i in range(N_KILL)))
+    Ledger.open(url).close()  # migrate first so the kill lands in inserts
+    proc = _spawn("ingest", url, str(src), "500")
+    try:
+        assert wait_for(lambda: _count(url) >= 1000, 60, 0.005)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    partial = _ids(url)
+    assert len(partial) == len(set(partial)) and len(partial) % 500 == 0  # whole batches only
+    assert 0 < len(partial) < N_KILL, "the kill should land mid-import"
+    proc = _spawn("ingest", url, str(src), "500")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert out.strip() == f"done {N_KILL - len(partial)}"
+    ids = _ids(url)
+    assert len(ids) == len(set(ids)) == N_KILL
+
+
+def test_kill_during_recording_keeps_every_flushed_event(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'billing.db'}"
+    Ledger.open(url).close()
+    proc = _spawn("record", url, str(tmp_path / "spool"), "0", "100000", "500")
+    flushed = 0
+    try:
+        while flushed < 3000:
+            line = proc.stdout.readline()  # type: ignore[union-attr]
+            assert line, proc.stderr.read()  # type: ignore[union-attr]
+            flushed = int(line.split()[1])
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    ids = _ids(url)
+    expected = {event(i).event_id for i in range(100000)}
+    assert len(ids) == len(set(ids)) >= flushed
+    assert set(ids) <= expected
+
+
+def test_two_processes_write_at_once(db_url: str, tmp_path: Path) -> None:
+    """Two workers start on a fresh database at once (both run the migrations) and write overlapping events."""
+    procs = [_spawn("record", db_url, str(tmp_path / "spool"), str(start), "3000", "1000")
+             for start in (0, 1500)]  # overlapping ranges: both write 1500..2999
+    for p in procs:
+        _out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+    ids = _ids(db_url)
+    assert len(ids) == len(set(ids)) == 4500
+    assert not list((tmp_path / "spool").glob("spool-*.jsonl"))  # nothing had to be spooled

@@ -1,0 +1,94 @@
+"""The tiny random Llama (deterministic, cached) and a real llama.cpp replica reporting prefix-cache hits."""
+
+from __future__ import annotations
+
+import hashlib
+
+import httpx
+import pytest
+
+from kvroute.plugin.llamacpp import LlamaCppOptions, xllamacpp_available
+from kvroute.plugin.tiny_model import PRESETS, TinyModelSpec, ensure_tiny_model, stdlib_sources
+from kvroute.policies.errors import ConfigError
+
+pytestmark = pytest.mark.skipif(not xllamacpp_available(),
+                                reason="needs the engines extra: pip install 'kvroute[engines]' (xllamacpp, gguf, ...)")
+
+
+@pytest.fixture(scope="module")
+def model_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("kvroute-cache")
+
+
+def _sha(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_spec_validation_names_the_key():
+    with pytest.raises(ConfigError, match=r"tiny_model\.heads"):
+        TinyModelSpec(hidden=250, heads=4)
+    with pytest.raises(ConfigError, match=r"tiny_model\.layers"):
+        TinyModelSpec(layers=0)
+    assert PRESETS["small"].kv_bytes_per_token == 4 * 2 * 256 * 2
+
+
+def test_generation_is_deterministic_and_cached(model_cache, tmp_path):
+    model = ensure_tiny_model(PRESETS["small"], model_cache)
+    assert model.gguf.stat().st_size > 10_000_000
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json", "model.safetensors"):
+        assert (model.hf_dir / name).is_file()
+    stamp = model.gguf.stat().st_mtime_ns
+    assert ensure_tiny_model(PRESETS["small"], model_cache).gguf.stat().st_mtime_ns == stamp  # reused, not rebuilt
+    again = ensure_tiny_model(PRESETS["small"], tmp_path)  # a second, independent generation
+    assert _sha(again.gguf) == _sha(model.gguf)
+    assert _sha(again.tokenizer_json) == _sha(model.tokenizer_json)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(model.tokenizer_json))
+    assert tok.get_vocab_size() == 8192
+    assert tok.decode(tok.encode("def f(x): return x").ids) == "def f(x): return x"
+
+
+def test_options_validation(model_cache):
+    with pytest.raises(ConfigError, match="model_path"):
+        LlamaCppOptions(model_path="/nonexistent.gguf")
+    gguf = str(ensure_tiny_model(PRESETS["small"], model_cache).gguf)
+    with pytest.raises(ConfigError, match="cache_ram_mib"):
+        LlamaCppOptions(model_path=gguf, cache_ram_mib=-1)
+
+
+@pytest.mark.e2e
+def test_replica_reports_cached_tokens_on_a_repeated_prefix(model_cache):
+    from kvroute.plugin.fleet import Fleet, ReplicaOptions
+
+    doc = "".join(p.read_text(errors="ignore") for p in stdlib_sources()[:3])[:3000]
+
+    def ask(client: httpx.Client, url: str, suffix: str, **extra) -> dict:
+        body = {"model": "tiny", "max_tokens": 2, "temperature": 0,
+                "messages": [{"role": "system", "content": doc}, {"role": "user", "content": suffix}], **extra}
+        r = client.post(url + "/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    with Fleet(1, engine="llamacpp", options=ReplicaOptions(cache_dir=str(model_cache), cache_ram_mib=32)) as fleet, \
+            httpx.Client(timeout=60, trust_env=False) as client:
+        url = fleet.api_bases[0]
+        cold = ask(client, url, "first question")
+        warm = ask(client, url, "a second, different question")
+        assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        prompt = warm["usage"]["prompt_tokens"]
+        cached = warm["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert prompt > 500 and 0.9 * prompt < cached < prompt
+        assert warm["timings"]["cache_n"] == cached
+        # streaming: usage with the cached count arrives in the last chunk
+        lines = []
+        with client.stream("POST", url + "/chat/completions", json={
+                "model": "tiny", "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True},
+                "messages": [{"role": "system", "content": doc}, {"role": "user", "content": "third"}]}) as resp:
+            lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        assert '"cached_tokens":' in lines[-2] and '"cached_tokens":0' not in lines[-2]
+        metrics = client.get(fleet.base_urls[0] + "/metrics").text
+        cached_total = next(float(line.split()[-1]) for line in metrics.splitlines()
+                            if line.startswith("llamacpp:prompt_tokens_cached_total"))
+        assert cached_total >= 2 * cached * 0.9

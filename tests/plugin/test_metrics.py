@@ -1,0 +1,66 @@
+"""Metrics: series recorded by the recorders, bounded app labels, served on a port."""
+
+from __future__ import annotations
+
+import httpx
+from hypothesis import given
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
+
+from kvroute.plugin.metrics import OTHER, LabelLimiter, Metrics
+
+
+def test_recorders_update_series():
+    m = Metrics(CollectorRegistry(), max_app_labels=2)
+    m.decision("llama", "cache_aware", "prefix_match", 512)
+    m.completed("llama", "r0", "app1", 1000, 768, 0.05, 0.0012)
+    m.failed("r1", "provider_failure", app="app1")
+    m.breaker("r1", "open", "closed")
+    m.error("filter")
+    m.set_inflight([("r0", 3)])
+    v = m.registry.get_sample_value
+    assert v("kvroute_decisions_total", {"group": "llama", "policy": "cache_aware", "reason": "prefix_match"}) == 1
+    assert v("kvroute_predicted_cached_tokens_total", {"group": "llama"}) == 512
+    assert v("kvroute_confirmed_cached_tokens_total", {"group": "llama"}) == 768
+    assert v("kvroute_ttft_seconds_count", {"backend": "r0"}) == 1
+    assert v("kvroute_app_cost_total", {"app": "app1", "currency": "USD"}) == 0.0012
+    assert v("kvroute_app_requests_total", {"app": "app1", "outcome": "provider_failure"}) == 1
+    assert v("kvroute_breaker_state", {"backend": "r1", "state": "open"}) == 1
+    assert v("kvroute_breaker_state", {"backend": "r1", "state": "closed"}) == 0
+    assert v("kvroute_breaker_transitions_total", {"backend": "r1", "to": "open"}) == 1
+    assert v("kvroute_plugin_errors_total", {"hook": "filter"}) == 1
+    assert v("kvroute_inflight_requests", {"backend": "r0"}) == 3
+
+
+@given(st.lists(st.text(min_size=1, max_size=8), max_size=60), st.integers(min_value=1, max_value=10))
+def test_app_labels_are_bounded(apps, limit):
+    lim = LabelLimiter(limit)
+    labels = {lim(a) for a in apps}
+    assert len(labels - {OTHER}) <= limit
+    assert lim(None) == "unknown"
+
+
+def test_serve_on_a_free_port():
+    m = Metrics(CollectorRegistry())
+    try:
+        port = m.serve(0)
+        assert m.serve(0) == port
+        m.decision("g", "p", "r", 0)
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", trust_env=False).text
+        assert "kvroute_decisions_total" in text
+    finally:
+        m.close()
+
+
+def test_grafana_dashboard_uses_only_existing_series():
+    import json
+    import re
+    from pathlib import Path
+
+    m = Metrics(CollectorRegistry())
+    m.completed("g", "b", "a", 1, 1, 0.1, 0.1)
+    names = {s.name for metric in m.registry.collect() for s in metric.samples}
+    names |= {f.name for f in m.registry.collect()}
+    dash = json.loads((Path(__file__).resolve().parents[2] / "examples" / "grafana-dashboard.json").read_text())
+    used = {n for p in dash["panels"] for t in p["targets"] for n in re.findall(r"kvroute_[a-z_]+", t["expr"])}
+    assert used and used <= names | {n + "_total" for n in names}, used - names

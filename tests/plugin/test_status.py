@@ -1,0 +1,83 @@
+"""``kvroute status``: the routes the plugin mounts on an app, and the command reading them over HTTP."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+import uvicorn
+from prometheus_client import CollectorRegistry
+from starlette.applications import Starlette
+from starlette.routing import Route
+from typer.testing import CliRunner
+
+from kvroute.plugin.cli import app as cli_app
+from kvroute.plugin.litellm_hooks import KvrouteCallback
+from kvroute.plugin.metrics import Metrics
+from kvroute.plugin.settings import KvrouteSettings
+from kvroute.plugin.status import mount_routes
+
+
+@pytest.fixture
+def served():
+    cb = KvrouteCallback(KvrouteSettings(breaker={"consecutive_failures": 1}), metrics=Metrics(CollectorRegistry()),
+                         mount=False)
+    deps = [{"model_name": "llama", "litellm_params": {"model": "openai/m", "api_base": f"http://h{i}/v1"},
+             "model_info": {"id": f"r{i}", "engine": "vllm"}} for i in range(2)]
+    cb.filter("llama", deps, [{"role": "user", "content": "hello " * 200}], {"metadata": {}})
+    cb.health.record("r1", "provider_failure", cb.clock())
+
+    async def catch_all(_request):
+        from starlette.responses import PlainTextResponse
+
+        return PlainTextResponse("proxy route", status_code=404)
+
+    app = Starlette(routes=[Route("/{path:path}", catch_all)])
+    assert mount_routes(app, cb) == ["/kvroute/status", "/kvroute/metrics"]
+    assert mount_routes(app, cb) == []  # idempotent
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="error"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    for _ in range(100):
+        if server.started:
+            break
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(5)
+        sock.close()
+
+
+def test_status_json_over_http(served):
+    result = CliRunner().invoke(cli_app, ["status", "--proxy", served, "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["backends"]["r0"]["breaker"] == "closed"
+    assert data["backends"]["r1"]["breaker"] == "open"
+    assert data["backends"]["r0"]["kind"] == "self_hosted"
+    assert data["groups"]["llama"]["policy"] == "cache_aware"
+    assert data["pending"] == 1
+
+
+def test_status_table_and_metrics_route(served):
+    import httpx
+
+    result = CliRunner().invoke(cli_app, ["status", "--proxy", served])
+    assert result.exit_code == 0 and "r1" in result.output and "open" in result.output
+    text = httpx.get(served + "/kvroute/metrics", trust_env=False).text
+    assert "kvroute_breaker_state" in text
+
+
+def test_unreachable_proxy_exits_2():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = CliRunner().invoke(cli_app, ["status", "--proxy", f"http://127.0.0.1:{port}"])
+    assert result.exit_code == 2 and "cannot reach" in result.output
