@@ -24,7 +24,8 @@ from typing import Any
 from kvroute.policies.base import RoutingState
 from kvroute.policies.decision import Decision
 from kvroute.policies.errors import ConfigError
-from kvroute.policies.health import HealthBoard, RollingLatency, percentile
+from kvroute.policies.health import HealthBoard
+from kvroute.policies.rolling import RollingLatency, percentile
 from kvroute.policies.request import RoutingRequest
 
 MILLION = Decimal(1_000_000)
