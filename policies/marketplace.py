@@ -25,8 +25,8 @@ from kvroute.policies.base import RoutingState
 from kvroute.policies.decision import Decision
 from kvroute.policies.errors import ConfigError
 from kvroute.policies.health import HealthBoard
-from kvroute.policies.rolling import RollingLatency, percentile
 from kvroute.policies.request import RoutingRequest
+from kvroute.policies.rolling import RollingLatency, percentile
 
 MILLION = Decimal(1_000_000)
 # Provider kinds that understand an OpenAI-style ``prompt_cache_key`` / OpenRouter's ``session_id``.
