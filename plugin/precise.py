@@ -17,19 +17,15 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
-
-import xxhash
 
 from kvroute.plugin import precise_metrics as pm
 from kvroute.plugin.engine_metrics import EngineMetricsScraper
 from kvroute.plugin.kvevents import EventSource, KvEventFeed
 from kvroute.plugin.tokenizing import PromptTokenizer
-from kvroute.policies.fingerprint import _session_value, chain_seed, token_keys
+from kvroute.policies.fingerprint import chain_seed, new_request_id, session_key, token_keys
 from kvroute.policies.precise_index import PreciseIndex
-from kvroute.policies.render import to_bytes
 from kvroute.policies.request import RoutingRequest
 
 log = logging.getLogger(__name__)
@@ -136,10 +132,6 @@ class PreciseGroup:
             seed = self._seeds[seed_key] = chain_seed(*seed_key)
         keys = token_keys(ids, bs, seed, max(1, self.max_prefix_tokens // bs))
         tenant = fields.get("tenant")
-        session = _session_value(kwargs, fields.get("headers"))
-        session_key = None
-        if session is not None:
-            session_key = xxhash.xxh3_64_hexdigest(to_bytes((tenant or "") + chr(0) + session))
         self.decisions["precise"] += 1
         pm.PRECISE_DECISIONS.labels(self.model, "precise", "ok").inc()
         return RoutingRequest(
@@ -147,11 +139,11 @@ class PreciseGroup:
             keys=keys,
             block_tokens=bs,
             prompt_tokens=len(ids),
-            session_key=session_key,
+            session_key=session_key(kwargs, fields.get("headers"), tenant),
             tenant=tenant,
             app=fields.get("app"),
             tags=dict(fields.get("tags") or {}),
-            request_id=fields.get("request_id") or str(uuid.uuid4()),
+            request_id=fields.get("request_id") or new_request_id(),
             kind="chat" if kwargs.get("messages") is not None else "completion",
             notes=("precise",),
             key_space="tokens",

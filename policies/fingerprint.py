@@ -98,6 +98,15 @@ def _session_value(kwargs: Mapping[str, Any], headers: Mapping[str, str] | None)
     return None
 
 
+def session_key(kwargs: Mapping[str, Any], headers: Mapping[str, str] | None = None,
+                tenant: str | None = None) -> str | None:
+    """Salted hash of the request's session id (metadata, header or ``user``), scoped by tenant; None if absent."""
+    session = _session_value(kwargs, headers)
+    if session is None:
+        return None
+    return xxhash.xxh3_64_hexdigest(to_bytes((tenant or "") + "\x00" + session))
+
+
 class Fingerprinter:
     """Builds ``RoutingRequest`` objects from OpenAI-style kwargs. Never raises on bad input."""
 
@@ -153,16 +162,12 @@ class Fingerprinter:
                 prompt_tokens = int(len(data) / self.config.bytes_per_token)
                 block_tokens = self._block_tokens
                 key_space = "bytes"
-            session = _session_value(kw, headers)
-            session_key = None
-            if session is not None:
-                session_key = f"{xxhash.xxh3_64_hexdigest(to_bytes((tenant or '') + chr(0) + session))}"
             return RoutingRequest(
                 model=model_name,
                 keys=keys,
                 block_tokens=block_tokens,
                 prompt_tokens=prompt_tokens,
-                session_key=session_key,
+                session_key=session_key(kw, headers, tenant),
                 tenant=tenant,
                 app=app,
                 tags=dict(tags or {}),
