@@ -7,9 +7,11 @@ from kvroute.policies.base import Policy, RoutingState
 from kvroute.policies.cache_aware import CacheAware, CacheAwareConfig
 from kvroute.policies.decision import Decision
 from kvroute.policies.errors import ConfigError, InputError, KvrouteError
-from kvroute.policies.fingerprint import FingerprintConfig, Fingerprinter, chain_seed, token_keys
+from kvroute.policies.fingerprint import FingerprintConfig, Fingerprinter, chain_seed, session_key, token_keys
+from kvroute.policies.health import BreakerConfig, BreakerState, CircuitBreaker, HealthBoard, Outcome, classify
 from kvroute.policies.least_load import LeastLoad
 from kvroute.policies.load import BackendLoad, ExternalSignal, LoadTracker
+from kvroute.policies.marketplace import Marketplace, MarketplaceConfig, ProviderQuote
 from kvroute.policies.prefix_hash import PrefixHash, PrefixHashConfig
 from kvroute.policies.prefix_index import PrefixIndex, PrefixIndexConfig, PrefixLocator
 from kvroute.policies.registry import DEFAULT_POLICY, build_policy, policy_names, register_policy
@@ -21,23 +23,31 @@ from kvroute.policies.session_affinity import SessionAffinity, SessionAffinityCo
 __all__ = [
     "DEFAULT_POLICY",
     "BackendLoad",
+    "BreakerConfig",
+    "BreakerState",
     "CacheAware",
     "CacheAwareConfig",
+    "CircuitBreaker",
     "ConfigError",
     "Decision",
     "ExternalSignal",
     "FingerprintConfig",
     "Fingerprinter",
+    "HealthBoard",
     "InputError",
     "KvrouteError",
     "LeastLoad",
     "LoadTracker",
+    "Marketplace",
+    "MarketplaceConfig",
+    "Outcome",
     "Policy",
     "PrefixHash",
     "PrefixHashConfig",
     "PrefixIndex",
     "PrefixIndexConfig",
     "PrefixLocator",
+    "ProviderQuote",
     "RoundRobin",
     "Router",
     "RouterConfig",
@@ -47,7 +57,9 @@ __all__ = [
     "SessionAffinityConfig",
     "build_policy",
     "chain_seed",
+    "classify",
     "policy_names",
     "register_policy",
+    "session_key",
     "token_keys",
 ]
