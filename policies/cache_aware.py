@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from kvroute.policies.base import RoutingState, least_load_decision
 from kvroute.policies.decision import Decision
-from kvroute.policies.hashing import bounded_load_cap
+from kvroute.policies.filters import bounded_load
 from kvroute.policies.request import RoutingRequest
 
 
@@ -66,8 +66,7 @@ class CacheAware:
                                        skipped="short_prompt")
         load = state.load
         # Filter: bounded load keeps any backend from taking more than (1+ε)× its fair share.
-        cap = bounded_load_cap(load.total_inflight(candidates), len(candidates), cfg.epsilon, cfg.min_cap)
-        allowed = [b for b in candidates if load.inflight(b) + 1 <= cap] or list(candidates)
+        allowed, _ = bounded_load(candidates, load, cfg.epsilon, cfg.min_cap)
         matches = state.index.match(request.keys, allowed, now)
         prompt = request.prompt_tokens
         block_tokens = request.block_tokens

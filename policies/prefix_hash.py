@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from kvroute.policies.base import RoutingState, least_load_decision
 from kvroute.policies.decision import Decision
-from kvroute.policies.hashing import bounded_load_cap
+from kvroute.policies.filters import sticky_within_bound
 from kvroute.policies.request import RoutingRequest
 
 
@@ -39,12 +39,9 @@ class PrefixHash:
         key = request.prefix_key(self.config.prefix_tokens)
         if key is None or request.routable_tokens < self.config.min_prefix_tokens:
             return least_load_decision(request, candidates, state, now, self.name, skipped="short_prompt")
-        load = state.load
-        cap = bounded_load_cap(load.total_inflight(candidates), len(candidates), self.config.epsilon,
-                               self.config.min_cap)
-        ordered = state.rendezvous.order(key, candidates)
-        backend = next((b for b in ordered if load.inflight(b) + 1 <= cap), ordered[0])
-        reason = "prefix_hash" if backend == ordered[0] else "prefix_hash_overflow"
+        order = state.rendezvous.order(key, candidates)
+        backend, home, cap = sticky_within_bound(order, state.load, self.config.epsilon, self.config.min_cap)
+        reason = "prefix_hash" if home else "prefix_hash_overflow"
         return Decision(backend, self.name, reason, prompt_tokens=request.prompt_tokens,
                         request_id=request.request_id, predicted_prefill_tokens=request.prompt_tokens,
                         scores={"load_cap": float(cap)})

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from kvroute.policies.base import RoutingState, least_load_decision
 from kvroute.policies.decision import Decision
-from kvroute.policies.hashing import bounded_load_cap
+from kvroute.policies.filters import sticky_within_bound
 from kvroute.policies.request import RoutingRequest
 
 
@@ -36,12 +36,9 @@ class SessionAffinity:
     ) -> Decision:
         if not request.session_key:
             return least_load_decision(request, candidates, state, now, self.name, skipped="no_session_key")
-        load = state.load
-        cap = bounded_load_cap(load.total_inflight(candidates), len(candidates), self.config.epsilon,
-                               self.config.min_cap)
-        ordered = state.rendezvous.order(request.session_key, candidates)
-        backend = next((b for b in ordered if load.inflight(b) + 1 <= cap), ordered[0])
-        reason = "session" if backend == ordered[0] else "session_overflow"
+        order = state.rendezvous.order(request.session_key, candidates)
+        backend, home, cap = sticky_within_bound(order, state.load, self.config.epsilon, self.config.min_cap)
+        reason = "session" if home else "session_overflow"
         return Decision(backend, self.name, reason, prompt_tokens=request.prompt_tokens,
                         request_id=request.request_id, predicted_prefill_tokens=request.prompt_tokens,
                         scores={"load_cap": float(cap)})

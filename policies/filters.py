@@ -1,0 +1,28 @@
+"""Filters: narrow the candidates before scoring. Each returns a non-empty subset when given one."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvroute.policies.hashing import bounded_load_cap
+from kvroute.policies.load import LoadTracker
+
+
+def bounded_load(candidates: Sequence[str], load: LoadTracker, epsilon: float, min_cap: int) -> tuple[list[str], int]:
+    """Backends that can take one more request within ``max(min_cap, ⌈(1+ε)·mean⌉)`` in-flight, and that cap.
+
+    Falls back to every candidate when none fits (all equally full), so a pick is always possible.
+    """
+    cap = bounded_load_cap(load.total_inflight(candidates), len(candidates), epsilon, min_cap)
+    allowed = [b for b in candidates if load.inflight(b) + 1 <= cap]
+    return (allowed or list(candidates)), cap
+
+
+def sticky_within_bound(
+    order: Sequence[str], load: LoadTracker, epsilon: float, min_cap: int
+) -> tuple[str, bool, int]:
+    """First backend in a key's rendezvous ``order`` that passes the load bound: (backend, is_home, cap)."""
+    allowed, cap = bounded_load(order, load, epsilon, min_cap)
+    fits = set(allowed)
+    backend = next((b for b in order if b in fits), order[0])
+    return backend, backend == order[0], cap
