@@ -33,7 +33,6 @@ async def main() -> None:
                 model="llama", max_tokens=8,
                 messages=[system, {"role": "user", "content": f"chat {chat}, turn {turn}"}],
                 metadata={"app": "sdk-example", "workload": "agent"},
-                stream_options={"include_usage": True},
             )
             details = resp.usage.prompt_tokens_details
             cached = (details.cached_tokens or 0) if details else 0

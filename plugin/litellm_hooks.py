@@ -25,10 +25,22 @@ from typing import Any
 from litellm.integrations.custom_logger import CustomLogger
 
 from kvroute.plugin.deployments import Backend, Deployments, litellm_cost_map
+from kvroute.plugin.hosted import forward_cache_key, provider_quote
 from kvroute.plugin.metrics import Metrics
 from kvroute.plugin.rules import RuleBook, request_tags
 from kvroute.plugin.settings import KvrouteSettings, load_settings, read_model_list
-from kvroute.plugin.signals import HealthAdapter, breaker_config, cached_tokens_of, classify_failure, ttft_of
+from kvroute.plugin.signals import (
+    HealthAdapter,
+    breaker_config,
+    cached_tokens_of,
+    classify_failure,
+    completion_tokens_of,
+    deployment_id,
+    duration_s,
+    prompt_tokens_of,
+    request_metadata,
+    ttft_of,
+)
 from kvroute.policies import FingerprintConfig, PrefixIndexConfig, Router, RouterConfig
 from kvroute.policies.registry import policy_names
 
@@ -36,7 +48,6 @@ log = logging.getLogger("kvroute.plugin")
 
 RID_KEY = "kvroute_rid"
 ATTEMPT_KEY = "kvroute_attempt"
-CACHE_KEY_PROVIDERS = {"openai", "openai_compatible", "marketplace", "azure", "deepseek"}
 MAX_TICKETS = 100_000
 
 
@@ -57,39 +68,6 @@ class Ticket:
     outcome: str | None = None
     request: Any = None
     policy: Any = None
-
-
-def _metadata(kwargs: Mapping[str, Any], create: bool = False) -> dict[str, Any] | None:
-    """The request's metadata dict (the same object reaches every hook of the request)."""
-    for name in ("metadata", "litellm_metadata"):
-        meta = kwargs.get(name)
-        if isinstance(meta, dict):
-            return meta
-    params = kwargs.get("litellm_params")
-    if isinstance(params, Mapping) and isinstance(params.get("metadata"), dict):
-        return params["metadata"]
-    if create and isinstance(kwargs, dict):
-        meta = kwargs["metadata"] = {}
-        return meta
-    return None
-
-
-def _deployment_id(kwargs: Mapping[str, Any]) -> str | None:
-    info = kwargs.get("model_info")
-    if isinstance(info, Mapping) and info.get("id"):
-        return str(info["id"])
-    slo = kwargs.get("standard_logging_object")
-    if isinstance(slo, Mapping) and slo.get("model_id"):
-        return str(slo["model_id"])
-    params = kwargs.get("litellm_params")
-    if isinstance(params, Mapping):
-        info = params.get("model_info")
-        if isinstance(info, Mapping) and info.get("id"):
-            return str(info["id"])
-    meta = _metadata(kwargs)
-    if meta and isinstance(meta.get("model_info"), Mapping) and meta["model_info"].get("id"):
-        return str(meta["model_info"]["id"])
-    return None
 
 
 class KvrouteCallback(CustomLogger):
@@ -309,7 +287,7 @@ class KvrouteCallback(CustomLogger):
         if hasattr(policy, "attach_health") and getattr(policy, "health", None) is None:
             policy.attach_health(self.health.board)
         if hasattr(policy, "set_quotes"):
-            quotes = [q for q in (_quote(b) for b in backends) if q is not None]
+            quotes = [q for q in (provider_quote(b) for b in backends) if q is not None]
             known = {q.backend for q in getattr(policy, "_quotes", {}).values()} if hasattr(policy, "_quotes") \
                 else set()
             if quotes and not {q.backend for q in quotes} <= known:
@@ -344,7 +322,7 @@ class KvrouteCallback(CustomLogger):
         pairs = [(d, self.fleet.backend(d)) for d in healthy]
         group = str(model)
         allowed = [(d, b) for d, b in pairs if self.health.available(b.id, now)]
-        meta = _metadata(kwargs, create=True)
+        meta = request_metadata(kwargs, create=True)
         assert meta is not None
         self._close_previous(meta, kwargs)
         rid = self._new_rid(meta, kwargs)
@@ -433,7 +411,7 @@ class KvrouteCallback(CustomLogger):
             old.router.on_cancel(old.rid)
 
     def _ticket(self, kwargs: Mapping[str, Any], pop: bool = False) -> Ticket | None:
-        meta = _metadata(kwargs)
+        meta = request_metadata(kwargs)
         rid = meta.get(RID_KEY) if meta else None
         if not rid:
             slo = kwargs.get("standard_logging_object")
@@ -472,7 +450,7 @@ class KvrouteCallback(CustomLogger):
 
     def pre_call(self, kwargs: dict) -> dict | None:
         ticket = self._ticket(kwargs)
-        backend_id = _deployment_id(kwargs)
+        backend_id = deployment_id(kwargs)
         if ticket is None or backend_id is None:
             return None
         if backend_id != ticket.backend:
@@ -482,7 +460,7 @@ class KvrouteCallback(CustomLogger):
         backend = self.fleet.backends.get(backend_id)
         if backend is None or backend.self_hosted or not self.settings.forward_cache_key or not ticket.cache_key:
             return None
-        return _forward_cache_key(kwargs, backend, ticket.cache_key)
+        return forward_cache_key(kwargs, backend, ticket.cache_key)
 
     async def async_post_call_streaming_deployment_hook(self, request_data: dict, response_chunk: Any,
                                                         call_type: Any) -> Any:
@@ -546,11 +524,11 @@ class KvrouteCallback(CustomLogger):
         ticket = self._ticket(kwargs, pop=True)
         slo = kwargs.get("standard_logging_object") if isinstance(kwargs.get("standard_logging_object"), Mapping) \
             else {}
-        backend_id = _deployment_id(kwargs) or (ticket.backend if ticket else None)
+        backend_id = deployment_id(kwargs) or (ticket.backend if ticket else None)
         cached = cached_tokens_of(response_obj)
         ttft = ttft_of(kwargs, slo, start_time, end_time)
         group = str(slo.get("model_group") or (ticket.group if ticket else "") or "")
-        prompt_tokens = _prompt_tokens(response_obj, slo)
+        prompt_tokens = prompt_tokens_of(response_obj, slo)
         if ticket is not None:
             if not ticket.first_token:
                 ticket.router.on_first_token(ticket.rid)
@@ -558,13 +536,13 @@ class KvrouteCallback(CustomLogger):
             ticket.outcome = "success"
             if ticket.policy is not None and backend_id is not None:
                 ticket.policy.record_success(ticket.request, backend_id, self.clock(), cached_tokens=cached,
-                                             ttft_s=ttft, output_tokens=_completion_tokens(response_obj),
-                                             duration_s=_seconds(start_time, end_time))
+                                             ttft_s=ttft, output_tokens=completion_tokens_of(response_obj),
+                                             duration_s=duration_s(start_time, end_time))
         if backend_id is not None:
             self.health.record(backend_id, "success", self.clock(), ttft_s=ttft,
                                started_at=ticket.started if ticket else None)
             cost = kwargs.get("response_cost", slo.get("response_cost"))
-            app = ticket.app if ticket else self._app(_metadata(kwargs) or {}, kwargs)
+            app = ticket.app if ticket else self._app(request_metadata(kwargs) or {}, kwargs)
             self.metrics.completed(group, backend_id, app, prompt_tokens, cached, ttft,
                                    cost if isinstance(cost, int | float) else None)
             if ticket is not None:
@@ -583,7 +561,7 @@ class KvrouteCallback(CustomLogger):
 
     def on_attempt_failure(self, request_data: Mapping[str, Any], exception: BaseException) -> None:
         ticket = self._ticket(request_data, pop=True)
-        backend_id = _deployment_id(request_data) or (ticket.backend if ticket else None)
+        backend_id = deployment_id(request_data) or (ticket.backend if ticket else None)
         failure = classify_failure(exception)
         if ticket is not None:
             if failure.outcome == "cancelled":
@@ -623,10 +601,10 @@ class KvrouteCallback(CustomLogger):
         if self.recorder is None or self._event_from_callback is None:
             return
         try:
-            rid = str((_metadata(kwargs) or {}).get(RID_KEY) or "")
+            rid = str((request_metadata(kwargs) or {}).get(RID_KEY) or "")
             base, _, attempt = rid.rpartition(":")
             event = self._event_from_callback(kwargs, response_obj, outcome=outcome, start_time=start,
-                                              end_time=end, backend_id=_deployment_id(kwargs),
+                                              end_time=end, backend_id=deployment_id(kwargs),
                                               request_id=base or None,
                                               attempt=int(attempt) if attempt.isdigit() else None)
             if event is not None:
@@ -677,67 +655,6 @@ class KvrouteCallback(CustomLogger):
         if self._shared is not None:
             with contextlib.suppress(Exception):
                 self._shared.close()
-
-
-def _prompt_tokens(response_obj: Any, slo: Mapping[str, Any]) -> int:
-    usage = getattr(response_obj, "usage", None)
-    if usage is None and isinstance(response_obj, Mapping):
-        usage = response_obj.get("usage")
-    value = getattr(usage, "prompt_tokens", None) if usage is not None and not isinstance(usage, Mapping) \
-        else (usage or {}).get("prompt_tokens")
-    if value is None:
-        value = slo.get("prompt_tokens")
-    try:
-        return int(value or 0)
-    except (TypeError, ValueError):
-        return 0
-
-
-def _completion_tokens(response_obj: Any) -> int | None:
-    usage = getattr(response_obj, "usage", None)
-    value = getattr(usage, "completion_tokens", None) if usage is not None else None
-    return int(value) if isinstance(value, int) else None
-
-
-def _seconds(start: Any, end: Any) -> float | None:
-    try:
-        value = (end - start).total_seconds()
-    except Exception:
-        return None
-    return value if value >= 0 else None
-
-
-def _quote(backend: Backend) -> Any:
-    """The marketplace rate card of a priced hosted backend (None when unpriced or self-hosted)."""
-    if backend.self_hosted or backend.input_price is None or backend.output_price is None:
-        return None
-    from kvroute.policies.marketplace import ProviderQuote
-
-    return ProviderQuote(backend=backend.id, provider=backend.provider, model=backend.model,
-                         input_price=backend.input_price, output_price=backend.output_price,
-                         cache_read_price=backend.cache_read_price, kind=backend.provider,
-                         currency=backend.currency)
-
-
-def _forward_cache_key(kwargs: dict, backend: Backend, key: str) -> dict | None:
-    """Set ``prompt_cache_key`` (OpenAI-compatible) or OpenRouter ``session_id`` unless the user set one."""
-    if backend.provider == "openrouter":
-        extra = kwargs.get("extra_body")
-        if not isinstance(extra, dict):
-            extra = {}
-        if "session_id" in extra or kwargs.get("session_id"):
-            return None
-        kwargs["extra_body"] = {**extra, "session_id": key}
-        return kwargs
-    if backend.provider in CACHE_KEY_PROVIDERS:
-        if kwargs.get("prompt_cache_key"):
-            return None
-        extra = kwargs.get("extra_body")
-        if isinstance(extra, Mapping) and extra.get("prompt_cache_key"):
-            return None
-        kwargs["prompt_cache_key"] = key
-        return kwargs
-    return None
 
 
 def _precise_index(fallback: PrefixIndexConfig) -> Any:

@@ -18,6 +18,71 @@ from kvroute.policies.errors import ConfigError
 from kvroute.policies.health import BreakerConfig, HealthBoard, Outcome, Transition, classify
 
 
+def request_metadata(kwargs: Mapping[str, Any], create: bool = False) -> dict[str, Any] | None:
+    """The request's metadata dict (the same object reaches every hook of the request)."""
+    for name in ("metadata", "litellm_metadata"):
+        meta = kwargs.get(name)
+        if isinstance(meta, dict):
+            return meta
+    params = kwargs.get("litellm_params")
+    if isinstance(params, Mapping) and isinstance(params.get("metadata"), dict):
+        return params["metadata"]
+    if create and isinstance(kwargs, dict):
+        meta = kwargs["metadata"] = {}
+        return meta
+    return None
+
+
+def deployment_id(kwargs: Mapping[str, Any]) -> str | None:
+    """The ``model_info.id`` of the deployment an attempt went to, wherever this hook's payload keeps it."""
+    info = kwargs.get("model_info")
+    if isinstance(info, Mapping) and info.get("id"):
+        return str(info["id"])
+    slo = kwargs.get("standard_logging_object")
+    if isinstance(slo, Mapping) and slo.get("model_id"):
+        return str(slo["model_id"])
+    params = kwargs.get("litellm_params")
+    if isinstance(params, Mapping):
+        info = params.get("model_info")
+        if isinstance(info, Mapping) and info.get("id"):
+            return str(info["id"])
+    meta = request_metadata(kwargs)
+    if meta and isinstance(meta.get("model_info"), Mapping) and meta["model_info"].get("id"):
+        return str(meta["model_info"]["id"])
+    return None
+
+
+def prompt_tokens_of(response_obj: Any, slo: Mapping[str, Any]) -> int:
+    """Prompt tokens from the response usage, else the standard logging payload (0 when unknown)."""
+    usage = getattr(response_obj, "usage", None)
+    if usage is None and isinstance(response_obj, Mapping):
+        usage = response_obj.get("usage")
+    value = getattr(usage, "prompt_tokens", None) if usage is not None and not isinstance(usage, Mapping) \
+        else (usage or {}).get("prompt_tokens")
+    if value is None:
+        value = slo.get("prompt_tokens")
+    try:
+        return int(value or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+def completion_tokens_of(response_obj: Any) -> int | None:
+    """Completion tokens from the response usage (None when unknown)."""
+    usage = getattr(response_obj, "usage", None)
+    value = getattr(usage, "completion_tokens", None) if usage is not None else None
+    return int(value) if isinstance(value, int) else None
+
+
+def duration_s(start: Any, end: Any) -> float | None:
+    """Seconds between two datetimes (None when either is missing or the order is wrong)."""
+    try:
+        value = (end - start).total_seconds()
+    except Exception:
+        return None
+    return value if value >= 0 else None
+
+
 def _get(obj: Any, name: str) -> Any:
     if obj is None:
         return None

@@ -116,20 +116,20 @@ except Exception as exc:
 
 def test_cache_key_forwarding_rules():
     from kvroute.plugin.deployments import classify
-    from kvroute.plugin.litellm_hooks import _forward_cache_key
+    from kvroute.plugin.hosted import forward_cache_key
 
     def backend(model, api_base=None):
         return classify({"model_name": "g", "litellm_params": {"model": model, "api_base": api_base},
                          "model_info": {"id": "b"}})
 
     kw = {"model": "x"}
-    assert _forward_cache_key(kw, backend("openai/gpt-4o"), "kvr-1")["prompt_cache_key"] == "kvr-1"
+    assert forward_cache_key(kw, backend("openai/gpt-4o"), "kvr-1")["prompt_cache_key"] == "kvr-1"
     kw = {"prompt_cache_key": "mine"}
-    assert _forward_cache_key(kw, backend("openai/gpt-4o"), "kvr-1") is None and kw["prompt_cache_key"] == "mine"
+    assert forward_cache_key(kw, backend("openai/gpt-4o"), "kvr-1") is None and kw["prompt_cache_key"] == "mine"
     kw = {"extra_body": {"other": 1}}
-    out = _forward_cache_key(kw, backend("openrouter/deepseek/deepseek-chat"), "kvr-2")
+    out = forward_cache_key(kw, backend("openrouter/deepseek/deepseek-chat"), "kvr-2")
     assert out["extra_body"] == {"other": 1, "session_id": "kvr-2"}
     kw = {"extra_body": {"session_id": "user"}}
-    assert _forward_cache_key(kw, backend("openrouter/x/y"), "kvr-2") is None
-    assert _forward_cache_key({}, backend("anthropic/claude-3-5-sonnet-20240620"), "kvr-3") is None
-    assert _forward_cache_key({}, backend("openai/m", "https://api.shareai.now/v1"), "k")["prompt_cache_key"] == "k"
+    assert forward_cache_key(kw, backend("openrouter/x/y"), "kvr-2") is None
+    assert forward_cache_key({}, backend("anthropic/claude-3-5-sonnet-20240620"), "kvr-3") is None
+    assert forward_cache_key({}, backend("openai/m", "https://api.shareai.now/v1"), "k")["prompt_cache_key"] == "k"

@@ -88,7 +88,8 @@ def test_replica_reports_cached_tokens_on_a_repeated_prefix(model_cache):
             lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
         assert lines[-1] == "data: [DONE]"
         assert '"cached_tokens":' in lines[-2] and '"cached_tokens":0' not in lines[-2]
-        metrics = client.get(fleet.base_urls[0] + "/metrics").text
+        # a fresh connection: llama.cpp may close the kept-alive one after a stream
+        metrics = httpx.get(fleet.base_urls[0] + "/metrics", timeout=60, trust_env=False).text
         cached_total = next(float(line.split()[-1]) for line in metrics.splitlines()
                             if line.startswith("llamacpp:prompt_tokens_cached_total"))
         assert cached_total >= 2 * cached * 0.9
