@@ -157,3 +157,39 @@ def log_tail(path: Path, lines: int = 30) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError as exc:
         return f"(log {path} unreadable: {exc.strerror or exc}; was its directory removed?)"
+
+
+class ChildOwner:
+    """Base of objects that own child processes: ``with`` starts them (SIGTERM/SIGHUP become ``SystemExit``
+    meanwhile, so cleanup runs) and always stops them. Subclasses implement idempotent ``start``/``stop``."""
+
+    _signals: contextlib.AbstractContextManager[None] | None = None
+
+    def start(self) -> ChildOwner:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def _leave_signals(self) -> None:
+        if self._signals is not None:
+            self._signals.__exit__(None, None, None)
+            self._signals = None
+
+    def __enter__(self):
+        self._signals = exit_on_signals()
+        self._signals.__enter__()
+        try:
+            return self.start()
+        except BaseException:
+            try:
+                self.stop()
+            finally:
+                self._leave_signals()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.stop()
+        finally:
+            self._leave_signals()

@@ -19,8 +19,8 @@ from typing import Literal
 import httpx
 
 from kvroute.plugin.child_processes import (
+    ChildOwner,
     ChildStartError,
-    exit_on_signals,
     kill,
     log_tail,
     read_ready_file,
@@ -99,7 +99,7 @@ class Replica:
         return self.process.poll() is None
 
 
-class Fleet:
+class Fleet(ChildOwner):
     """N replicas of one engine kind; a context manager that always stops what it started."""
 
     def __init__(self, replicas: int = 3, engine: str = "auto", options: ReplicaOptions | None = None,
@@ -115,7 +115,6 @@ class Fleet:
         self._own_workdir = workdir is None
         self.workdir = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="kvroute-fleet-"))
         self.replicas: list[Replica] = []
-        self._signals = None
         self._model_path: str | None = None
 
     # ------------------------------------------------------------------ views
@@ -219,21 +218,4 @@ class Fleet:
             replica.stopped = True
         if self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
-
-    def __enter__(self) -> Fleet:
-        self._signals = exit_on_signals()
-        self._signals.__enter__()
-        try:
-            return self.start()
-        except BaseException:
-            self._signals.__exit__(None, None, None)
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            self.stop()
-        finally:
-            if self._signals is not None:
-                self._signals.__exit__(None, None, None)
-                self._signals = None
-        self._model_path: str | None = None
+        self._model_path = None

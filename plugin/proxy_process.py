@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import yaml
 
-from kvroute.plugin.child_processes import ChildStartError, exit_on_signals, log_tail, spawn, terminate
+from kvroute.plugin.child_processes import ChildOwner, ChildStartError, log_tail, spawn, terminate
 from kvroute.policies.errors import ConfigError
 
 KVROUTE_CALLBACK = "kvroute.plugin.kvroute_callback"
@@ -112,7 +112,7 @@ def litellm_command() -> list[str]:
     return [sys.executable, "-c", "import sys; from litellm.proxy.proxy_cli import run_server; sys.exit(run_server())"]
 
 
-class ProxyProcess:
+class ProxyProcess(ChildOwner):
     """A ``litellm --config`` process on 127.0.0.1; ``with ProxyProcess(cfg) as proxy: proxy.base_url``.
 
     ``kvroute_settings`` (the ``kvroute:`` block, e.g. ``{"groups": {"g": {"policy": "round_robin"}}}``) is written
@@ -135,7 +135,6 @@ class ProxyProcess:
         self.process = None
         self.config_path = self.workdir / "config.yaml"
         self.log_path = self.workdir / "proxy.log"
-        self._signals = None
 
     @property
     def master_key(self) -> str | None:
@@ -213,20 +212,3 @@ class ProxyProcess:
         if self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def __enter__(self) -> ProxyProcess:
-        self._signals = exit_on_signals()
-        self._signals.__enter__()
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            self._signals.__exit__(None, None, None)
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            self.stop()
-        finally:
-            if self._signals is not None:
-                self._signals.__exit__(None, None, None)
-                self._signals = None

@@ -360,23 +360,22 @@ class Marketplace:
         while len(self._sticky) > self.config.sticky_max_entries:
             self._sticky.popitem(last=False)
 
-    def sticky_backend(self, request: RoutingRequest, now: float) -> str | None:
+    def _live_sticky(self, request: RoutingRequest, now: float) -> _Sticky | None:
+        """The request's sticky entry unless it idled past ``sticky_ttl_s`` (then it is dropped)."""
         key = self.sticky_key(request)
         entry = self._sticky.get(key) if key is not None else None
-        if entry is None:
-            return None
-        if now - entry.at > self.config.sticky_ttl_s:
+        if entry is not None and now - entry.at > self.config.sticky_ttl_s:
             del self._sticky[key]
             return None
-        return entry.backend
+        return entry
+
+    def sticky_backend(self, request: RoutingRequest, now: float) -> str | None:
+        entry = self._live_sticky(request, now)
+        return entry.backend if entry is not None else None
 
     def _sticky_pick(self, request: RoutingRequest, eligible: Sequence[str], now: float) -> str | None:
-        key = self.sticky_key(request)
-        entry = self._sticky.get(key) if key is not None else None
+        entry = self._live_sticky(request, now)
         if entry is None:
-            return None
-        if now - entry.at > self.config.sticky_ttl_s:
-            del self._sticky[key]
             return None
         same = [entry.backend] if entry.backend in eligible else []
         if not same:  # the endpoint is gone: another endpoint of the same provider keeps its cache domain
