@@ -43,13 +43,20 @@ class PrefixLocator(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class PrefixIndexConfig:
-    """Default capacity: 500k tokens of KV per backend in 64-token blocks; no TTL."""
+    """Default capacity: 500k tokens of KV per backend in 64-token blocks; no TTL.
+
+    ``learn_capacity`` lets over-predicted cached counts shrink a backend's capacity. It is off by
+    default: in the simulator (llm-d 73%-capacity ladder, client-capped) misses caused by queueing churn
+    shrank the index until it forgot hot prefixes (hit 50% with learning, 94% without). Prediction
+    accuracy is tracked either way (``PrefixIndex.accuracy``).
+    """
 
     capacity_tokens: int = 500_000
     block_tokens: float = 64.0
     ttl_s: float | None = None
     max_blocks_per_backend: int = 1 << 20
     max_backends: int = 4096
+    learn_capacity: bool = False
     min_capacity_fraction: float = 0.25
 
     def __post_init__(self) -> None:
@@ -182,12 +189,12 @@ class PrefixIndex:
 
     def confirm(self, backend: str, keys: Sequence[int], cached_blocks: int, now: float,
                 predicted_blocks: int | None = None) -> None:
-        """Correct with a reported cached count: over-prediction shrinks the learned capacity.
+        """Correct with a reported cached count; tracks prediction accuracy per backend.
 
-        After a request the engine holds its whole prompt, so the keys are refreshed. If we predicted
-        more cached blocks than the engine reported, the engine evicted earlier than we modelled: the
-        backend's learned capacity shrinks (never below ``min_capacity_fraction`` of the configured
-        one) and grows back slowly while predictions hold.
+        After a request the engine holds its whole prompt, so the keys are refreshed (re-inserted if our
+        LRU dropped them meanwhile). With ``learn_capacity``, predicting more cached blocks than the engine
+        reported shrinks the backend's learned capacity (never below ``min_capacity_fraction`` of the
+        configured one), and it grows back slowly while predictions hold.
         """
         state = self._state(backend)
         if predicted_blocks is not None and predicted_blocks > 0:
@@ -195,10 +202,11 @@ class PrefixIndex:
             missing = max(0, predicted_blocks - max(0, cached_blocks))
             state.mispredicted_blocks += missing
             floor = max(1, int(state.configured * self.config.min_capacity_fraction))
-            if missing > 0:  # shrink in proportion to how wrong the prediction was
+            learn = self.config.learn_capacity
+            if learn and missing > 0:  # shrink in proportion to how wrong the prediction was
                 shrink = 1.0 - 0.1 * missing / predicted_blocks
                 state.capacity = max(floor, min(state.capacity - 1, int(state.capacity * shrink)))
-            elif state.capacity < state.configured:
+            elif learn and state.capacity < state.configured:
                 state.capacity = min(state.configured, state.capacity + max(1, state.configured // 100))
             if cached_blocks > 0:
                 state.hits += 1

@@ -42,8 +42,15 @@ def test_ttl_expires_entries():
     assert idx.match(chain(4), ["a"], now=12) == {"a": 2}
 
 
-def test_confirm_shrinks_learned_capacity_on_overprediction_and_recovers():
+def test_confirm_tracks_accuracy_and_leaves_capacity_alone_by_default():
     idx = PrefixIndex(PrefixIndexConfig(capacity_tokens=64 * 100))
+    idx.record("a", chain(10), now=0)
+    idx.confirm("a", chain(10), cached_blocks=5, now=1, predicted_blocks=10)
+    assert idx.accuracy("a") == 0.5 and idx.capacity_blocks("a") == 100
+
+
+def test_confirm_shrinks_learned_capacity_on_overprediction_and_recovers():
+    idx = PrefixIndex(PrefixIndexConfig(capacity_tokens=64 * 100, learn_capacity=True))
     keys = chain(10)
     idx.record("a", keys, now=0)
     idx.confirm("a", keys, cached_blocks=0, now=1, predicted_blocks=10)

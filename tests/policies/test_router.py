@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvroute.policies import Decision, Router, RouterConfig, policy_names
+from kvroute.policies import Decision, PrefixIndexConfig, Router, RouterConfig, policy_names
 
 LONG = {"model": "m", "messages": [{"role": "system", "content": "s" * 8000}, {"role": "user", "content": "q"}]}
 
@@ -111,7 +111,7 @@ def test_remove_backend_purges_state_and_groups_have_own_policies():
 
 
 def test_siblings_racing_a_prefill_do_not_shrink_the_learned_capacity():
-    router = Router()
+    router = Router(RouterConfig(index=PrefixIndexConfig(learn_capacity=True)))
     first, d1 = router.route(LONG, ["a", "b"])
     sibling, d2 = router.route(LONG, ["a", "b"])
     assert d2.backend == d1.backend and d2.matched_blocks > 0
