@@ -32,8 +32,10 @@ DEFAULT_MASTER_KEY = "sk-kvroute-local"
 class ModelGroup:
     """One LiteLLM model group: deployments at ``api_bases`` all serving ``model``.
 
-    ``engine`` ("vllm", "llamacpp", ...) marks them as self-hosted replicas for kvroute; None means hosted
-    (then ``prices`` such as ``input_cost_per_token`` go to ``litellm_params``).
+    ``engine`` ("vllm", "llamacpp", ...) marks them as self-hosted replicas for kvroute; None means hosted.
+    ``prices`` such as ``input_cost_per_token`` go to ``litellm_params``; self-hosted replicas without
+    prices get an explicit 0 (their amortised cost lives in kvroute's rate card), which also spares
+    LiteLLM its per-request zero-cost diagnostic over the whole cost map for an unknown model.
     """
 
     name: str
@@ -54,7 +56,10 @@ class ModelGroup:
         out = []
         for i, api_base in enumerate(self.api_bases):
             params: dict[str, Any] = {"model": f"openai/{self.model}", "api_base": api_base, "api_key": "none"}
-            params.update(self.prices)
+            if self.prices:
+                params.update(self.prices)
+            elif self.engine:
+                params.update(input_cost_per_token=0, output_cost_per_token=0)
             info: dict[str, Any] = {"id": f"{prefix}-{i}", **self.model_info}
             if self.engine:
                 info["engine"] = self.engine
