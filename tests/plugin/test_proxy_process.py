@@ -28,7 +28,7 @@ def test_config_with_kvroute_and_fallback():
     assert first["model_info"]["engine"] == "vllm" and first["model_info"]["kv_capacity_tokens"] == 4096
     assert first["model_info"]["metrics_url"] == "http://127.0.0.1:30001/metrics"
     assert first["litellm_params"] == {"model": "openai/fake-model", "api_base": "http://127.0.0.1:30001/v1",
-                                       "api_key": "none"}
+                                       "api_key": "none", "input_cost_per_token": 0, "output_cost_per_token": 0}
     assert "engine" not in third["model_info"] and third["litellm_params"]["input_cost_per_token"] == 1e-6
     assert yaml.safe_load(yaml.safe_dump(cfg)) == cfg
 
