@@ -286,14 +286,8 @@ class KvrouteCallback(CustomLogger):
         """Give a marketplace-style policy the health board and the rate cards of priced backends."""
         if hasattr(policy, "attach_health") and getattr(policy, "health", None) is None:
             policy.attach_health(self.health.board)
-        if hasattr(policy, "set_quotes"):
-            quotes = [q for q in (provider_quote(b) for b in backends) if q is not None]
-            known = {q.backend for q in getattr(policy, "_quotes", {}).values()} if hasattr(policy, "_quotes") \
-                else set()
-            if quotes and not {q.backend for q in quotes} <= known:
-                merged = {q.backend: q for q in getattr(policy, "_quotes", {}).values()}
-                merged.update({q.backend: q for q in quotes})
-                policy.set_quotes(merged.values())
+        if hasattr(policy, "add_quotes"):
+            policy.add_quotes(q for q in (provider_quote(b) for b in backends) if q is not None)
 
     # --- the pick ----------------------------------------------------------------------------------
     async def async_filter_deployments(self, model: str, healthy_deployments: list, messages: Any,

@@ -255,9 +255,7 @@ class EngineTokenizer:
             resp.raise_for_status()
             return self._parse(resp.json())
         except Exception:
-            self.stats["error"] += 1
-            pm.TOKENIZER_REQUESTS.labels(self.group, "error").inc()
-            return None
+            return self._failed()
 
     async def aencode(self, kwargs: Mapping[str, Any]) -> Sequence[int] | None:
         import httpx
@@ -269,9 +267,12 @@ class EngineTokenizer:
             resp.raise_for_status()
             return self._parse(resp.json())
         except Exception:
-            self.stats["error"] += 1
-            pm.TOKENIZER_REQUESTS.labels(self.group, "error").inc()
-            return None
+            return self._failed()
+
+    def _failed(self) -> None:
+        """Count a failed /tokenize call; the caller falls back to approximate routing."""
+        self.stats["error"] += 1
+        pm.TOKENIZER_REQUESTS.labels(self.group, "error").inc()
 
     def close(self) -> None:
         self._client.close()

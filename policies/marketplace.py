@@ -284,13 +284,18 @@ class Marketplace:
 
     def set_quotes(self, quotes: Iterable[ProviderQuote]) -> None:
         """Replace the rate cards; a tier not in ``config.tiers`` raises ``ConfigError``."""
-        table: dict[str, ProviderQuote] = {}
+        self._quotes = {}
+        self.add_quotes(quotes)
+
+    def add_quotes(self, quotes: Iterable[ProviderQuote]) -> None:
+        """Add rate cards for backends not priced yet; quotes already set (config) win."""
         for q in quotes:
+            if q.backend in self._quotes:
+                continue
             if q.uptime_tier not in self.config.tiers:
                 raise ConfigError(f"quotes.{q.backend}.uptime_tier",
                                   f"unknown tier {q.uptime_tier!r} (known: {', '.join(sorted(self.config.tiers))})")
-            table[q.backend] = q
-        self._quotes = table
+            self._quotes[q.backend] = q
 
     def quote(self, backend: str) -> ProviderQuote | None:
         return self._quotes.get(backend)

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import ClassVar
 
 import pytest
+from loopback import QuietHandler, http_stub
 
 from kvroute.plugin.engine_metrics import EngineMetricsScraper, EngineSnapshot, hit_rate, parse_metrics
 from kvroute.policies import Router
@@ -90,32 +90,20 @@ def test_hit_rate_between_scrapes():
     assert hit_rate(b, b) is None and hit_rate(EngineSnapshot(), b) is None
 
 
-class _Metrics(BaseHTTPRequestHandler):
+class _Metrics(QuietHandler):
     pages: ClassVar[dict[str, tuple[int, str]]] = {}
 
     def do_GET(self):
         status, body = self.pages.get(self.path, (404, "not found"))
-        data = body.encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "text/plain; version=0.0.4")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
+        self.reply(status, body.encode(), "text/plain; version=0.0.4")
 
 
 @pytest.fixture
 def metrics_server():
     _Metrics.pages = {"/vllm": (200, VLLM), "/garbage": (200, "this is {not prometheus"),
                       "/empty": (200, "# nothing here\n"), "/error": (500, "boom")}
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Metrics)
-    t = threading.Thread(target=server.serve_forever, daemon=True)
-    t.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with http_stub(_Metrics) as url:
+        yield url
 
 
 def test_scraper_feeds_the_router_and_autotunes_capacity(metrics_server):

@@ -2,48 +2,14 @@
 
 from __future__ import annotations
 
-import os
-import shutil
-import socket
-import subprocess
 import time
 import uuid
-from collections.abc import Iterator
 
-import pytest
 from prometheus_client import CollectorRegistry
 
 from kvroute.plugin.litellm_hooks import KvrouteCallback
 from kvroute.plugin.metrics import Metrics
 from kvroute.plugin.settings import KvrouteSettings
-
-REDIS = shutil.which("redis-server")
-
-
-@pytest.fixture(scope="module")
-def redis_url() -> Iterator[str]:
-    url = os.environ.get("KVROUTE_TEST_REDIS_URL")
-    if url:
-        yield url
-        return
-    if REDIS is None:
-        pytest.skip("no Redis: set KVROUTE_TEST_REDIS_URL or install redis-server")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([REDIS, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        for _ in range(100):
-            try:
-                socket.create_connection(("127.0.0.1", port), 0.1).close()
-                break
-            except OSError:
-                time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.kill()
-        proc.wait(10)
 
 
 def deps(n: int = 4) -> list[dict]:

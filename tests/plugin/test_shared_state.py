@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -13,6 +11,7 @@ import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
+from loopback import free_port
 
 from kvroute.plugin.shared_state import SharedState, SharedStateConfig, connect
 from kvroute.policies import Router
@@ -20,79 +19,7 @@ from kvroute.policies.health import BreakerConfig, BreakerState, Outcome
 
 pytestmark = pytest.mark.e2e
 
-REDIS = shutil.which("redis-server")
 BACKENDS = ["A", "B", "C", "D"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedisServer:
-    """A throwaway redis-server on 127.0.0.1 (no persistence) that tests may kill and restart."""
-
-    def __init__(self, binary: str) -> None:
-        self.binary = binary
-        self.port = _free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                time.sleep(0.05)
-        self.stop()
-        raise RuntimeError("redis-server did not start")
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-            self.proc = None
-
-
-@pytest.fixture(scope="session")
-def redis_url() -> Iterator[str]:
-    """KVROUTE_TEST_REDIS_URL when CI provides one, else a redis-server we start, else skip."""
-    url = os.environ.get("KVROUTE_TEST_REDIS_URL")
-    if url:
-        yield url
-        return
-    if REDIS is None:
-        pytest.skip("no Redis: set KVROUTE_TEST_REDIS_URL or install redis-server (apt-get install redis-server)")
-    server = RedisServer(REDIS)
-    server.start()
-    try:
-        yield server.url
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-def own_redis() -> Iterator[RedisServer]:
-    """A private redis-server this test may kill (needs the binary even when CI gives a URL)."""
-    if REDIS is None:
-        pytest.skip("the outage tests need the redis-server binary (apt-get install redis-server)")
-    server = RedisServer(REDIS)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def _config(**kw) -> SharedStateConfig:
@@ -259,7 +186,7 @@ def test_breakers_republished_after_redis_restart(own_redis, workers):
 
 
 def test_unreachable_redis_never_raises(workers):
-    port = _free_port()  # nothing listens here
+    port = free_port()  # nothing listens here
     shared, router = workers(f"redis://127.0.0.1:{port}/0", _config(), "lonely")
     board = shared.health_board()
     for i in range(20):

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from loopback import QuietHandler, http_stub
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from kvroute.plugin.tokenizing import EngineTokenizer, LocalTokenizer
@@ -123,7 +122,7 @@ def test_bad_tokenizer_files_raise_config_errors(tmp_path, model_dir):
         LocalTokenizer(model_dir / "tokenizer.json", chat_template="{% for %}")
 
 
-class _Tokenize(BaseHTTPRequestHandler):
+class _Tokenize(QuietHandler):
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         if body.get("prompt") == "malformed":
@@ -131,25 +130,13 @@ class _Tokenize(BaseHTTPRequestHandler):
         else:
             n = len(body.get("messages") or []) * 10 + len(str(body.get("prompt") or ""))
             out = {"tokens": list(range(n)), "count": n}
-        data = json.dumps(out).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
+        self.reply(200, json.dumps(out).encode(), "application/json")
 
 
 @pytest.fixture
 def tokenize_server():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Tokenize)
-    t = threading.Thread(target=server.serve_forever, daemon=True)
-    t.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/v1"
-    server.shutdown()
-    server.server_close()
+    with http_stub(_Tokenize) as url:
+        yield url + "/v1"
 
 
 async def test_engine_tokenize_endpoint(tokenize_server):
