@@ -265,7 +265,6 @@ class Marketplace:
     """The ``marketplace`` policy; feed it quotes (``set_quotes``), outcomes (``record_success``) and health."""
 
     name = "marketplace"
-    always_select = True  # app filters apply even to a single candidate
 
     def __init__(self, config: MarketplaceConfig | None = None, *, health: HealthBoard | None = None) -> None:
         self.config = config or MarketplaceConfig()

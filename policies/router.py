@@ -114,18 +114,9 @@ class Router:
             if not candidates:
                 return Decision(None, chosen.name, "no_candidates", prompt_tokens=request.prompt_tokens,
                                 request_id=request.request_id)
-            if len(candidates) == 1 and not getattr(chosen, "always_select", False):
-                decision = Decision(candidates[0], chosen.name, "single_candidate",
-                                    prompt_tokens=request.prompt_tokens, request_id=request.request_id,
-                                    predicted_prefill_tokens=request.prompt_tokens)
-                matched = self.index.match(request.keys, candidates, now).get(candidates[0], 0)
-                decision.matched_blocks = matched
-                decision.matched_tokens = min(request.prompt_tokens, int(matched * request.block_tokens))
-                decision.predicted_prefill_tokens = request.prompt_tokens - decision.matched_tokens
-            else:
-                decision = chosen.select(request, candidates, self.state, now)
-                if decision.backend is not None and decision.backend not in candidates:
-                    raise ValueError("policy chose a backend outside the candidates")
+            decision = chosen.select(request, candidates, self.state, now)
+            if decision.backend is not None and decision.backend not in candidates:
+                raise ValueError("policy chose a backend outside the candidates")
         except Exception as exc:
             self.errors += 1
             try:

@@ -60,12 +60,12 @@ def test_policy_errors_fall_back_to_least_load_and_are_recorded():
     assert router.errors == 2
 
 
-def test_single_candidate_still_reports_the_match():
+def test_single_candidate_goes_through_the_policy_and_reports_the_match():
     router = Router()
     req, _ = router.route(LONG, ["a"])
     router.on_complete(req.request_id, cached_tokens=0)
     dec = router.route(LONG, ["a"])[1]
-    assert dec.reason == "single_candidate" and dec.matched_tokens > 1500
+    assert dec.backend == "a" and dec.reason == "prefix_match" and dec.matched_tokens > 1500
 
 
 def test_failure_before_prefill_takes_the_blocks_back():
