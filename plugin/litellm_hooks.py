@@ -523,17 +523,17 @@ class KvrouteCallback(CustomLogger):
         ttft = ttft_of(kwargs, slo, start_time, end_time)
         group = str(slo.get("model_group") or (ticket.group if ticket else "") or "")
         prompt_tokens = prompt_tokens_of(response_obj, slo)
+        now = self.clock()
         if ticket is not None:
-            if not ticket.first_token:
-                ticket.router.on_first_token(ticket.rid)
+            # on_complete releases prefill and decode load and settles the blocks: no first-token step needed
             ticket.router.on_complete(ticket.rid, cached_tokens=cached, backend=backend_id)
             ticket.outcome = "success"
             if ticket.policy is not None and backend_id is not None:
-                ticket.policy.record_success(ticket.request, backend_id, self.clock(), cached_tokens=cached,
+                ticket.policy.record_success(ticket.request, backend_id, now, cached_tokens=cached,
                                              ttft_s=ttft, output_tokens=completion_tokens_of(response_obj),
                                              duration_s=duration_s(start_time, end_time))
         if backend_id is not None:
-            self.health.record(backend_id, "success", self.clock(), ttft_s=ttft,
+            self.health.record(backend_id, "success", now, ttft_s=ttft,
                                started_at=ticket.started if ticket else None)
             cost = kwargs.get("response_cost", slo.get("response_cost"))
             app = ticket.app if ticket else self._app(request_metadata(kwargs) or {}, kwargs)
@@ -541,8 +541,7 @@ class KvrouteCallback(CustomLogger):
                                    cost if isinstance(cost, int | float) else None)
             if ticket is not None:
                 router = ticket.router
-                self.metrics.inflight.labels(self.metrics.backend_label(backend_id)).set(
-                    router.load.inflight(backend_id))
+                self.metrics.set_inflight([(backend_id, router.load.inflight(backend_id))])
         self._bill(kwargs, response_obj, "success", start_time, end_time)
 
     async def async_post_call_failure_deployment_hook(self, request_data: Mapping[str, Any], exception: Exception,

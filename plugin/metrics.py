@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 from decimal import Decimal
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -77,38 +78,47 @@ class Metrics:
         self.app_ttft = Histogram("kvroute_app_ttft_seconds", "Time to first token per app", ["app"],
                                   buckets=TTFT_BUCKETS, registry=r)
         self._server: tuple[object, threading.Thread] | None = None
+        self._children: dict[tuple[int, tuple[str, ...]], object] = {}
 
     # --- recorders (never raise: callers are on the request path) --------------------------------
+    def _child(self, metric: Counter | Gauge | Histogram, *labels: str) -> Any:
+        """``metric.labels(*labels)``, memoised: label values are bounded by the limiters, lookups are hot."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     def decision(self, group: str, policy: str, reason: str, predicted_tokens: int) -> None:
-        self.decisions.labels(group, policy, reason).inc()
+        self._child(self.decisions, group, policy, reason).inc()
         if predicted_tokens > 0:
-            self.predicted_cached.labels(group).inc(predicted_tokens)
+            self._child(self.predicted_cached, group).inc(predicted_tokens)
 
     def completed(self, group: str, backend: str, app: str | None, prompt_tokens: int, cached_tokens: int | None,
                   ttft_s: float | None, cost: float | Decimal | None, currency: str = "USD") -> None:
         b = self.backend_label(backend)
         a = self.app_label(app)
-        self.outcomes.labels(b, "success").inc()
-        self.prompt_tokens.labels(group).inc(max(0, prompt_tokens))
-        self.app_requests.labels(a, "success").inc()
-        self.app_prompt_tokens.labels(a).inc(max(0, prompt_tokens))
+        self._child(self.outcomes, b, "success").inc()
+        self._child(self.prompt_tokens, group).inc(max(0, prompt_tokens))
+        self._child(self.app_requests, a, "success").inc()
+        self._child(self.app_prompt_tokens, a).inc(max(0, prompt_tokens))
         if cached_tokens:
-            self.confirmed_cached.labels(group).inc(cached_tokens)
-            self.app_cached_tokens.labels(a).inc(cached_tokens)
+            self._child(self.confirmed_cached, group).inc(cached_tokens)
+            self._child(self.app_cached_tokens, a).inc(cached_tokens)
         if ttft_s is not None and ttft_s >= 0:
-            self.ttft.labels(b).observe(ttft_s)
-            self.app_ttft.labels(a).observe(ttft_s)
+            self._child(self.ttft, b).observe(ttft_s)
+            self._child(self.app_ttft, a).observe(ttft_s)
         if cost:
-            self.app_cost.labels(a, currency).inc(float(cost))
+            self._child(self.app_cost, a, currency).inc(float(cost))
 
     def failed(self, backend: str, outcome: str, app: str | None = None) -> None:
-        self.outcomes.labels(self.backend_label(backend), outcome).inc()
+        self._child(self.outcomes, self.backend_label(backend), outcome).inc()
         if app is not None:
-            self.app_requests.labels(self.app_label(app), outcome).inc()
+            self._child(self.app_requests, self.app_label(app), outcome).inc()
 
     def set_inflight(self, counts: Iterable[tuple[str, int]]) -> None:
         for backend, n in counts:
-            self.inflight.labels(self.backend_label(backend)).set(n)
+            self._child(self.inflight, self.backend_label(backend)).set(n)
 
     def breaker(self, backend: str, state: str, previous: str | None) -> None:
         b = self.backend_label(backend)
