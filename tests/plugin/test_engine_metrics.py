@@ -76,7 +76,7 @@ def test_llamacpp_metrics():
 
 def test_recorded_vllm_metrics_page():
     path = FIXTURES / "vllm-0.32-cpu-metrics.txt"
-    assert path.exists(), f"recorded {path} absent (captured from bench/vllm_precise_e2e.py replicas)"  # committed fixture: its absence is a broken checkout
+    assert path.exists(), f"recorded {path} absent (captured from bench/vllm_precise_e2e.py replicas)"
     snap = parse_metrics(path.read_text())
     assert snap.engine == "vllm" and snap.block_size and snap.num_gpu_blocks
     assert snap.queue_depth is not None and snap.running is not None and snap.kv_usage is not None

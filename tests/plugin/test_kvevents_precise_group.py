@@ -122,7 +122,7 @@ def test_group_from_config(model_dir):
 
 def test_recorded_vllm_batches_build_an_index_that_request_keys_match():
     path = FIXTURES / "vllm-0.32-cpu-batches.msgpack"
-    assert path.exists(), f"recorded fixture {path} absent"  # committed fixture: its absence is a broken checkout
+    assert path.exists(), f"recorded fixture {path} absent"
     records = msgspec.msgpack.decode(path.read_bytes())
     topics = sorted({r[0] for r in records})
     index = PreciseIndex()

@@ -105,7 +105,7 @@ def test_bad_events_are_counted_and_skipped():
 
 def test_recorded_vllm_batches_decode():
     path = FIXTURES / "vllm-0.32-cpu-batches.msgpack"
-    assert path.exists(), f"recorded fixture {path} absent (captured with bench/vllm_precise_e2e.py --capture)"  # committed fixture: its absence is a broken checkout
+    assert path.exists(), f"recorded fixture {path} absent (captured with bench/vllm_precise_e2e.py --capture)"
     records = msgspec.msgpack.decode(path.read_bytes())
     stored = removed = 0
     for _source, _seq, payload in records:
