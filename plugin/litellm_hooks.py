@@ -92,6 +92,7 @@ class KvrouteCallback(CustomLogger):
         self._failed: OrderedDict[str, list[str]] = OrderedDict()
         self._attached: dict[int, int] = {}
         self.precise: dict[str, Any] = {}
+        self.scrapers: dict[str, Any] = {}
         self._last_expire = clock()
         self.recorder: Any = None
         self._event_from_callback: Callable[..., Any] | None = None
@@ -258,6 +259,8 @@ class KvrouteCallback(CustomLogger):
         router = Router(config, clock=self.clock, index=index, load=load)
         if gs.mode == "precise" and index is not None:
             self._start_precise(group, gs.precise, index, router)
+        else:
+            self._start_scraper(group, backends, router)
         if gs.policy is not None:
             policy = router.set_policy(group, gs.policy, gs.knobs)
         elif hosted and s.hosted_policy in policy_names():
@@ -281,6 +284,23 @@ class KvrouteCallback(CustomLogger):
         except Exception as exc:
             log.warning("kvroute: precise mode for %s unavailable: %s", group, exc)
             self._count_error("precise_setup")
+
+    def _start_scraper(self, group: str, backends: Sequence[Backend], router: Router) -> None:
+        """Scrape the replicas' ``metrics_url``: queue depth and KV usage feed the load tracker (with their age),
+        the engine's block count sets the approximate index's capacity. Unreachable pages leave router-side load."""
+        known = {b.id: b for b in (*self.fleet.backends.values(), *backends) if b.group == group}
+        targets = {b.id: b.metrics_url for b in known.values() if b.self_hosted and b.metrics_url}
+        if not targets:
+            return
+        try:
+            from kvroute.plugin.engine_metrics import EngineMetricsScraper
+
+            self.scrapers[group] = EngineMetricsScraper(
+                targets, router.observe, capacity_sink=getattr(router.index, "set_capacity", None),
+                interval_s=self.settings.metrics_scrape_interval_s, clock=self.clock).start()
+        except Exception as exc:
+            log.warning("kvroute: engine metrics for %s unavailable: %s", group, exc)
+            self._count_error("metrics_setup")
 
     def _attach(self, policy: Any, backends: Sequence[Backend]) -> None:
         """Give a marketplace-style policy the health board and the rate cards of priced backends."""
@@ -645,6 +665,9 @@ class KvrouteCallback(CustomLogger):
         for group in self.precise.values():
             with contextlib.suppress(Exception):
                 group.stop()
+        for scraper in self.scrapers.values():
+            with contextlib.suppress(Exception):
+                scraper.stop()
         if self._shared is not None:
             with contextlib.suppress(Exception):
                 self._shared.close()

@@ -92,6 +92,7 @@ class KvrouteSettings(BaseSettings):
     index_ttl_s: float | None = Field(default=None, gt=0)
     expire_every_s: float = Field(default=30.0, gt=0)
     max_request_age_s: float = Field(default=600.0, gt=0)
+    metrics_scrape_interval_s: float = Field(default=1.0, gt=0)
 
     @classmethod
     def settings_customise_sources(
