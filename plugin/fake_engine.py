@@ -122,6 +122,7 @@ class FakeEngine:
         self._slots = asyncio.Semaphore(config.slots)
         self.running = 0
         self.waiting = 0
+        self.active_tokens = 0  # KV held by running requests (prompt + output), what vLLM calls "usage"
         self.started_at = time.time()
 
     # ------------------------------------------------------------------ routing
@@ -207,6 +208,8 @@ class FakeEngine:
         finally:
             self.waiting -= 1
         self.running += 1
+        held = token_count(prompt) + max_tokens
+        self.active_tokens += held
         try:
             await self._run(body, prompt, max_tokens, chat, fault, ex)
         except (asyncio.CancelledError, ConnectionDropped):  # the client went away mid-request
@@ -214,6 +217,7 @@ class FakeEngine:
             raise
         finally:
             self.running -= 1
+            self.active_tokens -= held
             self._slots.release()
 
     async def _run(self, body: dict, prompt: str, max_tokens: int, chat: bool, fault: FaultPlan | None,
@@ -308,13 +312,19 @@ class FakeEngine:
         return True
 
     # ------------------------------------------------------------------ metrics
+    @property
+    def kv_usage(self) -> float:
+        """Share of KV blocks held by running requests, as vLLM reports it: evictable cached blocks count as free,
+        so a full prefix cache at rest reads 0, not 1."""
+        return min(1.0, self.active_tokens / self.cache.capacity_tokens) if self.cache.capacity_tokens else 0.0
+
     def metrics_text(self) -> str:
         """Prometheus exposition of queue depth, running, KV usage and prefix-cache counters."""
         s, c, m = self.stats, self.cache, self.config.model
         if self.config.metrics_style == "llamacpp":
             rows = [("llamacpp:requests_processing", "gauge", self.running),
                     ("llamacpp:requests_deferred", "gauge", self.waiting),
-                    ("llamacpp:kv_cache_usage_ratio", "gauge", c.usage),
+                    ("llamacpp:kv_cache_usage_ratio", "gauge", self.kv_usage),
                     ("llamacpp:kv_cache_tokens", "gauge", c.used_tokens),
                     ("llamacpp:n_tokens_max", "gauge", c.capacity_tokens),
                     ("llamacpp:prompt_tokens_total", "counter", s.prompt_tokens - s.cached_tokens),
@@ -325,7 +335,7 @@ class FakeEngine:
         else:
             rows = [("vllm:num_requests_running", "gauge", self.running),
                     ("vllm:num_requests_waiting", "gauge", self.waiting),
-                    ("vllm:kv_cache_usage_perc", "gauge", c.usage),
+                    ("vllm:kv_cache_usage_perc", "gauge", self.kv_usage),
                     ("vllm:prefix_cache_queries_total", "counter", c.query_tokens),
                     ("vllm:prefix_cache_hits_total", "counter", c.hit_tokens),
                     ("vllm:prompt_tokens_total", "counter", s.prompt_tokens),

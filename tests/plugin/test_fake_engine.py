@@ -192,7 +192,7 @@ async def test_models_health_metrics_and_bad_requests(engine):
     assert values["vllm:num_requests_running"] == 0 and values["vllm:num_requests_waiting"] == 0
     assert values["vllm:prompt_tokens_cached_total"] > 0
     assert values["vllm:prefix_cache_hits_total"] <= values["vllm:prefix_cache_queries_total"]
-    assert 0 < values["vllm:kv_cache_usage_perc"] <= 1
+    assert values["vllm:kv_cache_usage_perc"] == 0  # vLLM semantics: cached blocks at rest are evictable, not used
     assert (await client.post("/v1/chat/completions", content=b"{not json")).status_code == 400
     bad = await client.post("/v1/chat/completions", json={"messages": []})
     assert bad.status_code == 400 and "messages" in bad.json()["error"]["message"]
@@ -294,3 +294,19 @@ async def test_client_disconnect_mid_stream_is_counted_as_cancelled():
             await asyncio.sleep(0.02)
         assert server.engine.stats.cancelled == 1 and server.engine.stats.succeeded == 0
         assert server.engine.running == 0
+
+
+async def test_kv_usage_counts_running_requests_not_the_resting_cache(engine):
+    _, client = engine
+    await client.post("/admin/fault", json={"mode": "slow_first_token", "delay_s": 0.5, "count": 1})
+    slow = asyncio.create_task(client.post("/v1/chat/completions", json=chat("busy " * 200)))
+    await asyncio.sleep(0.2)
+    busy = (await client.get("/metrics")).text
+    await slow
+    idle = (await client.get("/metrics")).text
+
+    def usage(text: str) -> float:
+        return next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                    if line.startswith("vllm:kv_cache_usage_perc"))
+
+    assert usage(busy) > 0 and usage(idle) == 0
