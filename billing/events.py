@@ -22,12 +22,20 @@ end_user, api_key_hash no        attribution details (never prompt text)
 http_status, error_type, streamed, sticky_hit, fallback_depth, ttft_ms, duration_ms, router_attempts: optional
 event_id               no        if given, must equal the deterministic id (sha256 of app|request|attempt)
 =====================  ========  ==========================================================================
+
+Limits (``FIELD_LIMITS``, enforced when a ``UsageEvent`` is built, so SQLite and PostgreSQL accept exactly the
+same events): strings fit their columns (e.g. ``request_id`` at most 200 characters) and hold no NUL character or
+lone surrogate; integers fit 32-bit columns (``duration_ms`` below 2**31); token counts are at most 10**12.
+When ``provider_cost`` is absent, a ``cost`` carried by ``raw_usage`` (OpenRouter's ``usage.cost``) is the
+provider cost; JSON numbers are read exactly from their literal (``kvroute billing ingest`` parses floats as
+``Decimal``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -35,8 +43,16 @@ from decimal import Decimal
 from typing import Any
 
 from kvroute.billing.money import check_currency, to_decimal
-from kvroute.billing.usage import TokenBuckets, normalize_usage
+from kvroute.billing.usage import TokenBuckets, normalize_usage, reported_cost
 from kvroute.policies.errors import InputError
+
+#: Column limits of every stored field: a maximum string length, or the range an integer must lie in.
+INT32 = range(0, 2**31)
+FIELD_LIMITS: dict[str, int | range] = {
+    "request_id": 200, "app_id": 200, "served_model": 200, "requested_model": 200, "provider": 100,
+    "backend_id": 200, "end_user": 200, "api_key_hash": 128, "error_type": 100, "attempt_key": 1000,
+    "attempt": INT32, "http_status": range(0, 1000), "fallback_depth": INT32, "ttft_ms": INT32, "duration_ms": INT32,
+}
 
 STATUSES = ("success", "provider_failure", "capacity", "client_error", "cancelled", "zero_completion")
 ROUTE_KINDS = ("marketplace", "self_hosted", "direct")
@@ -99,6 +115,7 @@ class UsageEvent:
                 raise InputError(name, "must be a non-empty string")
         if self.requested_model is None:
             object.__setattr__(self, "requested_model", self.served_model)
+        check_limits(self)
         expected = event_id_for(self.app_id, self.request_id,
                                 self.attempt if self.attempt_key is None else self.attempt_key)
         if not self.event_id:
@@ -134,6 +151,35 @@ class UsageEvent:
 
     def to_line(self) -> str:
         return json.dumps(self.to_json(), separators=(",", ":"), sort_keys=True)
+
+
+def check_limits(e: UsageEvent) -> None:
+    """Raise ``InputError`` naming the first field of ``e`` that does not fit its ``FIELD_LIMITS`` entry."""
+    for name, limit in FIELD_LIMITS.items():
+        value = getattr(e, name)
+        if value is None:
+            continue
+        if isinstance(limit, range):
+            if isinstance(value, bool) or not isinstance(value, int) or value not in limit:
+                raise InputError(name, f"must be an integer in [{limit.start}, {limit.stop - 1}], got {value!r}")
+        else:
+            if not isinstance(value, str):
+                raise InputError(name, f"must be a string, got {type(value).__name__}")
+            if len(value) > limit:
+                raise InputError(name, f"is {len(value)} characters long; at most {limit} are stored")
+            check_text(value, name)
+    if e.currency is not None:
+        check_currency(e.currency)
+
+
+def check_text(value: str, where: str) -> None:
+    """Strings both databases store alike: no NUL character (PostgreSQL refuses it), valid UTF-8."""
+    if "\x00" in value:
+        raise InputError(where, "must not contain a NUL character")
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        raise InputError(where, "is not valid Unicode (lone surrogate)") from None
 
 
 _KNOWN = {"event_id", "request_id", "attempt", "final", "app_id", "occurred_at", "requested_model", "served_model",
@@ -189,16 +235,23 @@ def event_from_json(data: object) -> UsageEvent:
     unknown = set(data) - _KNOWN
     if unknown:
         raise InputError(sorted(unknown)[0], "unknown field")
+    raw = data.get("raw_usage")
+    if raw is not None and not isinstance(raw, Mapping):
+        raise InputError("raw_usage", f"must be the provider's usage object, got {type(raw).__name__}")
     if "usage" in data and data["usage"] is not None:
         if not isinstance(data["usage"], Mapping):
             raise InputError("usage", "must be an object of token buckets")
         tokens = TokenBuckets.from_dict(data["usage"])
-    elif isinstance(data.get("raw_usage"), Mapping):
-        tokens = normalize_usage(data["raw_usage"], _str(data, "usage_provider") or data.get("provider"))
+    elif raw is not None:
+        if not raw:
+            raise InputError("raw_usage", "is empty: give the provider's usage object or token buckets in usage")
+        tokens = normalize_usage(raw, _str(data, "usage_provider") or data.get("provider"))
     else:
         raise InputError("usage", "is required (token buckets) unless raw_usage is given")
     currency = check_currency(data.get("currency", "USD"))
     costs = {k: (None if data.get(k) is None else to_decimal(data[k], k)) for k in ("provider_cost", "litellm_cost")}
+    if costs["provider_cost"] is None and raw is not None:
+        costs["provider_cost"] = reported_cost(raw)
     for key, value in costs.items():
         if value is not None and value < 0:
             raise InputError(key, f"must not be negative, got {value}")
@@ -218,9 +271,40 @@ def event_from_json(data: object) -> UsageEvent:
         sticky_hit=_bool(data, "sticky_hit", False), fallback_depth=_optint(data, "fallback_depth", 0),
         ttft_ms=_optint(data, "ttft_ms"), duration_ms=_optint(data, "duration_ms"),
         provider_cost=costs["provider_cost"], litellm_cost=costs["litellm_cost"], currency=currency,
-        raw_usage=dict(data["raw_usage"]) if isinstance(data.get("raw_usage"), Mapping) else None,
-        router_attempts=attempts, attempt_key=_str(data, "attempt_key"), event_id=_str(data, "event_id") or "",
+        raw_usage=json_safe(dict(raw)) if raw is not None else None,
+        router_attempts=json_safe(attempts) if attempts is not None else None,
+        attempt_key=_str(data, "attempt_key"), event_id=_str(data, "event_id") or "",
     )
+
+
+def json_safe(value: Any) -> Any:
+    """A copy of a JSON value that both databases store alike: ``Decimal`` becomes int or float, a non-finite
+    number its text, and strings lose NUL characters and lone surrogates (PostgreSQL refuses both).
+
+    Only the archived ``raw_usage``/``router_attempts`` pass through here; billed amounts were read from the
+    exact ``Decimal`` before.
+    """
+    if isinstance(value, str):
+        if "\x00" in value:
+            value = value.replace("\x00", "\ufffd")
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            value = value.encode(errors="replace").decode()
+        return value
+    if isinstance(value, bool) or value is None or isinstance(value, int):
+        return value
+    if isinstance(value, Decimal):
+        if value.is_finite() and value == value.to_integral_value() and abs(value) < 2**63:
+            return int(value)
+        value = float(value)
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, Mapping):
+        return {json_safe(str(k)): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return str(value)
 
 
 def _missing(key: str) -> datetime:

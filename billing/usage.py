@@ -8,13 +8,18 @@ tokens as a subset of prompt tokens; Anthropic's native ``input_tokens`` exclude
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
+from decimal import Decimal
 from typing import Any
 
+from kvroute.billing.money import to_decimal
 from kvroute.policies.errors import InputError
 
 BUCKETS = ("input_uncached", "cache_read", "cache_write_5m", "cache_write_1h", "output", "reasoning")
+#: Largest token count of one bucket of one attempt (far above any context window; keeps amounts in range).
+MAX_TOKENS = 10**12
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +38,8 @@ class TokenBuckets:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise InputError(f"usage.{name}", f"must be a non-negative integer, got {value!r}")
+            if value > MAX_TOKENS:
+                raise InputError(f"usage.{name}", f"{value} tokens exceed the limit of {MAX_TOKENS} per attempt")
         if self.reasoning > self.output:
             raise InputError("usage.reasoning", f"reasoning tokens ({self.reasoning}) exceed output ({self.output})")
 
@@ -78,7 +85,7 @@ def as_mapping(obj: Any) -> dict[str, Any]:
 
 
 def _plain(value: Any) -> Any:
-    if value is None or isinstance(value, (str, int, float, bool)):
+    if value is None or isinstance(value, (str, int, float, bool, Decimal)):
         return value
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
@@ -86,20 +93,53 @@ def _plain(value: Any) -> Any:
 
 
 def _int(data: Mapping[str, Any], *keys: str) -> int | None:
+    """The first of ``keys`` present (not null) as a non-negative integer; a wrong type is an ``InputError``.
+
+    Integral floats and decimals (``12.0``) count as integers; strings, booleans and fractions do not.
+    """
     for key in keys:
         value = data.get(key)
-        if isinstance(value, bool):
+        if value is None:
             continue
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
+        if isinstance(value, bool):
+            pass
+        elif isinstance(value, int):
+            if value >= 0:
+                return value
+        elif isinstance(value, (float, Decimal)) and _whole(value) and value >= 0:
             return int(value)
+        raise InputError(f"usage.{key}", f"must be a non-negative integer token count, got {value!r}")
     return None
+
+
+def _whole(value: float | Decimal) -> bool:
+    finite = value.is_finite() if isinstance(value, Decimal) else math.isfinite(value)
+    return finite and value == int(value)
+
+
+def reported_cost(usage: Any) -> Decimal | None:
+    """The provider's own cost carried by a usage object (OpenRouter ``usage.cost``), exact; ``None`` if absent."""
+    data = as_mapping(usage)
+    if data.get("cost") is None and isinstance(data.get("usage"), Mapping):
+        data = data["usage"]
+    value = data.get("cost")
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        raise InputError("raw_usage.cost", f"must be a decimal amount, got {type(value).__name__}")
+    amount = to_decimal(value, "raw_usage.cost")
+    if amount < 0:
+        raise InputError("raw_usage.cost", f"must not be negative, got {amount}")
+    return amount
 
 
 def _details(data: Mapping[str, Any], key: str) -> Mapping[str, Any]:
     value = data.get(key)
-    return value if isinstance(value, Mapping) else {}
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise InputError(f"usage.{key}", f"must be an object, got {type(value).__name__}")
+    return value
 
 
 def _split_writes(total: int, details: Mapping[str, Any]) -> tuple[int, int]:
@@ -109,8 +149,10 @@ def _split_writes(total: int, details: Mapping[str, Any]) -> tuple[int, int]:
     if w5 is None and w1 is None:
         return total, 0
     w5, w1 = w5 or 0, w1 or 0
-    if total > w5 + w1:  # the split covers less than the total: the rest is 5 min (Anthropic's default)
-        w5 += total - w5 - w1
+    if w5 + w1 > total:
+        raise InputError("usage.cache_creation", f"the 5 min + 1 h split ({w5} + {w1}) exceeds the "
+                                                 f"cache-write total ({total})")
+    w5 += total - w5 - w1  # the split covers less than the total: the rest is 5 min (Anthropic's default)
     return w5, w1
 
 
