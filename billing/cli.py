@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +31,24 @@ def _fail(message: str, code: int = 2) -> None:
 def ingest(file: Path = typer.Argument(..., help="JSONL file of usage events (schema: kvroute.billing.events)."),
            db: str | None = typer.Option(None, help=DB_HELP),
            skip_invalid: bool = typer.Option(False, help="Insert the valid lines even when some lines are bad."),
-           batch_size: int = typer.Option(5000, min=1, help="Events per transaction.")) -> None:
+           batch_size: int = typer.Option(5000, min=1, help="Events per transaction."),
+           late_days: float | None = typer.Option(None, min=0.0, help="Refuse events older than this many days "
+                                                  "(default KVROUTE_BILLING_LATE_EVENT_DAYS, else 35)."),
+           progress: bool | None = typer.Option(None, "--progress/--no-progress",
+                                                help="Progress bar (default: on a terminal, file over 1 MB).")) -> None:
     """Import usage events idempotently; bad lines are listed (line, field, reason) and nothing is inserted."""
-    from kvroute.billing.ingest import ingest_file
+    from kvroute.billing.ingest import EventWindow, ingest_file
+    from kvroute.billing.settings import BillingSettings
     from kvroute.policies.errors import InputError
+    settings = BillingSettings()
+    window = EventWindow(settings.late_event_days if late_days is None else late_days, settings.future_skew_s)
+    if progress is None:
+        progress = sys.stderr.isatty() and file.is_file() and file.stat().st_size > 1_000_000
     ledger = _ledger(db)
     try:
-        result = ingest_file(ledger, file, batch_size=batch_size, skip_invalid=skip_invalid)
+        with _ingest_progress(progress) as tick:
+            result = ingest_file(ledger, file, batch_size=batch_size, skip_invalid=skip_invalid, window=window,
+                                 progress=tick)
     except InputError as exc:
         _fail(f"error: {exc}")
     finally:
@@ -46,8 +59,33 @@ def ingest(file: Path = typer.Argument(..., help="JSONL file of usage events (sc
         typer.echo(f"... and {len(result.errors) - 200} more bad lines", err=True)
     if result.errors and not skip_invalid:
         _fail(f"{len(result.errors)} bad line(s); nothing was inserted (fix them or pass --skip-invalid)")
+    for backend, count in sorted(result.unpriced.items()):
+        typer.echo(f"warning: {count} event(s) on backend {backend!r} have no reported cost and no rate card: "
+                   "booked at cost 0 and flagged unpriced in reports (load a rate card)", err=True)
     typer.echo(f"{result.valid} valid events, {result.inserted} inserted, {result.valid - result.inserted} "
                f"already present, {len(result.errors)} skipped")
+
+
+@contextlib.contextmanager
+def _ingest_progress(show: bool) -> Iterator[Any]:
+    """A rich progress bar on stderr fed by ``ingest_file``'s ``progress(phase, done, total)``; None when off."""
+    if not show:
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+    bar = Progress("[progress.description]{task.description}", BarColumn(), "{task.percentage:>3.0f}%",
+                   MofNCompleteColumn(), TimeRemainingColumn(), console=Console(stderr=True))
+    tasks: dict[str, Any] = {}
+
+    def tick(phase: str, done: int, total: int) -> None:
+        if phase not in tasks:
+            label = "checking (bytes)" if phase == "read" else "inserting (events)"
+            tasks[phase] = bar.add_task(label, total=total)
+        bar.update(tasks[phase], completed=done, total=total)
+
+    with bar:
+        yield tick
 
 
 @billing_app.command("load-prices")

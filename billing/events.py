@@ -25,7 +25,8 @@ event_id               no        if given, must equal the deterministic id (sha2
 
 Limits (``FIELD_LIMITS``, enforced when a ``UsageEvent`` is built, so SQLite and PostgreSQL accept exactly the
 same events): strings fit their columns (e.g. ``request_id`` at most 200 characters) and hold no NUL character or
-lone surrogate; integers fit 32-bit columns (``duration_ms`` below 2**31); token counts are at most 10**12.
+lone surrogate; integers fit 32-bit columns (``duration_ms`` below 2**31); token counts are at most 10**12 and
+amounts at most ``MAX_AMOUNT`` (10**8) per event.
 When ``provider_cost`` is absent, a ``cost`` carried by ``raw_usage`` (OpenRouter's ``usage.cost``) is the
 provider cost; JSON numbers are read exactly from their literal (``kvroute billing ingest`` parses floats as
 ``Decimal``).
@@ -42,7 +43,7 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
-from kvroute.billing.money import check_currency, to_decimal
+from kvroute.billing.money import MAX_AMOUNT, check_currency, to_decimal
 from kvroute.billing.usage import TokenBuckets, normalize_usage, reported_cost
 from kvroute.policies.errors import InputError
 
@@ -168,8 +169,12 @@ def check_limits(e: UsageEvent) -> None:
             if len(value) > limit:
                 raise InputError(name, f"is {len(value)} characters long; at most {limit} are stored")
             check_text(value, name)
-    if e.currency is not None:
-        check_currency(e.currency)
+    check_currency(e.currency)
+    for name in ("provider_cost", "litellm_cost"):
+        amount = getattr(e, name)
+        if amount is not None and not (isinstance(amount, Decimal) and amount.is_finite() and amount >= 0
+                                       and amount <= MAX_AMOUNT):
+            raise InputError(name, f"must be a decimal amount in [0, {MAX_AMOUNT}], got {amount!r}")
 
 
 def check_text(value: str, where: str) -> None:

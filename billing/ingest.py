@@ -1,8 +1,12 @@
 """Import usage events from a JSONL file (schema in ``kvroute.billing.events``): validate all, then insert.
 
-Idempotent (deterministic event ids, insert-or-ignore). A file with bad lines inserts nothing unless
-``skip_invalid`` is set; every bad line is reported with its number, field and reason. Batches commit one by
-one, so an interrupted import leaves whole batches only and a re-run completes it without duplicates.
+JSON numbers are read exactly (floats as ``Decimal`` from their literal). Every line is checked before anything
+is written: the schema and column limits, the event window (``EventWindow``: at most ``late_days`` old, at most
+``future_skew_s`` ahead of the clock) and the rating (currencies, amount limits). A file with bad lines inserts
+nothing unless ``skip_invalid`` is set; every bad line is reported with its number, field and reason.
+
+Idempotent (deterministic event ids, insert-or-ignore). Batches commit one by one, so an interrupted import
+leaves whole batches only and a re-run stores the rest, each event once.
 """
 
 from __future__ import annotations
@@ -10,12 +14,42 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 from kvroute.billing.events import UsageEvent, event_from_json
 from kvroute.billing.ledger import Ledger
 from kvroute.policies.errors import InputError
+
+#: ``progress(phase, done, total)``: phase ``read`` counts bytes of the file, ``insert`` counts events.
+Progress = Callable[[str, int, int], None]
+#: Longest integer literal accepted (a token count fits in 13 digits; this stops 10**5-digit numbers early).
+MAX_INT_DIGITS = 30
+
+
+@dataclass(frozen=True)
+class EventWindow:
+    """Which event times are accepted: at most ``late_days`` old and at most ``future_skew_s`` in the future.
+
+    The default 35 days matches the late-event windows of Stripe and Metronome; 300 s of clock skew covers
+    hosts whose clocks drift a little ahead of the ledger's.
+    """
+
+    late_days: float = 35.0
+    future_skew_s: float = 300.0
+
+    def check(self, moment: datetime, now: datetime) -> str | None:
+        """``None`` when ``moment`` is inside the window, else the reason it is not."""
+        if moment < now - timedelta(days=self.late_days):
+            age = (now - moment).total_seconds() / 86400
+            return (f"is {age:.0f} days old; events older than the late-event window of {self.late_days:g} days "
+                    "are refused (--late-days)")
+        if moment > now + timedelta(seconds=self.future_skew_s):
+            return (f"{moment.isoformat()} is in the future (more than {self.future_skew_s:g} s ahead of "
+                    f"{now.isoformat()})")
+        return None
 
 
 @dataclass(frozen=True)
@@ -34,41 +68,91 @@ class IngestResult:
     valid: int = 0
     inserted: int = 0
     errors: list[LineError] = field(default_factory=list)
+    unpriced: dict[str, int] = field(default_factory=dict)  # backend -> events rated without any price
 
 
-def read_events(path: str | Path) -> tuple[list[UsageEvent], list[LineError], int]:
-    """Parse every line; blank lines are skipped. Returns (events, errors, lines read)."""
-    events, errors = [], []
+def _int_literal(text: str) -> int:
+    digits = text.lstrip("-")
+    if len(digits) > MAX_INT_DIGITS:
+        raise ValueError(f"integer literal of {len(digits)} digits")
+    return int(text)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def parse_line(raw: bytes) -> Any:
+    """One JSON line with exact numbers: floats as ``Decimal``, bounded integers, no NaN/Infinity."""
+    return json.loads(raw, parse_float=Decimal, parse_int=_int_literal, parse_constant=_no_constant)
+
+
+def read_events(path: str | Path, window: EventWindow | None = None, now: datetime | None = None,
+                progress: Progress | None = None) -> tuple[list[tuple[int, UsageEvent]], list[LineError], int]:
+    """Parse every line (blank lines skipped), checking the window when given.
+
+    Returns ((line number, event) pairs, errors, lines read).
+    """
+    events: list[tuple[int, UsageEvent]] = []
+    errors: list[LineError] = []
     n = 0
     source = Path(path)
     if not source.is_file():
         raise InputError(str(path), "no such file")
+    total = source.stat().st_size
+    done = 0
     with source.open("rb") as f:
         for n, raw in enumerate(f, 1):
+            done += len(raw)
+            if progress is not None and n % 2000 == 0:
+                progress("read", done, total)
             if not raw.strip():
                 continue
             try:
-                data = json.loads(raw, parse_float=Decimal)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                data = parse_line(raw)
+            except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, huge ints, NaN
                 errors.append(LineError(n, "(json)", f"not valid JSON: {exc}"))
                 continue
             try:
-                events.append(event_from_json(data))
+                e = event_from_json(data)
             except InputError as exc:
                 errors.append(LineError(n, exc.where, exc.message))
+                continue
+            reason = window.check(e.occurred_at, now) if window is not None and now is not None else None
+            if reason is not None:
+                errors.append(LineError(n, "occurred_at", reason))
+                continue
+            events.append((n, e))
+    if progress is not None:
+        progress("read", total, total)
     return events, errors, n
 
 
 def ingest_file(ledger: Ledger, path: str | Path, *, batch_size: int = 5000, skip_invalid: bool = False,
-                progress: Callable[[int], None] | None = None) -> IngestResult:
-    """Validate ``path`` and insert its events; nothing is inserted when a line is bad (unless ``skip_invalid``)."""
-    events, errors, lines = read_events(path)
+                window: EventWindow | None = EventWindow(), progress: Progress | None = None) -> IngestResult:
+    """Validate ``path`` and insert its events; nothing is inserted when a line is bad (unless ``skip_invalid``).
+
+    ``window=None`` accepts any event time (the ledger's clock is the reference otherwise).
+    """
+    numbered, errors, lines = read_events(path, window, ledger.clock(), progress)
+    events = [e for _, e in numbered]
+    refused = ledger.check_events(events)
+    for i, exc in refused:
+        errors.append(LineError(numbered[i][0], exc.where, exc.message))
+    errors.sort(key=lambda err: err.line)
+    if refused:
+        bad = {i for i, _ in refused}
+        events = [e for i, e in enumerate(events) if i not in bad]
     result = IngestResult(lines=lines, valid=len(events), errors=errors)
     if errors and not skip_invalid:
         return result
+    catalog = ledger.catalog()
+    for e in events:
+        if e.provider_cost is None and e.litellm_cost is None and catalog.rate_for(e.backend_id, e.occurred_at) is None:
+            result.unpriced[e.backend_id] = result.unpriced.get(e.backend_id, 0) + 1
     for start in range(0, len(events), batch_size):
         batch = events[start:start + batch_size]
         result.inserted += ledger.insert_events(batch)
         if progress is not None:
-            progress(len(batch))
+            progress("insert", start + len(batch), len(events))
     return result

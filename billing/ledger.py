@@ -1,4 +1,8 @@
-"""``Ledger``: rates usage events and appends them, idempotently, to the database (insert-or-ignore)."""
+"""``Ledger``: rates usage events and appends them, idempotently, to the database (insert-or-ignore).
+
+An event whose rating fails (currencies that differ, an amount beyond ``MAX_AMOUNT``) raises ``InputError``;
+``Ledger.check_events`` finds such events before anything is written.
+"""
 
 from __future__ import annotations
 
@@ -15,10 +19,11 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from kvroute.billing.catalog import Catalog
 from kvroute.billing.db import open_engine
-from kvroute.billing.events import UsageEvent, period_of
+from kvroute.billing.events import UsageEvent, json_safe, period_of
 from kvroute.billing.models import Backend, BillingPeriodRow, Money, Tz, UsageAdjustmentRow, UsageEventRow
-from kvroute.billing.money import fix
+from kvroute.billing.money import MAX_AMOUNT, fix
 from kvroute.billing.pricing import rate_event
+from kvroute.policies.errors import InputError
 
 EVENT: Table = UsageEventRow.__table__  # type: ignore[assignment]
 ADJUSTMENT: Table = UsageAdjustmentRow.__table__  # type: ignore[assignment]
@@ -117,6 +122,18 @@ class Ledger:
                              [late_adjustment(r, now) for r in late])
         return added
 
+    def check_events(self, events: Sequence[UsageEvent]) -> list[tuple[int, InputError]]:
+        """Rate every event without writing; returns ``(index, error)`` for each one ``insert_events`` would refuse."""
+        catalog = self.catalog()
+        now = self.clock()
+        errors = []
+        for i, e in enumerate(events):
+            try:
+                event_row(e, catalog, now, "", "")
+            except InputError as exc:
+                errors.append((i, exc))
+        return errors
+
     def _closed_periods(self, conn: Connection, events: Iterable[UsageEvent]) -> set[tuple[str, str]]:
         if self.engine.dialect.name == "postgresql":  # close-period takes a conflicting lock (see periods.py)
             conn.execute(text("LOCK TABLE billing_period IN SHARE MODE"))
@@ -145,6 +162,12 @@ class Ledger:
 def event_row(e: UsageEvent, catalog: Catalog, now: datetime, period: str, booked_period: str) -> dict[str, Any]:
     """The ``usage_event`` row of a rated event."""
     r = rate_event(e, catalog.rate_for(e.backend_id, e.occurred_at), catalog.book_for(e.app_id, e.occurred_at))
+    amounts = {"provider_cost": e.provider_cost, "litellm_cost": e.litellm_cost,
+               "provider_cost_computed": r.provider_cost_computed, "markup_amount": r.markup_amount,
+               "surcharge_amount": r.surcharge_amount, "fee_amount": r.fee_amount, "billed_amount": r.billed_amount}
+    for name, amount in amounts.items():
+        if amount is not None and abs(amount) > MAX_AMOUNT:
+            raise InputError(name, f"{amount} {r.currency} exceeds the ledger's limit of {MAX_AMOUNT} per event")
     t = e.tokens
     return {
         "event_id": e.event_id, "request_id": e.request_id, "attempt_no": e.attempt, "is_final_attempt": e.is_final,
@@ -164,7 +187,8 @@ def event_row(e: UsageEvent, catalog: Catalog, now: datetime, period: str, booke
         "cost_rate_id": r.cost_rate_id, "price_book_id": r.price_book_id, "price_book_version": r.price_book_version,
         "price_rule_id": r.price_rule_id, "markup_amount": r.markup_amount, "surcharge_amount": r.surcharge_amount,
         "fee_amount": r.fee_amount, "billed_amount": r.billed_amount, "currency": r.currency,
-        "raw_usage": e.raw_usage, "router_attempts": e.router_attempts,
+        "raw_usage": None if e.raw_usage is None else json_safe(e.raw_usage),
+        "router_attempts": None if e.router_attempts is None else json_safe(e.router_attempts),
     }
 
 
@@ -175,7 +199,7 @@ def late_adjustment(row: dict[str, Any], now: datetime) -> dict[str, Any]:
         "period": row["booked_period"], "original_period": row["period"], "kind": "late_event",
         "delta_provider_cost": row["provider_cost"] - row["absorbed_cost"],
         "delta_absorbed_cost": row["absorbed_cost"], "delta_billed_amount": row["billed_amount"],
-        "delta_markup_amount": row["markup_amount"] + row["surcharge_amount"] + row["fee_amount"],
+        "delta_markup_amount": row["markup_amount"] + row["surcharge_amount"],  # fee = billed - cost - markup
         "delta_tokens": {k: row[k] for k in ("input_uncached_tokens", "cache_read_tokens", "cache_write_5m_tokens",
                                              "cache_write_1h_tokens", "output_tokens", "reasoning_tokens")},
         "currency": row["currency"], "reason": f"event of closed period {row['period']} arrived late",

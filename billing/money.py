@@ -12,6 +12,9 @@ SCALE = Decimal("1e-10")
 UNITS = 10**10
 MILLION = Decimal(1_000_000)
 ZERO = Decimal(0)
+#: Largest amount of one event in any money column: SQLite keeps amounts as 64-bit integers of 1e-10 units
+#: (at most about 9.2e8), PostgreSQL as NUMERIC(38, 10); this limit keeps both alike with room to spare.
+MAX_AMOUNT = Decimal(10**8)
 _CTX = Context(prec=60, rounding=ROUND_HALF_EVEN)
 #: ISO-4217 minor-unit exponents that differ from 2.
 _MINOR_UNITS = {"JPY": 0, "KRW": 0, "VND": 0, "CLP": 0, "ISK": 0, "BHD": 3, "KWD": 3, "OMR": 3, "JOD": 3, "TND": 3}

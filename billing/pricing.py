@@ -4,6 +4,11 @@ Formulas (research §8.3), all in ``Decimal`` at scale 1e-10, never rounded to c
 ``provider_cost`` = reported cost, else LiteLLM's cost before its margin, else Σ tokens × rate / 1e6 + per_request;
 ``billed`` = clamp(cost + cost × markup + Σ tokens × surcharge / 1e6 + fee, min, max), or 0 for non-final attempts
 and zero completions unless the rule bills them.
+
+Currencies are never mixed: the amounts an event is rated with (its reported cost in the event's ``currency``,
+or the rate card in the card's currency) must be in the price book's currency, else ``rate_event`` raises
+``InputError`` (no conversion). A backend with neither a reported cost nor a rate card is rated at cost 0
+with ``cost_source="unknown"``; reports flag such events as unpriced.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from fnmatch import fnmatchcase
 from kvroute.billing.events import UsageEvent
 from kvroute.billing.money import MILLION, ZERO, fix
 from kvroute.billing.usage import TokenBuckets
+from kvroute.policies.errors import InputError
 
 #: Surcharge buckets of a price rule and the token buckets each one applies to.
 SURCHARGE_BUCKETS = {"input": ("input_uncached",), "cache_read": ("cache_read",),
@@ -133,7 +139,17 @@ class Rating:
 
 def rate_event(e: UsageEvent, cost_rate: CostRate | None, book: PriceBook | None) -> Rating:
     """Rate one event against a rate card and a price book (either may be missing: cost 0 / billed at cost)."""
+    target = book.currency if book is not None else e.currency
     computed = fix(cost_rate.cost(e.tokens)) if cost_rate is not None else None
+    reported = e.provider_cost is not None or e.litellm_cost is not None
+    if reported and e.currency != target:
+        raise InputError("currency", f"the event's cost is in {e.currency} but app {e.app_id!r} is billed in "
+                                     f"{target}; amounts are never converted")
+    if cost_rate is not None and cost_rate.currency != target:
+        if not reported:
+            raise InputError("currency", f"the rate card of backend {e.backend_id!r} is in {cost_rate.currency} "
+                                         f"but app {e.app_id!r} is billed in {target}; amounts are never converted")
+        computed = None  # a figure in another currency is not kept beside the reported cost
     if e.provider_cost is not None:
         cost, source = fix(e.provider_cost), "provider_reported"
     elif e.litellm_cost is not None:
@@ -174,7 +190,7 @@ def rate_event(e: UsageEvent, cost_rate: CostRate | None, book: PriceBook | None
         markup = billed - cost - surcharge - fee
     absorbed = cost if billed == ZERO else ZERO
     return Rating(fix(cost), source, computed, fix(markup), surcharge, fix(fee), fix(billed), fix(absorbed),
-                  book.currency if book is not None else e.currency,
+                  target,
                   cost_rate.cost_rate_id if cost_rate is not None else None,
                   book.price_book_id if book is not None else None, book.version if book is not None else None,
                   rule.price_rule_id if rule is not None else None)

@@ -33,7 +33,7 @@ def main(argv: list[str]) -> None:
         rec.close()
     elif mode == "ingest":
         ledger = Ledger.open(argv[1])
-        result = ingest_file(ledger, argv[2], batch_size=int(argv[3]))
+        result = ingest_file(ledger, argv[2], batch_size=int(argv[3]), window=None)  # fixtures are old
         print(f"done {result.inserted}", flush=True)
         ledger.close()
 
