@@ -140,7 +140,8 @@ def close_period_cmd(period: str = typer.Option(..., "--period", help="YYYY-MM")
         typer.echo(f"{period}: closed; {result.statements} statement(s) for {len(result.apps)} app(s)")
 
 
-def _report(kind: str, period: str, app: str | None, fmt: str, out: Path | None, db: str | None) -> None:
+def _report(kind: str, period: str, app: str | None, fmt: str, out: Path | None, db: str | None,
+            by: str = "backend") -> None:
     from kvroute.billing import export, reports
     from kvroute.billing.periods import check_period
     from kvroute.policies.errors import InputError
@@ -150,22 +151,28 @@ def _report(kind: str, period: str, app: str | None, fmt: str, out: Path | None,
         _fail("error: --format parquet needs --out FILE")
     try:
         check_period(period)
+        reports.check_by(by)
     except InputError as exc:
         _fail(f"error: {exc}")
-    build, columns = {"usage": (reports.usage_report, reports.USAGE_COLUMNS),
-                      "margin": (reports.margin_report, reports.MARGIN_COLUMNS),
+    build, columns = {"usage": (reports.usage_report, reports.usage_columns(by)),
+                      "margin": (reports.margin_report, reports.margin_columns(by)),
                       "payouts": (reports.payout_report, reports.PAYOUT_COLUMNS)}[kind]
     ledger = _ledger(db)
     try:
         with ledger.engine.connect() as conn:
-            rows = build(conn, ledger.catalog(refresh=True), period, app)
+            rows = build(conn, ledger.catalog(refresh=True), period, app, by)
     finally:
         ledger.close()
     total_rows = reports.totals(rows)
     everything = rows + total_rows
-    title = f"kvroute {kind} report {period}" + (f" · app {app}" if app else "")
+    unpriced = sum(t.get("unpriced_events", 0) for t in total_rows)
+    if unpriced:
+        typer.echo(f"warning: {unpriced} event(s) had no reported cost and no rate card: booked at cost 0 "
+                   "(column unpriced_events)", err=True)
+    title = f"kvroute {kind} report {period}" + (f" · app {app}" if app else "") + (
+        f" · by {by}" if kind != "payouts" else "")
     if fmt == "table" and out is None:
-        export.render_table(everything, reports.TABLE_COLUMNS[kind], title)
+        export.render_table(everything, reports.table_columns(kind, by), title)
         return
     import contextlib
 
@@ -205,12 +212,24 @@ def _report_command(kind: str, doc: str) -> None:
                 app: str | None = typer.Option(None, "--app", help="Only this app."),
                 fmt: str = typer.Option("table", "--format", help="table | csv | json | parquet"),
                 out: Path | None = typer.Option(None, "--out", help="Write to a file instead of stdout."),
+                db: str | None = typer.Option(None, help=DB_HELP),
+                by: str = typer.Option("backend", "--by", help="Rows per backend | end_user | app.")) -> None:
+        _report(kind, period, app, fmt, out, db, by)
+
+    def payouts(period: str = typer.Option(..., "--period", help="YYYY-MM"),
+                app: str | None = typer.Option(None, "--app", help="Only this app."),
+                fmt: str = typer.Option("table", "--format", help="table | csv | json | parquet"),
+                out: Path | None = typer.Option(None, "--out", help="Write to a file instead of stdout."),
                 db: str | None = typer.Option(None, help=DB_HELP)) -> None:
-        _report(kind, period, app, fmt, out, db)
-    command.__doc__ = doc
-    report_app.command(kind)(command)
+        _report(kind, period, app, fmt, out, db, "app")
+    chosen = payouts if kind == "payouts" else command
+    chosen.__doc__ = doc
+    report_app.command(kind)(chosen)
 
 
-_report_command("usage", "Requests and tokens per app × served model × provider × backend, with cache hit ratio.")
-_report_command("margin", "Provider cost, markup, billed, fees, margin and payout per app × model × provider.")
-_report_command("payouts", "Per-app payout: frozen at period close, provisional before.")
+_report_command("usage", "Requests and tokens per app × served model × provider × backend (or --by end_user), "
+                         "late events and adjustments included.")
+_report_command("margin", "Provider cost, markup, fees, billed, margin and payout per app × backend (or --by "
+                          "end_user); billed = provider cost + markup + fees.")
+_report_command("payouts", "Per-app payout = markup + fees − platform fee − payment fee: frozen at period close, "
+                           "provisional before.")

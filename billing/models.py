@@ -284,7 +284,8 @@ class PayoutRow(Base):
     absorbed_cost: Mapped[Decimal] = mapped_column(Money())
     platform_fee: Mapped[Decimal] = mapped_column(Money())
     payment_fee: Mapped[Decimal] = mapped_column(Money())
-    markup_earned: Mapped[Decimal] = mapped_column(Money())
+    markup_earned: Mapped[Decimal] = mapped_column(Money())  # markup and surcharges (fees: fee_amount)
+    fee_amount: Mapped[Decimal | None] = mapped_column(Money())  # per-request fees; NULL on payouts before 0002
     payout_amount: Mapped[Decimal] = mapped_column(Money())
     status: Mapped[str] = mapped_column(String(10))
     external_ref: Mapped[str | None] = mapped_column(String(200))

@@ -90,7 +90,7 @@ def close_period(ledger: Ledger, period: str, *, grace_hours: float = 72.0, app:
             _freeze(conn, catalog, period, app_id, currency, lines, now)
         apps = tuple(sorted({a for a, _ in by_app}))
         digest = hashlib.sha256(json.dumps(
-            [[a, c, str(sum((r["billed_amount"] + r["adjustments"] for r in ls), ZERO))]
+            [[a, c, str(sum((r["billed_amount"] for r in ls), ZERO))]
              for (a, c), ls in sorted(by_app.items())]).encode()).hexdigest()
         for app_id in apps:
             _upsert_status(conn, app_id, period, "closed", grace_until, now, digest)
@@ -115,31 +115,38 @@ def _upsert_status(conn: Any, app_id: str, period: str, status: str, grace_until
 
 def _freeze(conn: Any, catalog: Any, period: str, app_id: str, currency: str, rows: list[dict[str, Any]],
             now: datetime) -> None:
-    """Write the statement (rounded lines), its lines and the payout of one app and currency."""
-    unrounded = [r["billed_amount"] for r in rows]
+    """Write the statement (rounded lines), its lines and the payout of one app and currency.
+
+    Rounded like the report rows add up: cost, absorbed cost and fees round half-even on their own, the markup
+    takes the rounding residual, so ``billed = cost + markup + fees`` and the payout formula hold to the cent.
+    """
+    adjustments = sum((r["adjustments"] for r in rows), ZERO)
+    unrounded = [r["billed_amount"] - r["adjustments"] for r in rows]  # each line: its own events
     labels = [f"{r['served_model']}|{r['provider']}|{r['backend_id']}" for r in rows]
     quantities = [r["requests_total"] for r in rows]
-    adjustments = sum((r["adjustments"] for r in rows), ZERO)
     if adjustments:
         unrounded.append(adjustments)
         labels.append("adjustments")
         quantities.append(0)
     rounded = allocate(unrounded, currency)
-    subtotal = round_money(sum((r["billed_amount"] for r in rows), ZERO), currency)
+    subtotal = round_money(sum(unrounded[:len(rows)], ZERO), currency)
     total = sum(rounded, ZERO)
-    cost = sum((r["provider_cost"] + r["adjustment_cost"] for r in rows), ZERO)
-    absorbed = sum((r["absorbed_cost"] for r in rows), ZERO)
+
+    def rounded_sum(column: str) -> Decimal:
+        return round_money(sum((r[column] for r in rows), ZERO), currency)
+
+    cost, absorbed, fees = rounded_sum("provider_cost"), rounded_sum("absorbed_cost"), rounded_sum("fee_amount")
+    markup = total - cost - fees
     platform_pct, payment_pct = catalog.platform_fee_pct(app_id, period_start(period))
     platform_fee = round_money(total * platform_pct, currency)
     payment_fee = round_money(total * payment_pct, currency)
-    markup = round_money(sum((r["markup_amount"] + r["adjustment_markup"] for r in rows), ZERO), currency)
     versions = sorted({v for r in rows for v in r.get("price_book_versions", [])})
     statement_id = conn.execute(insert(StatementRow).values(
         app_id=app_id, period=period, currency=currency, price_book_version_set=versions,
         subtotal_billed=subtotal, adjustments_total=total - subtotal, total_billed=total,
-        total_unrounded=sum(unrounded, ZERO), provider_cost_total=round_money(cost, currency),
-        absorbed_cost_total=round_money(absorbed, currency), platform_fee=platform_fee, payment_fee=payment_fee,
-        margin_total=total - round_money(cost + absorbed, currency) - platform_fee - payment_fee,
+        total_unrounded=sum(unrounded, ZERO), provider_cost_total=cost, absorbed_cost_total=absorbed,
+        platform_fee=platform_fee, payment_fee=payment_fee,
+        margin_total=total - cost - absorbed - platform_fee - payment_fee,
         created_at=now, finalized_at=now).returning(StatementRow.statement_id)).scalar_one()
     conn.execute(insert(StatementLineRow), [
         {"statement_id": statement_id, "group_key": label, "currency": currency, "quantity": q, "unit": "request",
@@ -147,9 +154,9 @@ def _freeze(conn: Any, catalog: Any, period: str, app_id: str, currency: str, ro
         for label, q, u, r in zip(labels, quantities, unrounded, rounded, strict=True)])
     conn.execute(insert(PayoutRow).values(
         builder_id=app_id, app_id=app_id, period=period, currency=currency, gross_billed=total,
-        provider_cost=round_money(cost, currency), absorbed_cost=round_money(absorbed, currency),
-        platform_fee=platform_fee, payment_fee=payment_fee, markup_earned=markup,
-        payout_amount=max(ZERO, markup - platform_fee - payment_fee), status="pending"))
+        provider_cost=cost, absorbed_cost=absorbed, platform_fee=platform_fee, payment_fee=payment_fee,
+        markup_earned=markup, fee_amount=fees,
+        payout_amount=max(ZERO, markup + fees - platform_fee - payment_fee), status="pending"))
 
 
 def statement_totals(ledger: Ledger, period: str) -> dict[tuple[str, str], dict[str, Decimal]]:

@@ -110,7 +110,8 @@ def test_close_period_grace_window_statements_and_late_events(ledger: Ledger, cl
         assert (adj.period, adj.original_period, adj.kind) == ("2026-11", "2026-10", "late_event")
         nov = margin_report(conn, ledger.catalog(), "2026-11")
         oct_rows = margin_report(conn, ledger.catalog(), "2026-10")
-    assert len(nov) == 1 and nov[0]["adjustments"] == adj.delta_billed_amount and nov[0]["requests_total"] == 0
+    assert len(nov) == 1 and nov[0]["adjustments"] == nov[0]["billed_amount"] == adj.delta_billed_amount
+    assert nov[0]["requests_total"] == nov[0]["late_requests"] == 1  # counted where it is booked
     assert sum(r["requests_total"] for r in oct_rows) == 11
     assert close_period(ledger, "2026-10", now=clock.at).statements == 0  # closing twice changes nothing
     with ledger.engine.connect() as conn:
