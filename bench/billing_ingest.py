@@ -1,7 +1,12 @@
-"""Billing benchmark: batched ingest into SQLite (events/s) and ``UsageRecorder.record()`` latency (p50/p99).
+"""Billing benchmark: ``kvroute billing ingest`` events/s (JSONL file → rated rows in SQLite), this tree against a
+baseline git revision in the same run, interleaved rounds (ABBA), medians; ``--record`` adds the
+``UsageRecorder.record()`` latency (p50/p99) against a bare ``deque.append``.
 
-Baselines measured in the same run: a raw ``sqlite3.executemany`` of the same rows (ingest) and a bare
-``deque.append`` (record). Prints JSON.  usage: python bench/billing_ingest.py [--events N] [--batch B]
+Each round runs the ingest of the same file into a fresh database in a fresh process, once per tree. The
+baseline tree is the given revision of ``billing/`` and ``policies/`` (``git archive``), imported as
+``kvroute.*`` in place of the editable install. Prints JSON.
+
+usage: python bench/billing_ingest.py [--events N] [--batch B] [--rounds R] [--baseline REV] [--record]
 """
 
 from __future__ import annotations
@@ -9,77 +14,129 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sqlite3
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections import deque
 from datetime import UTC, datetime, timedelta
-from decimal import Decimal
 from pathlib import Path
 
-from kvroute.billing.events import UsageEvent
-from kvroute.billing.ledger import Ledger
-from kvroute.billing.price_file import parse_price_data
-from kvroute.billing.price_store import store_prices
-from kvroute.billing.recorder import UsageRecorder
-from kvroute.billing.usage import TokenBuckets
-
+ROOT = Path(__file__).resolve().parents[1]
 PRICES = {"backends": [{"id": f"b{i}", "provider": "p", "route_kind": "marketplace",
                         "rates": [{"effective_from": "2026-01-01", "input_per_mtok": "3", "output_per_mtok": "15",
                                    "cache_read_per_mtok": "0.3"}]} for i in range(4)],
           "price_books": [{"version": 1, "effective_from": "2026-01-01",
                            "rules": [{"name": "all", "markup_pct": "0.2",
                                       "surcharge_per_mtok": {"output": "1"}, "fee_per_request": "0.0001"}]}]}
+#: Strips the editable finder so that ``sys.path[0]`` provides ``kvroute`` (the baseline tree).
+_BOOT = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f) "
+         "and 'editable' not in getattr(f, '__module__', '')]; sys.path.insert(0, {pkg!r}); "
+         "sys.argv = {argv!r}; import runpy; runpy.run_path({script!r}, run_name='__main__')")
 
 
-def make_events(n: int, tag: str) -> list[UsageEvent]:
-    t0 = datetime(2026, 10, 1, tzinfo=UTC)
-    return [UsageEvent(request_id=f"{tag}-{i}", app_id=f"app{i % 20}", occurred_at=t0 + timedelta(seconds=i),
-                       served_model=f"m{i % 5}", provider="p", backend_id=f"b{i % 4}",
-                       tokens=TokenBuckets(100 + i % 900, i % 3000, 0, 0, 50 + i % 500, 0),
-                       provider_cost=Decimal("0.0001") * (i % 7) if i % 3 == 0 else None) for i in range(n)]
+def write_events(path: Path, n: int) -> None:
+    """``n`` JSONL events of the documented schema, dated within the last day (inside every late-event window).
+
+    Every third event carries a provider cost (decimal string: both trees read it), every fifth a raw usage."""
+    t0 = datetime.now(UTC) - timedelta(days=1)
+    with path.open("w") as f:
+        for i in range(n):
+            e = {"request_id": f"ing-{i}", "app_id": f"app{i % 20}",
+                 "occurred_at": (t0 + timedelta(seconds=i % 80000)).isoformat().replace("+00:00", "Z"),
+                 "served_model": f"m{i % 5}", "provider": "p", "backend_id": f"b{i % 4}", "route_kind": "marketplace",
+                 "usage": {"input_uncached": 100 + i % 900, "cache_read": i % 3000, "output": 50 + i % 500},
+                 "end_user": f"user-{i % 97}", "duration_ms": 1000 + i % 5000}
+            if i % 3 == 0:
+                e["provider_cost"] = str(i % 7 / 10000)
+            if i % 5 == 0:
+                e["raw_usage"] = {"prompt_tokens": 100 + i % 900 + i % 3000, "completion_tokens": 50 + i % 500,
+                                  "prompt_tokens_details": {"cached_tokens": i % 3000}}
+            f.write(json.dumps(e) + "\n")
 
 
-def bench_ingest(n: int, batch: int) -> dict[str, float]:
+def worker(path: str, batch: int) -> None:
+    """One timed ingest into a fresh SQLite database (run in its own process by ``main``)."""
+    from kvroute.billing.ingest import ingest_file
+    from kvroute.billing.ledger import Ledger
+    from kvroute.billing.price_file import parse_price_data
+    from kvroute.billing.price_store import store_prices
     with tempfile.TemporaryDirectory() as d:
         ledger = Ledger.open(str(Path(d) / "bench.db"))
         store_prices(ledger, parse_price_data(PRICES))
-        events = make_events(n, "ing")
         start, cpu_start = time.perf_counter(), time.process_time()
-        for i in range(0, n, batch):
-            ledger.insert_events(events[i:i + batch])
-        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-        start = time.perf_counter()
-        for i in range(0, n, batch):  # everything again: all ignored as duplicates
-            ledger.insert_events(events[i:i + batch])
-        dup_elapsed = time.perf_counter() - start
-        assert ledger.count_events() == n
+        result = ingest_file(ledger, path, batch_size=batch)
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+        stored = ledger.count_events()
         ledger.close()
-        # baseline: the same number of 50-column rows through sqlite3.executemany, no rating, no ORM
-        conn = sqlite3.connect(str(Path(d) / "raw.db"))
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=NORMAL")
-        conn.execute(f"CREATE TABLE t (id TEXT PRIMARY KEY, {', '.join(f'c{i} INTEGER' for i in range(49))})")
-        rows = [(e.event_id, *range(49)) for e in events]
-        start, cpu_start = time.perf_counter(), time.process_time()
-        for i in range(0, n, batch):
-            with conn:
-                conn.executemany(f"INSERT OR IGNORE INTO t VALUES ({', '.join('?' * 50)})", rows[i:i + batch])
-        raw, raw_cpu = time.perf_counter() - start, time.process_time() - cpu_start
-        conn.close()
-    # On a shared machine wall time includes waiting for a core; CPU time is what the ingest itself costs.
-    return {"events": n, "batch": batch, "events_per_s": round(n / elapsed), "events_per_cpu_s": round(n / cpu),
-            "duplicate_events_per_s": round(n / dup_elapsed), "baseline_raw_sqlite_rows_per_s": round(n / raw),
-            "baseline_raw_sqlite_rows_per_cpu_s": round(n / raw_cpu),
-            "ratio_vs_raw_sqlite_cpu": round(cpu / raw_cpu, 2), "load_average_1m": os.getloadavg()[0]}
+    print(json.dumps({"wall_s": wall, "cpu_s": cpu, "inserted": result.inserted, "stored": stored,
+                      "errors": len(result.errors)}))
+
+
+def baseline_tree(rev: str, into: Path) -> Path:
+    """Extract ``billing/`` and ``policies/`` of ``rev`` and lay them out as an importable ``kvroute``."""
+    src = into / "src"
+    src.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "billing", "policies"], check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
+    pkg = into / "pkg" / "kvroute"
+    pkg.mkdir(parents=True)
+    for name in ("billing", "policies"):
+        (pkg / name).symlink_to(src / name)
+    return into / "pkg"
+
+
+def run_once(pkg: Path | None, path: Path, batch: int) -> dict[str, float]:
+    argv = [__file__, "--worker", str(path), "--batch", str(batch)]
+    if pkg is None:
+        cmd = [sys.executable, *argv]
+    else:
+        cmd = [sys.executable, "-c", _BOOT.format(pkg=str(pkg), argv=argv, script=__file__)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800,
+                         env={**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"})
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def bench_ingest(n: int, batch: int, rounds: int, baseline: str) -> dict[str, object]:
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "events.jsonl"
+        write_events(path, n)
+        pkg = baseline_tree(baseline, Path(d) / "baseline")
+        runs: dict[str, list[dict[str, float]]] = {"current": [], "baseline": []}
+        loads = []
+        for r in range(rounds):  # ABBA: each tree goes first in half of the rounds
+            order = ("current", "baseline") if r % 2 == 0 else ("baseline", "current")
+            for name in order:
+                res = run_once(None if name == "current" else pkg, path, batch)
+                assert res["stored"] == n and res["errors"] == 0, (name, res)
+                runs[name].append(res)
+            loads.append(os.getloadavg()[0])
+
+    def medians(items: list[dict[str, float]]) -> dict[str, float]:
+        return {"events_per_s": round(statistics.median(n / x["wall_s"] for x in items)),
+                "events_per_cpu_s": round(statistics.median(n / x["cpu_s"] for x in items)),
+                "wall_s_all_rounds": [round(x["wall_s"], 3) for x in items]}
+
+    cur, base = medians(runs["current"]), medians(runs["baseline"])
+    return {"events": n, "batch": batch, "rounds": rounds, "baseline_rev": baseline, "current": cur,
+            "baseline": base, "ratio_current_vs_baseline_wall": round(cur["events_per_s"] / base["events_per_s"], 3),
+            "ratio_current_vs_baseline_cpu": round(cur["events_per_cpu_s"] / base["events_per_cpu_s"], 3),
+            "load_average_1m_per_round": loads, "cpus": os.cpu_count()}
 
 
 def bench_record(n: int) -> dict[str, float]:
+    from kvroute.billing.events import UsageEvent
+    from kvroute.billing.recorder import UsageRecorder
+    from kvroute.billing.usage import TokenBuckets
+    t0 = datetime(2026, 10, 1, tzinfo=UTC)
+    events = [UsageEvent(request_id=f"rec-{i}", app_id=f"app{i % 20}", occurred_at=t0 + timedelta(seconds=i),
+                         served_model=f"m{i % 5}", provider="p", backend_id=f"b{i % 4}",
+                         tokens=TokenBuckets(100 + i % 900, i % 3000, 0, 0, 50 + i % 500, 0)) for i in range(n)]
     with tempfile.TemporaryDirectory() as d:
         rec = UsageRecorder(str(Path(d) / "rec.db"), Path(d) / "spool", batch_size=500, flush_interval_s=0.05)
         rec.start()
-        events = make_events(n, "rec")
         samples = []
         clock = time.perf_counter_ns
         for e in events:
@@ -99,17 +156,25 @@ def bench_record(n: int) -> dict[str, float]:
     q = statistics.quantiles(samples, n=100)
     qb = statistics.quantiles(base, n=100)
     return {"events": n, "record_p50_us": round(q[49] / 1000, 3), "record_p99_us": round(q[98] / 1000, 3),
-            "record_max_us": round(max(samples) / 1000, 1), "baseline_deque_append_p99_us": round(qb[98] / 1000, 3),
-            "inserted": rec.stats.inserted}
+            "record_max_us": round(max(samples) / 1000, 1), "baseline_deque_append_p99_us": round(qb[98] / 1000, 3)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--events", type=int, default=50000)
-    parser.add_argument("--batch", type=int, default=1000)
+    parser.add_argument("--events", type=int, default=20000)
+    parser.add_argument("--batch", type=int, default=5000)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--baseline", default="e4f2a42", help="git revision to compare with (default: the tree "
+                                                              "before the issue 9 ingest work)")
+    parser.add_argument("--record", action="store_true", help="also measure UsageRecorder.record() latency")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    result = {"ingest_sqlite": bench_ingest(args.events, args.batch), "record": bench_record(args.events),
-              "targets": {"ingest_events_per_s": 20000, "record_p99_us": 50}}
+    if args.worker:
+        worker(args.worker, args.batch)
+        return
+    result: dict[str, object] = {"ingest_sqlite": bench_ingest(args.events, args.batch, args.rounds, args.baseline)}
+    if args.record:
+        result["record"] = bench_record(args.events)
     print(json.dumps(result, indent=2))
 
 

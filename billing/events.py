@@ -154,22 +154,28 @@ class UsageEvent:
         return json.dumps(self.to_json(), separators=(",", ":"), sort_keys=True)
 
 
+_TEXT_LIMITS = tuple((n, limit) for n, limit in FIELD_LIMITS.items() if isinstance(limit, int))
+_INT_LIMITS = tuple((n, limit) for n, limit in FIELD_LIMITS.items() if isinstance(limit, range))
+
+
 def check_limits(e: UsageEvent) -> None:
     """Raise ``InputError`` naming the first field of ``e`` that does not fit its ``FIELD_LIMITS`` entry."""
-    for name, limit in FIELD_LIMITS.items():
+    for name, limit in _TEXT_LIMITS:
         value = getattr(e, name)
-        if value is None:
+        if value is None or (type(value) is str and len(value) <= limit and value.isascii() and "\x00" not in value):
+            continue  # the common case, checked cheaply (construction is on the request path)
+        if not isinstance(value, str):
+            raise InputError(name, f"must be a string, got {type(value).__name__}")
+        if len(value) > limit:
+            raise InputError(name, f"is {len(value)} characters long; at most {limit} are stored")
+        check_text(value, name)
+    for name, bounds in _INT_LIMITS:
+        value = getattr(e, name)
+        if value is None or (type(value) is int and bounds.start <= value < bounds.stop):
             continue
-        if isinstance(limit, range):
-            if isinstance(value, bool) or not isinstance(value, int) or value not in limit:
-                raise InputError(name, f"must be an integer in [{limit.start}, {limit.stop - 1}], got {value!r}")
-        else:
-            if not isinstance(value, str):
-                raise InputError(name, f"must be a string, got {type(value).__name__}")
-            if len(value) > limit:
-                raise InputError(name, f"is {len(value)} characters long; at most {limit} are stored")
-            check_text(value, name)
-    check_currency(e.currency)
+        raise InputError(name, f"must be an integer in [{bounds.start}, {bounds.stop - 1}], got {value!r}")
+    if not (type(e.currency) is str and len(e.currency) == 3 and e.currency.isascii() and e.currency.isalpha()):
+        check_currency(e.currency)
     for name in ("provider_cost", "litellm_cost"):
         amount = getattr(e, name)
         if amount is not None and not (isinstance(amount, Decimal) and amount.is_finite() and amount >= 0
@@ -290,6 +296,8 @@ def json_safe(value: Any) -> Any:
     exact ``Decimal`` before.
     """
     if isinstance(value, str):
+        if value.isascii() and "\x00" not in value:
+            return value
         if "\x00" in value:
             value = value.replace("\x00", "\ufffd")
         try:

@@ -136,23 +136,22 @@ def ingest_file(ledger: Ledger, path: str | Path, *, batch_size: int = 5000, ski
     """
     numbered, errors, lines = read_events(path, window, ledger.clock(), progress)
     events = [e for _, e in numbered]
-    refused = ledger.check_events(events)
+    rows, refused = ledger.rate_events(events)
     for i, exc in refused:
         errors.append(LineError(numbered[i][0], exc.where, exc.message))
     errors.sort(key=lambda err: err.line)
     if refused:
-        bad = {i for i, _ in refused}
-        events = [e for i, e in enumerate(events) if i not in bad]
+        events = [e for e, row in zip(events, rows, strict=True) if row is not None]
+        rows = [row for row in rows if row is not None]
     result = IngestResult(lines=lines, valid=len(events), errors=errors)
     if errors and not skip_invalid:
         return result
-    catalog = ledger.catalog()
-    for e in events:
-        if e.provider_cost is None and e.litellm_cost is None and catalog.rate_for(e.backend_id, e.occurred_at) is None:
-            result.unpriced[e.backend_id] = result.unpriced.get(e.backend_id, 0) + 1
+    for row in rows:
+        if row is not None and row["cost_source"] == "unknown":
+            result.unpriced[row["backend_id"]] = result.unpriced.get(row["backend_id"], 0) + 1
     for start in range(0, len(events), batch_size):
-        batch = events[start:start + batch_size]
-        result.inserted += ledger.insert_events(batch)
+        result.inserted += ledger.insert_events(events[start:start + batch_size],
+                                                rows[start:start + batch_size])  # type: ignore[arg-type]
         if progress is not None:
-            progress("insert", start + len(batch), len(events))
+            progress("insert", min(start + batch_size, len(events)), len(events))
     return result

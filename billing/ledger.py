@@ -79,31 +79,32 @@ class Ledger:
                 self._catalog_at = time.monotonic()
             return self._catalog
 
-    def insert_events(self, events: Sequence[UsageEvent]) -> int:
+    def insert_events(self, events: Sequence[UsageEvent], rated: Sequence[dict[str, Any]] | None = None) -> int:
         """Rate and insert events in one transaction; events already present are ignored. Returns rows added.
 
         Events of a closed (app, period) are stored with ``booked_period`` set to the open period and get a
-        ``late_event`` adjustment there (original period recorded).
+        ``late_event`` adjustment there (original period recorded). ``rated``: the rows ``rate_events`` made of
+        these events (saves rating twice); raises ``InputError`` on the first event that cannot be rated.
         """
         if not events:
             return 0
-        catalog = self.catalog()
         now = self.clock()
+        if rated is None:
+            catalog = self.catalog()
+            rated = [event_row(e, catalog, now, period_of(e.occurred_at)) for e in events]
         with self.engine.begin() as conn:
             closed = self._closed_periods(conn, events)
             self._ensure_backends(conn, events, now)
             rows, late = [], []
-            for e in events:
-                period = period_of(e.occurred_at)
-                booked = period
-                if is_closed(closed, e.app_id, booked):
+            for row in rated:
+                period = row["period"]
+                if is_closed(closed, row["app_id"], period):
                     booked = max(period_of(now), next_period(period))
-                    while is_closed(closed, e.app_id, booked):
+                    while is_closed(closed, row["app_id"], booked):
                         booked = next_period(booked)
-                row = event_row(e, catalog, now, period, booked)
-                rows.append(row)
-                if booked != period:
+                    row = {**row, "booked_period": booked}
                     late.append(row)
+                rows.append(row)
             if late:  # a closed period's event already stored (a replay) is not late again: skip it entirely
                 ids = [r["event_id"] for r in late]
                 present = {i for k in range(0, len(ids), 10000) for i in conn.execute(
@@ -122,17 +123,24 @@ class Ledger:
                              [late_adjustment(r, now) for r in late])
         return added
 
-    def check_events(self, events: Sequence[UsageEvent]) -> list[tuple[int, InputError]]:
-        """Rate every event without writing; returns ``(index, error)`` for each one ``insert_events`` would refuse."""
+    def rate_events(self, events: Sequence[UsageEvent]) -> tuple[list[dict[str, Any] | None],
+                                                                   list[tuple[int, InputError]]]:
+        """Rate every event without writing: a row per event (``None`` where refused) and ``(index, error)``."""
         catalog = self.catalog()
         now = self.clock()
+        rows: list[dict[str, Any] | None] = []
         errors = []
         for i, e in enumerate(events):
             try:
-                event_row(e, catalog, now, "", "")
+                rows.append(event_row(e, catalog, now, period_of(e.occurred_at)))
             except InputError as exc:
+                rows.append(None)
                 errors.append((i, exc))
-        return errors
+        return rows, errors
+
+    def check_events(self, events: Sequence[UsageEvent]) -> list[tuple[int, InputError]]:
+        """``(index, error)`` for each event ``insert_events`` would refuse (currencies, amount limits)."""
+        return self.rate_events(events)[1]
 
     def _closed_periods(self, conn: Connection, events: Iterable[UsageEvent]) -> set[tuple[str, str]]:
         if self.engine.dialect.name == "postgresql":  # close-period takes a conflicting lock (see periods.py)
@@ -159,8 +167,9 @@ class Ledger:
             return conn.execute(select(func.count()).select_from(EVENT)).scalar_one()
 
 
-def event_row(e: UsageEvent, catalog: Catalog, now: datetime, period: str, booked_period: str) -> dict[str, Any]:
-    """The ``usage_event`` row of a rated event."""
+def event_row(e: UsageEvent, catalog: Catalog, now: datetime, period: str,
+              booked_period: str | None = None) -> dict[str, Any]:
+    """The ``usage_event`` row of a rated event (booked in its own period unless ``booked_period`` says)."""
     r = rate_event(e, catalog.rate_for(e.backend_id, e.occurred_at), catalog.book_for(e.app_id, e.occurred_at))
     amounts = {"provider_cost": e.provider_cost, "litellm_cost": e.litellm_cost,
                "provider_cost_computed": r.provider_cost_computed, "markup_amount": r.markup_amount,
@@ -172,7 +181,8 @@ def event_row(e: UsageEvent, catalog: Catalog, now: datetime, period: str, booke
     return {
         "event_id": e.event_id, "request_id": e.request_id, "attempt_no": e.attempt, "is_final_attempt": e.is_final,
         "app_id": e.app_id, "end_user_id": e.end_user, "api_key_hash": e.api_key_hash,
-        "occurred_at": e.occurred_at, "received_at": now, "period": period, "booked_period": booked_period,
+        "occurred_at": e.occurred_at, "received_at": now, "period": period,
+        "booked_period": period if booked_period is None else booked_period,
         "requested_model": e.requested_model, "served_model": e.served_model, "provider": e.provider,
         "backend_id": e.backend_id, "route_kind": e.route_kind, "status": e.status, "http_status": e.http_status,
         "error_type": e.error_type, "streamed": e.streamed, "sticky_hit": e.sticky_hit,

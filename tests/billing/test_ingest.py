@@ -312,11 +312,11 @@ def test_an_interrupted_ingest_resumes_and_stores_each_event_once(db: str, tmp_p
     class DiesAfterTwoBatches(Ledger):
         batches = 0
 
-        def insert_events(self, events):  # type: ignore[no-untyped-def]
+        def insert_events(self, events, rated=None):  # type: ignore[no-untyped-def]
             if self.batches == 2:
                 raise Crash
             self.batches += 1
-            return super().insert_events(events)
+            return super().insert_events(events, rated)
 
     ledger = DiesAfterTwoBatches.open(db)
     try:
