@@ -183,6 +183,20 @@ def check_limits(e: UsageEvent) -> None:
             raise InputError(name, f"must be a decimal amount in [0, {MAX_AMOUNT}], got {amount!r}")
 
 
+def fit_text(name: str, value: str | None) -> str | None:
+    """``value`` made to fit ``FIELD_LIMITS[name]`` (for the request path, where refusing would lose the event):
+    NUL characters and lone surrogates replaced; too long, cut with a hash suffix so distinct values stay distinct."""
+    if value is None:
+        return None
+    limit = FIELD_LIMITS[name]
+    assert isinstance(limit, int), name
+    text = json_safe(str(value))
+    if len(text) > limit:
+        digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+        text = f"{text[:limit - 17]}~{digest}"
+    return text
+
+
 def check_text(value: str, where: str) -> None:
     """Strings both databases store alike: no NUL character (PostgreSQL refuses it), valid UTF-8."""
     if "\x00" in value:
@@ -249,20 +263,26 @@ def event_from_json(data: object) -> UsageEvent:
     raw = data.get("raw_usage")
     if raw is not None and not isinstance(raw, Mapping):
         raise InputError("raw_usage", f"must be the provider's usage object, got {type(raw).__name__}")
+    tokens_from_raw = False
     if "usage" in data and data["usage"] is not None:
         if not isinstance(data["usage"], Mapping):
             raise InputError("usage", "must be an object of token buckets")
         tokens = TokenBuckets.from_dict(data["usage"])
     elif raw is not None:
+        tokens_from_raw = True
         if not raw:
             raise InputError("raw_usage", "is empty: give the provider's usage object or token buckets in usage")
-        tokens = normalize_usage(raw, _str(data, "usage_provider") or data.get("provider"))
+        tokens = normalize_usage(raw, _str(data, "usage_provider") or data.get("provider"), strict=True)
     else:
         raise InputError("usage", "is required (token buckets) unless raw_usage is given")
     currency = check_currency(data.get("currency", "USD"))
     costs = {k: (None if data.get(k) is None else to_decimal(data[k], k)) for k in ("provider_cost", "litellm_cost")}
     if costs["provider_cost"] is None and raw is not None:
-        costs["provider_cost"] = reported_cost(raw)
+        try:
+            costs["provider_cost"] = reported_cost(raw)
+        except InputError:
+            if tokens_from_raw:  # with explicit buckets raw_usage is an archive copy: a bad cost there is ignored
+                raise
     for key, value in costs.items():
         if value is not None and value < 0:
             raise InputError(key, f"must not be negative, got {value}")

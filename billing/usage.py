@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass
 from decimal import Decimal
 from typing import Any
@@ -92,10 +93,16 @@ def _plain(value: Any) -> Any:
     return as_mapping(value)
 
 
-def _int(data: Mapping[str, Any], *keys: str) -> int | None:
-    """The first of ``keys`` present (not null) as a non-negative integer; a wrong type is an ``InputError``.
+#: Whether wrong types are errors (``normalize_usage(strict=True)``, as ingest does) or skipped: on the request
+#: path a provider's odd usage field must not cost the event its ledger row.
+_STRICT: ContextVar[bool] = ContextVar("kvroute_usage_strict", default=False)
 
-    Integral floats and decimals (``12.0``) count as integers; strings, booleans and fractions do not.
+
+def _int(data: Mapping[str, Any], *keys: str) -> int | None:
+    """The first of ``keys`` present (not null) as a non-negative integer.
+
+    Integral floats and decimals (``12.0``) count as integers; strings, booleans, fractions and negative numbers
+    are an ``InputError`` in strict mode and skipped otherwise.
     """
     for key in keys:
         value = data.get(key)
@@ -104,11 +111,12 @@ def _int(data: Mapping[str, Any], *keys: str) -> int | None:
         if isinstance(value, bool):
             pass
         elif isinstance(value, int):
-            if value >= 0:
+            if value >= 0 or not _STRICT.get():
                 return value
-        elif isinstance(value, (float, Decimal)) and _whole(value) and value >= 0:
+        elif isinstance(value, (float, Decimal)) and _whole(value) and (value >= 0 or not _STRICT.get()):
             return int(value)
-        raise InputError(f"usage.{key}", f"must be a non-negative integer token count, got {value!r}")
+        if _STRICT.get():
+            raise InputError(f"usage.{key}", f"must be a non-negative integer token count, got {value!r}")
     return None
 
 
@@ -135,11 +143,11 @@ def reported_cost(usage: Any) -> Decimal | None:
 
 def _details(data: Mapping[str, Any], key: str) -> Mapping[str, Any]:
     value = data.get(key)
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
+    if isinstance(value, Mapping):
+        return value
+    if value is not None and _STRICT.get():
         raise InputError(f"usage.{key}", f"must be an object, got {type(value).__name__}")
-    return value
+    return {}
 
 
 def _split_writes(total: int, details: Mapping[str, Any]) -> tuple[int, int]:
@@ -150,18 +158,30 @@ def _split_writes(total: int, details: Mapping[str, Any]) -> tuple[int, int]:
         return total, 0
     w5, w1 = w5 or 0, w1 or 0
     if w5 + w1 > total:
-        raise InputError("usage.cache_creation", f"the 5 min + 1 h split ({w5} + {w1}) exceeds the "
-                                                 f"cache-write total ({total})")
+        if _STRICT.get():
+            raise InputError("usage.cache_creation", f"the 5 min + 1 h split ({w5} + {w1}) exceeds the "
+                                                     f"cache-write total ({total})")
+        w1 = min(w1, total)  # never bill more writes than the total says
+        return total - w1, w1
     w5 += total - w5 - w1  # the split covers less than the total: the rest is 5 min (Anthropic's default)
     return w5, w1
 
 
-def normalize_usage(usage: Any, provider: str | None = None) -> TokenBuckets:
+def normalize_usage(usage: Any, provider: str | None = None, strict: bool = False) -> TokenBuckets:
     """Normalise one provider usage object (any shape in the module docstring) into disjoint buckets.
 
-    Raises ``InputError`` when the object is inconsistent (e.g. cached tokens exceed prompt tokens).
+    Raises ``InputError`` when the object is inconsistent (e.g. cached tokens exceed prompt tokens); ``strict``
+    also refuses wrong types (a string token count, details that are not objects) and a cache-write split
+    larger than its total, which are otherwise skipped or capped.
     """
-    data = as_mapping(usage)
+    token = _STRICT.set(strict)
+    try:
+        return _normalize(as_mapping(usage), provider)
+    finally:
+        _STRICT.reset(token)
+
+
+def _normalize(data: dict[str, Any], provider: str | None) -> TokenBuckets:
     if "usage" in data and isinstance(data["usage"], Mapping) and not _has_counts(data):
         data = data["usage"]
     for key in ("usage_metadata", "usageMetadata"):

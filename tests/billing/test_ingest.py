@@ -352,7 +352,7 @@ def test_progress_bar_on_long_files(db: str, tmp_path: Path) -> None:
 def test_json_lines_are_parsed_exactly_and_safely() -> None:
     from kvroute.billing.ingest import parse_line
     assert parse_line(b'{"a": 0.1, "b": 12}') == {"a": Decimal("0.1"), "b": 12}
-    for bad in (b'{"a": NaN}', b'{"a": Infinity}', b'{"a": ' + b"9" * 40 + b"}", b"[" * 100000 + b"]" * 100000):
+    for bad in (b'{"a": NaN}', b'{"a": Infinity}', b'{"a": ' + b"9" * 5000 + b"}", b"[" * 100000 + b"]" * 100000):
         with pytest.raises((ValueError, RecursionError)):
             parse_line(bad)
     with pytest.raises(InputError, match=r"usage\.completion_tokens"):
@@ -361,3 +361,22 @@ def test_json_lines_are_parsed_exactly_and_safely() -> None:
     e = event_from_json({**line(1, raw_usage={"prompt_tokens": 5, "completion_tokens": Decimal("2.0")}),
                          "usage": None})
     assert e.tokens.output == 2 and e.raw_usage == {"prompt_tokens": 5, "completion_tokens": 2}
+
+
+def test_the_request_path_is_lenient_where_ingest_is_strict() -> None:
+    """A provider's odd usage field must not cost a served request its ledger row; a file line is refused."""
+    from kvroute.billing.events import fit_text
+    from kvroute.billing.usage import TokenBuckets, normalize_usage
+    odd = {"prompt_tokens": "12", "completion_tokens": 3, "prompt_tokens_details": "n/a"}
+    assert normalize_usage(odd) == TokenBuckets(0, 0, 0, 0, 3, 0)
+    with pytest.raises(InputError, match=r"usage\.prompt_tokens"):
+        normalize_usage(odd, strict=True)
+    split = {"input_tokens": 10, "output_tokens": 1, "cache_creation_input_tokens": 100,
+             "cache_creation": {"ephemeral_5m_input_tokens": 80, "ephemeral_1h_input_tokens": 150}}
+    assert normalize_usage(split, "anthropic") == TokenBuckets(10, 0, 0, 100, 1, 0)  # capped at the total
+    long_user = "u" * 500
+    fitted = fit_text("end_user", long_user)
+    assert fitted is not None and len(fitted) == 200 and fitted != fit_text("end_user", "u" * 499)
+    assert fit_text("end_user", "a\x00b") == "a\ufffdb" and fit_text("end_user", None) is None
+    line_with_archive = {**line(1), "raw_usage": {"cost": "n/a", "prompt_tokens": "x"}}
+    assert event_from_json(line_with_archive).provider_cost is None  # buckets given: raw_usage is an archive
