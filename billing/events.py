@@ -15,7 +15,8 @@ provider, backend_id   yes       who served it; ``route_kind``: ``marketplace|se
 status                 no        ``success|provider_failure|capacity|client_error|cancelled|zero_completion``
 usage                  yes*      buckets ``input_uncached, cache_read, cache_write_5m, cache_write_1h, output,
                                  reasoning`` -- or ``raw_usage``: a provider usage object, normalised on ingest
-provider_cost          no        cost the provider reported (decimal string), e.g. OpenRouter ``usage.cost``
+provider_cost          no        cost the provider reported (decimal string or JSON number, read exactly); absent:
+                                 ``raw_usage.cost`` (OpenRouter's ``usage.cost``) when given
 litellm_cost           no        LiteLLM's cost for the attempt *before* LiteLLM's own margin
 currency               no        ISO-4217, default ``USD``
 end_user, api_key_hash no        attribution details (never prompt text)
@@ -250,7 +251,10 @@ def parse_time(value: object, key: str = "occurred_at") -> datetime:
         raise InputError(key, f"not an RFC 3339 time: {value!r}") from None
     if moment.tzinfo is None:
         raise InputError(key, f"needs a UTC offset (e.g. 'Z'): {value!r}")
-    return moment.astimezone(UTC)
+    try:
+        return moment.astimezone(UTC)
+    except OverflowError:
+        raise InputError(key, f"out of range: {value!r}") from None
 
 
 def event_from_json(data: object) -> UsageEvent:

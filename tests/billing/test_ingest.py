@@ -206,13 +206,15 @@ def test_late_event_window_and_future_dates(db: str, tmp_path: Path) -> None:
             line(2, occurred_at=stamp(NOW - timedelta(days=90))),
             line(3, occurred_at="2030-01-01T00:00:00Z"),
             line(4, occurred_at=stamp(NOW + timedelta(seconds=60))),  # clock skew inside the allowance
-            line(5, occurred_at=stamp(NOW + timedelta(minutes=10)))]
+            line(5, occurred_at=stamp(NOW + timedelta(minutes=10))),
+            line(6, occurred_at="9999-12-31T23:59:59-05:00"), line(7, occurred_at="0001-01-01T00:00:00Z")]
     path = write(tmp_path / "late.jsonl", rows)
     r = ingest(db, path)
     assert r.exit_code == 2, r.output
     assert "line 2: occurred_at: is 90 days old; events older than the late-event window of 35 days" in r.output
     assert "line 3: occurred_at: 2030-01-01T00:00:00+00:00 is in the future" in r.output
     assert "line 5: occurred_at: " in r.output and "in the future" in r.output
+    assert "line 6: occurred_at: out of range" in r.output and "line 7: occurred_at: is 739" in r.output
     assert "line 1:" not in r.output and "line 4:" not in r.output
     r = ingest(db, path, "--skip-invalid")
     assert r.exit_code == 0 and set(stored(db)) == {"r-1", "r-4"}
