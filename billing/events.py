@@ -141,10 +141,14 @@ class UsageEvent:
             "streamed": self.streamed, "sticky_hit": self.sticky_hit, "fallback_depth": self.fallback_depth,
         }
         for name in ("end_user", "api_key_hash", "http_status", "error_type", "ttft_ms", "duration_ms",
-                     "raw_usage", "router_attempts", "attempt_key"):
+                     "attempt_key"):
             value = getattr(self, name)
             if value is not None:
                 out[name] = value
+        for name in ("raw_usage", "router_attempts"):  # archive copies: JSON-safe (Decimal literals as numbers)
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = json_safe(value)
         for name in ("provider_cost", "litellm_cost"):
             value = getattr(self, name)
             if value is not None:
@@ -306,8 +310,7 @@ def event_from_json(data: object) -> UsageEvent:
         sticky_hit=_bool(data, "sticky_hit", False), fallback_depth=_optint(data, "fallback_depth", 0),
         ttft_ms=_optint(data, "ttft_ms"), duration_ms=_optint(data, "duration_ms"),
         provider_cost=costs["provider_cost"], litellm_cost=costs["litellm_cost"], currency=currency,
-        raw_usage=json_safe(dict(raw)) if raw is not None else None,
-        router_attempts=json_safe(attempts) if attempts is not None else None,
+        raw_usage=dict(raw) if raw is not None else None, router_attempts=attempts,
         attempt_key=_str(data, "attempt_key"), event_id=_str(data, "event_id") or "",
     )
 
@@ -316,8 +319,8 @@ def json_safe(value: Any) -> Any:
     """A copy of a JSON value that both databases store alike: ``Decimal`` becomes int or float, a non-finite
     number its text, and strings lose NUL characters and lone surrogates (PostgreSQL refuses both).
 
-    Only the archived ``raw_usage``/``router_attempts`` pass through here; billed amounts were read from the
-    exact ``Decimal`` before.
+    Only the archived ``raw_usage``/``router_attempts`` pass through here (when stored and in ``to_json``);
+    billed amounts were read from the exact ``Decimal`` before.
     """
     if isinstance(value, str):
         if value.isascii() and "\x00" not in value:
