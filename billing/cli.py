@@ -176,3 +176,8 @@ def _report_command(kind: str, doc: str) -> None:
 _report_command("usage", "Requests and tokens per app × served model × provider × backend, with cache hit ratio.")
 _report_command("margin", "Provider cost, markup, billed, fees, margin and payout per app × model × provider.")
 _report_command("payouts", "Per-app payout: frozen at period close, provisional before.")
+
+
+from kvroute.billing.deadletter_cli import dead_letter_app  # noqa: E402
+
+billing_app.add_typer(dead_letter_app, name="dead-letter")
