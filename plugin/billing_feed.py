@@ -99,6 +99,8 @@ class BillingFeed:
                 start_time=start if start is not None else (attempt.started_at if attempt else None), end_time=end)
             if event is None:
                 return False
+            if backend == self.events.ROUTER_BACKEND:  # nothing was called: no backend, no provider
+                event = replace(event, provider=self.events.ROUTER_PROVIDER)
             if attempt_key is not None or attempt is None:
                 key = attempt_key or f"{outcome}:{event.requested_model}"
                 event = replace(event, attempt=len(state.attempts), attempt_key=key, event_id="")
