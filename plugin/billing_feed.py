@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import replace
@@ -92,11 +93,18 @@ class BillingFeed:
     def _record(self, kwargs: Mapping[str, Any], response: Any, *, outcome: str, state: RequestState,
                 attempt: Attempt | None, final: bool, backend: str | None = None, route_kind: str | None = None,
                 attempt_key: str | None = None, start: Any = None, end: Any = None) -> bool:
+        from kvroute.policies.errors import InputError
+
         try:
-            event = self.events.event_from_callback(
-                kwargs, response, outcome=outcome, attempt=attempt.number if attempt else None, final=final,
-                request_id=state.request_id, backend_id=backend, route_kind=route_kind,
-                start_time=start if start is not None else (attempt.started_at if attempt else None), end_time=end)
+            try:
+                event = self.events.event_from_callback(
+                    kwargs, response, outcome=outcome, attempt=attempt.number if attempt else None, final=final,
+                    request_id=state.request_id, backend_id=backend, route_kind=route_kind,
+                    start_time=start if start is not None else (attempt.started_at if attempt else None),
+                    end_time=end)
+            except InputError as exc:  # e.g. a provider usage that contradicts itself: keep it for an operator
+                self._dead_letter(kwargs, response, state, attempt, backend, outcome, final, exc)
+                return False
             if event is None:
                 return False
             if backend == self.events.ROUTER_BACKEND:  # nothing was called: no backend, no provider
@@ -112,6 +120,25 @@ class BillingFeed:
             log.debug("kvroute billing failed", exc_info=True)
             self._on_error("billing")
             return False
+
+    def _dead_letter(self, kwargs: Mapping[str, Any], response: Any, state: RequestState, attempt: Attempt | None,
+                     backend: str | None, outcome: str, final: bool, exc: Exception) -> None:
+        """An attempt whose payload cannot make a valid event: its ids and raw usage (never prompt text)."""
+        from kvroute.billing.usage import as_mapping
+
+        usage = getattr(response, "usage", None) if not isinstance(response, Mapping) else response.get("usage")
+        slo = kwargs.get("standard_logging_object")
+        slo = slo if isinstance(slo, Mapping) else {}
+        line = {"request_id": state.request_id, "attempt": attempt.number if attempt else len(state.attempts),
+                "final": final, "status": outcome if outcome in self.events.STATUSES else "success",
+                "backend_id": backend or slo.get("model_id"), "served_model": slo.get("model") or kwargs.get("model"),
+                "provider": slo.get("custom_llm_provider"), "occurred_at": datetime.now(UTC).isoformat(),
+                "raw_usage": as_mapping(usage)}
+        try:
+            self.recorder.dead_letter.append(json.dumps(line, default=str), f"invalid event: {exc}", "callback")
+            self.recorder.stats.dead_lettered += 1
+        except Exception:
+            self._on_error("billing")
 
     def attempt_started(self, attempt: Attempt, kwargs: Mapping[str, Any]) -> None:
         """The attempt is going upstream now (``async_pre_call_deployment_hook``)."""
