@@ -256,6 +256,30 @@ class BillingFeed:
             state.outcome_recorded = True
 
 
+class RecorderCollector:
+    """Prometheus view of the recorder: events recorded / stored / dead-lettered, journal backlog, database up."""
+
+    def __init__(self, recorder: Any) -> None:
+        self.recorder = recorder
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        st = self.recorder.stats
+        for name, doc, value in (
+                ("kvroute_billing_events_recorded", "Usage events journaled on the request path", st.recorded),
+                ("kvroute_billing_events_inserted", "Usage events stored in the ledger (new rows)", st.inserted),
+                ("kvroute_billing_events_dead_lettered", "Usage events set aside in the dead-letter file",
+                 st.dead_lettered),
+                ("kvroute_billing_journal_errors", "Journal writes that failed (event kept in memory)",
+                 st.journal_errors)):
+            yield CounterMetricFamily(name, doc, value=value)
+        yield GaugeMetricFamily("kvroute_billing_journal_pending_bytes", "Journal bytes not yet in the ledger",
+                                value=self.recorder.journal.pending_bytes)
+        yield GaugeMetricFamily("kvroute_billing_db_up", "1 while the billing database is reachable",
+                                value=1.0 if self.recorder.db_available else 0.0)
+
+
 def _success_kwargs(data: Mapping[str, Any], meta: Any, attempt: Attempt, hidden: Mapping[str, Any],
                     streamed: bool = False) -> dict:
     """A success payload shaped like LiteLLM's logging kwargs, from the proxy's request data and hidden params."""

@@ -192,6 +192,11 @@ class KvrouteCallback(CustomLogger):
         self.billing = BillingFeed.start(s, self.ids, in_proxy="litellm.proxy.proxy_server" in sys.modules,
                                          on_error=self._count_error)
         self.recorder = self.billing.recorder if self.billing is not None else None
+        if self.billing is not None:
+            from kvroute.plugin.billing_feed import RecorderCollector
+
+            with contextlib.suppress(ValueError):  # already registered (a second callback on the registry)
+                self.metrics.registry.register(RecorderCollector(self.recorder))
 
     def _mount_on_proxy(self) -> None:
         """Add ``GET <status_path>`` and ``<status_path>/metrics`` to the running proxy app (if any)."""
