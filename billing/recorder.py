@@ -105,7 +105,7 @@ class UsageRecorder:
         """Journal one event (one ``write(2)``, no fsync, no database); durable against a process crash on return."""
         line = (event.to_line() + "\n").encode()
         try:
-            self.journal.append(line)
+            self.journal.append(line, event)
         except OSError:  # disk full or gone: keep it in memory for the writer, never drop it
             self.stats.journal_errors += 1
             self._memory.append(event)
@@ -221,9 +221,23 @@ class UsageRecorder:
             self._insert_checked([event])
             self._memory.popleft()
             self._progressed(1)
-        while True:
+        while True:  # events queued in memory with their journal offsets: no re-parsing
+            events, end = self.journal.take_queued(self.batch_size)
+            if not events:
+                break
+            try:
+                self._insert_checked(events)  # type: ignore[arg-type]
+            except Exception:
+                self.journal.spill()  # the journal holds them: read it from the drained offset when back
+                raise
+            self.journal.advance(end)
+            self._progressed(len(events))
+        while self.journal.from_disk:
             lines, end = self.journal.read_new()
             if not lines:
+                self.journal.caught_up()
+                if self.journal.from_disk:
+                    continue
                 break
             events = [e for e in (self._parse(raw, "journal") for raw in lines) if e is not None]
             for i in range(0, len(events), self.batch_size):

@@ -21,6 +21,7 @@ import fcntl
 import os
 import threading
 import uuid
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,23 +42,36 @@ class Segment:
 class Journal:
     """Append-only, per-process journal segments in ``directory`` (created 0700; files 0600)."""
 
-    def __init__(self, directory: str | Path, *, rotate_bytes: int = 8 << 20) -> None:
+    def __init__(self, directory: str | Path, *, rotate_bytes: int = 8 << 20, max_queue: int = 50_000) -> None:
         self.directory = Path(directory)
         self.rotate_bytes = rotate_bytes
         self._lock = threading.Lock()
         self._seg: Segment | None = None
         self.written = 0  # bytes appended to the current segment (under the lock)
         self._synced = 0
+        self.queue: deque[tuple[int, object]] = deque()  # (end offset, event) of lines not yet drained
+        self.max_queue = max_queue
+        self.from_disk = False
 
     # -- request path -------------------------------------------------------------------------------------
-    def append(self, line: bytes) -> None:
-        """Write one newline-terminated line with a single ``write(2)`` (no fsync); raises ``OSError``."""
+    def append(self, line: bytes, item: object = None) -> None:
+        """Write one newline-terminated line with a single ``write(2)`` (no fsync); raises ``OSError``.
+
+        ``item`` (the event object) is queued with the line's end offset for the writer, so it need not re-read
+        the line -- unless the in-memory queue overflowed, then the writer reads the journal itself.
+        """
         with self._lock:
             seg = self._seg or self._open_segment()
             n = os.write(seg.fd, line)
             while n < len(line):  # a short write (disk nearly full): finish the line or raise
                 n += os.write(seg.fd, line[n:])
             self.written += n
+            if item is not None and not self.from_disk:
+                if len(self.queue) >= self.max_queue:
+                    self.queue.clear()
+                    self.from_disk = True  # the writer reads the journal from its drained offset instead
+                else:
+                    self.queue.append((self.written, item))
 
     # -- writer thread ------------------------------------------------------------------------------------
     def _open_segment(self) -> Segment:
@@ -100,6 +114,26 @@ class Journal:
         """Bytes appended but not yet drained into the database."""
         seg = self._seg
         return 0 if seg is None else self.written - seg.drained
+
+    def take_queued(self, limit: int) -> tuple[list[object], int]:
+        """Up to ``limit`` queued events and the end offset of the last one ([] when reading from disk)."""
+        with self._lock:
+            if self.from_disk:
+                return [], 0
+            items = [self.queue.popleft() for _ in range(min(limit, len(self.queue)))]
+        return [i for _, i in items], (items[-1][0] if items else 0)
+
+    def caught_up(self) -> None:
+        """The writer read the journal up to its end: queue events in memory again."""
+        with self._lock:
+            if self.from_disk and (self._seg is None or self._seg.drained >= self.written):
+                self.from_disk = False
+
+    def spill(self) -> None:
+        """Forget the queued events (the database is down): the writer re-reads them from the journal."""
+        with self._lock:
+            self.queue.clear()
+            self.from_disk = True
 
     def rotate_if_drained(self, force: bool = False) -> bool:
         """Start a new segment and delete the old one when it is fully drained and large (or ``force``)."""

@@ -323,3 +323,22 @@ def test_two_processes_write_at_once(db_url: str, tmp_path: Path) -> None:
     ids = _ids(db_url)
     assert len(ids) == len(set(ids)) == 4500
     assert not list((tmp_path / "journal").glob("journal-*.jsonl"))  # drained journals are removed
+
+
+def test_queue_overflow_falls_back_to_reading_the_journal(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'billing.db'}"
+    rec = UsageRecorder(url, tmp_path / "journal", batch_size=50, flush_interval_s=0.05)
+    rec.journal.max_queue = 10  # tiny: most events must come back from the journal file
+    rec.start()
+    try:
+        for i in range(500):
+            rec.record(event(i))
+        assert rec.flush(30)
+        assert not rec.journal.from_disk  # caught up: queueing in memory again
+        for i in range(500, 520):
+            rec.record(event(i))
+        assert rec.flush(30)
+    finally:
+        rec.close()
+    ids = _ids(url)
+    assert len(ids) == len(set(ids)) == 520 and rec.stats.drained == 520
