@@ -10,6 +10,7 @@ Join key: every request sends its own ``user``, which the ledger stores as ``end
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import os
 import signal
@@ -87,7 +88,7 @@ class Run:
         async def killer() -> None:
             while sum(1 for u, p in self.phase_of.items() if p == phase and u in self.results) < n // 3:
                 await asyncio.sleep(0.01)
-            self.proxy.process.send_signal(sig)
+            os.killpg(self.proxy.process.pid, sig)  # the proxy and (with --num_workers) all its workers
         await asyncio.gather(self.batch(phase, n, concurrency=8), killer())
 
 
@@ -117,8 +118,13 @@ def _start_proxy(cfg: dict, workdir: Path, env: dict) -> ProxyProcess:
     return ProxyProcess(cfg, env=env, workdir=workdir, inherit_kvroute_env=False).start()
 
 
-@pytest.mark.parametrize("db", ["sqlite", "postgresql"])
-def test_every_200_billed_once_nothing_else_through_faults_kills_and_outages(db: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("db", "workers"), [("sqlite", 1), ("postgresql", 1), ("sqlite", 2)])
+def test_every_200_billed_once_nothing_else_through_faults_kills_and_outages(db: str, workers: int, tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    if workers > 1:
+        from kvroute.plugin import proxy_process
+        plain = proxy_process.litellm_command
+        monkeypatch.setattr(proxy_process, "litellm_command", lambda: [*plain(), "--num_workers", str(workers)])
     pg = None
     if db == "postgresql":
         try:
@@ -171,7 +177,8 @@ def test_every_200_billed_once_nothing_else_through_faults_kills_and_outages(db:
                 proxy = run.proxy = _start_proxy(cfg, workdir, env)
                 asyncio.run(run.batch("after", 40, stream_every=4))
             finally:
-                proxy.process.send_signal(signal.SIGTERM)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proxy.process.pid, signal.SIGTERM)
                 proxy.process.wait(60)
                 proxy.stop()
         # the next start of the proxy replays whatever the last one left in its journal
@@ -195,7 +202,7 @@ def test_every_200_billed_once_nothing_else_through_faults_kills_and_outages(db:
     router_hops = [r for r in rows if r.status == "no_route"]
     by_phase = Counter(run.phase_of[u] for u in ok)
     lost_by_phase = Counter(run.phase_of[u] for u in lost)
-    print(f"\n[{db}] requests {len(run.results)}, client 200s {len(ok)} {dict(by_phase)}; "
+    print(f"\n[{db}, {workers} worker(s)] requests {len(run.results)}, client 200s {len(ok)} {dict(by_phase)}; "
           f"billed finals {len(billed)}, duplicated {len(dup)}, lost {len(lost)} {dict(lost_by_phase)}, "
           f"billed but not received {len(not_received)} (all in flight at a kill: "
           f"{not_received <= in_flight_at_kill}); client errors {Counter(run.results.values())}; "
