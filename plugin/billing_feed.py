@@ -99,7 +99,7 @@ class BillingFeed:
             try:
                 event = self.events.event_from_callback(
                     kwargs, response, outcome=outcome, attempt=attempt.number if attempt else None, final=final,
-                    request_id=state.request_id, backend_id=backend, route_kind=route_kind,
+                    request_id=state.request_id, app_id=state.app, backend_id=backend, route_kind=route_kind,
                     start_time=start if start is not None else (attempt.started_at if attempt else None),
                     end_time=end)
             except InputError as exc:  # e.g. a provider usage that contradicts itself: keep it for an operator
@@ -107,6 +107,7 @@ class BillingFeed:
                 return False
             if event is None:
                 return False
+            state.app = state.app or event.app_id  # one app per request: every record of it gets the same id
             if backend == self.events.ROUTER_BACKEND:  # nothing was called: no backend, no provider
                 event = replace(event, provider=self.events.ROUTER_PROVIDER)
             if attempt_key is not None or attempt is None:

@@ -55,6 +55,7 @@ class RequestState:
     attempts: list[Attempt] = field(default_factory=list)
     outcome_recorded: bool = False
     success_recorded: bool = False
+    app: str | None = None  # the billed app, fixed by the request's first ledger event
 
     def latest(self, backend: str | None = None, group: str | None = None, unrecorded: bool = False,
                hop: bool = False) -> Attempt | None:
