@@ -143,13 +143,14 @@ def is_router_error(error_class: str | None, message: str | None = None) -> bool
 
 
 def failure_status(http_status: int | None = None, error_class: str | None = None,
-                   message: str | None = None) -> str:
+                   message: str | None = None, *, backend_called: bool | None = None) -> str:
     """The ledger status of a failed attempt or request -- the one place that maps an error to a status.
 
-    ``no_route``: LiteLLM refused to route (no upstream call); ``cancelled``: the client went away; ``capacity``:
-    429/503/529 or a rate limit; ``client_error``: other 4xx but 408/409; else ``provider_failure``.
+    ``no_route``: LiteLLM refused to route (no upstream call; never when ``backend_called``); ``cancelled``: the
+    client went away; ``capacity``: 429/503/529 or a rate limit; ``client_error``: other 4xx but 408/409; else
+    ``provider_failure``. (The outcome classifier ``kvroute.policies.outcomes`` is to decide these at merge.)
     """
-    if is_router_error(error_class, message):
+    if not backend_called and is_router_error(error_class, message):
         return "no_route"
     if error_class and "cancel" in error_class.lower():
         return "cancelled"
@@ -160,12 +161,13 @@ def failure_status(http_status: int | None = None, error_class: str | None = Non
     return "provider_failure"
 
 
-def exception_status(exc: Any) -> tuple[str, int | None, str | None]:
+def exception_status(exc: Any, *, backend_called: bool | None = None) -> tuple[str, int | None, str | None]:
     """(ledger status, HTTP status, error class) of an exception object (``failure_status`` decides)."""
     code = getattr(exc, "status_code", None)
     http = code if isinstance(code, int) and not isinstance(code, bool) and 100 <= code <= 599 else None
     name = type(exc).__name__ if exc is not None else None
-    return failure_status(http, name, str(exc)[:300] if exc is not None else None), http, name
+    status = failure_status(http, name, str(exc)[:300] if exc is not None else None, backend_called=backend_called)
+    return status, http, name
 
 
 def _usage_of(response_obj: Any, slo: Mapping[str, Any]) -> tuple[Any, TokenBuckets]:

@@ -191,9 +191,7 @@ class BillingFeed:
         if found is None:
             return
         state, attempt = found
-        status, _, _ = self.events.exception_status(exception)
-        if status == "no_route":  # LiteLLM refused before calling the backend: not the backend's attempt
-            status = "provider_failure"
+        status, _, _ = self.events.exception_status(exception, backend_called=True)  # the per-attempt hook
         kwargs = {**dict(request_data), "exception": exception}
         self._record(kwargs, None, outcome=status, state=state, attempt=attempt, final=False,
                      backend=deployment_id(request_data) or attempt.backend)
