@@ -175,12 +175,18 @@ class BillingFeed:
         if hidden is None:
             hidden = getattr(response, "_hidden_params", None)
         hidden = hidden if isinstance(hidden, Mapping) else {}
+        if not hidden.get("model_id"):
+            own = getattr(response, "_hidden_params", None)
+            hidden = {**(own if isinstance(own, Mapping) else {}), **hidden}
         model_id = hidden.get("model_id")
-        if state is None or not model_id or getattr(response, "usage", None) is None:
+        if state is None or getattr(response, "usage", None) is None:
             return
-        attempt = state.latest(backend=str(model_id))
+        # the deployment that answered; without its id, the last attempt that went upstream is the one answering
+        attempt = state.latest(backend=str(model_id)) if model_id else next(
+            (a for a in reversed(state.attempts) if a.sent and a.backend), None)
         if attempt is None or not attempt.sent:
             return
+        model_id = model_id or attempt.backend
         self._record(_success_kwargs(data, meta, attempt, hidden, streamed), response, outcome="success", state=state,
                      attempt=attempt, final=True, backend=str(model_id))
         state.success_recorded = True
