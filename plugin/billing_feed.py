@@ -51,6 +51,7 @@ class BillingFeed:
         self.events = litellm_events
         self._on_error = on_error or (lambda hook: None)
         self._closed = False
+        self.before_response = 0  # successes recorded before the client got them (streams: before [DONE])
 
     # --- setup -------------------------------------------------------------------------------------
     @classmethod
@@ -162,6 +163,8 @@ class BillingFeed:
                 attempt, _ = self.ids.new_attempt(meta, str(kwargs.get("model") or ""), deployment_id(kwargs))
         else:
             state, attempt = found
+        if state.success_recorded and attempt.recorded:
+            return  # recorded before the response went out (same event id): nothing to add
         state.success_recorded = True
         self._record(kwargs, response, outcome="success", state=state, attempt=attempt, final=True,
                      backend=deployment_id(kwargs) or attempt.backend, start=start, end=end)
@@ -187,8 +190,9 @@ class BillingFeed:
         if attempt is None or not attempt.sent:
             return
         model_id = model_id or attempt.backend
-        self._record(_success_kwargs(data, meta, attempt, hidden, streamed), response, outcome="success", state=state,
-                     attempt=attempt, final=True, backend=str(model_id))
+        if self._record(_success_kwargs(data, meta, attempt, hidden, streamed), response, outcome="success",
+                        state=state, attempt=attempt, final=True, backend=str(model_id), end=datetime.now(UTC)):
+            self.before_response += 1
         state.success_recorded = True
 
     def attempt_failed(self, request_data: Mapping[str, Any], exception: BaseException, ticket_id: str | None) -> None:
@@ -264,12 +268,15 @@ class BillingFeed:
 class RecorderCollector:
     """Prometheus view of the recorder: events recorded / stored / dead-lettered, journal backlog, database up."""
 
-    def __init__(self, recorder: Any) -> None:
-        self.recorder = recorder
+    def __init__(self, feed: BillingFeed) -> None:
+        self.feed = feed
+        self.recorder = feed.recorder
 
     def collect(self) -> Any:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+        yield CounterMetricFamily("kvroute_billing_recorded_before_response",
+                                  "Successes journaled before the proxy answered", value=self.feed.before_response)
         st = self.recorder.stats
         for name, doc, value in (
                 ("kvroute_billing_events_recorded", "Usage events journaled on the request path", st.recorded),

@@ -196,7 +196,7 @@ class KvrouteCallback(CustomLogger):
             from kvroute.plugin.billing_feed import RecorderCollector
 
             with contextlib.suppress(ValueError):  # already registered (a second callback on the registry)
-                self.metrics.registry.register(RecorderCollector(self.recorder))
+                self.metrics.registry.register(RecorderCollector(self.billing))
 
     def _mount_on_proxy(self) -> None:
         """Add ``GET <status_path>`` and ``<status_path>/metrics`` to the running proxy app (if any)."""

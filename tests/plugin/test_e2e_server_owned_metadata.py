@@ -64,7 +64,8 @@ def test_client_written_kvroute_keys_never_crash_or_skip_routing(tmp_path: Path)
     assert _sample(metrics, "kvroute_plugin_errors_total", hook="filter") == 0
     assert _sample(metrics, "kvroute_decisions_total", group="llama") == n  # none skipped
     assert not re.search(r'app="evil-app"', metrics)
-    assert _sample(metrics, "kvroute_billing_events_recorded_total") >= n
+    assert _sample(metrics, "kvroute_billing_recorded_before_response_total") == n  # before the client had it
+    assert _sample(metrics, "kvroute_billing_events_recorded_total") == n  # the later callback adds nothing
     assert _sample(metrics, "kvroute_billing_events_dead_lettered_total") == 0
     rec = UsageRecorder(url, data / "journal", dead_letter=data).start()  # replays what the proxy left
     assert rec.flush(30)
