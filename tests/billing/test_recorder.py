@@ -342,3 +342,21 @@ def test_queue_overflow_falls_back_to_reading_the_journal(tmp_path: Path) -> Non
         rec.close()
     ids = _ids(url)
     assert len(ids) == len(set(ids)) == 520 and rec.stats.drained == 520
+
+
+def test_client_strings_over_column_limits_are_stored_alike(db_url: str, tmp_path: Path) -> None:
+    """A 201-character ``user`` (and other long client strings) makes a valid row on SQLite and PostgreSQL."""
+    from kvroute.billing.litellm_events import event_from_callback
+    kwargs = {"user": "u" * 201, "model": "m" * 300, "litellm_params": {"metadata": {
+        "user_api_key_alias": "k" * 250, "user_api_key_hash": "h" * 129}}}
+    response = {"usage": {"prompt_tokens": 5, "completion_tokens": 2}, "choices": [{"finish_reason": "stop"}]}
+    e = event_from_callback(kwargs, response, request_id="r" * 230, attempt=2**40, backend_id="b" * 260)
+    assert e is not None
+    rec = UsageRecorder(db_url, tmp_path / "journal", flush_interval_s=0.05).start()
+    try:
+        rec.record(e)
+        assert rec.flush(30)
+    finally:
+        rec.close()
+    assert rec.stats.inserted == 1 and rec.stats.dead_lettered == 0
+    assert _ids(db_url) == [e.event_id]
