@@ -147,7 +147,7 @@ class BillingFeed:
         attempt.sent = True
         attempt.started_at = datetime.now(UTC)
         info = kwargs.get("model_info")
-        attempt.model_info = dict(info) if isinstance(info, Mapping) else {}
+        attempt.model_info = info if isinstance(info, dict) else {}  # the deployment's own dict: no copy
         attempt.served = kwargs.get("model")
 
     def success(self, kwargs: Mapping[str, Any], response: Any, start: Any, end: Any, ticket_id: str | None) -> None:

@@ -47,6 +47,7 @@ log = logging.getLogger("kvroute.plugin")
 RID_KEY = TICKET_KEY  # the ticket id of the current attempt (kvroute.plugin.request_ids)
 __all__ = ["ATTEMPT_KEY", "RID_KEY", "KvrouteCallback", "get_callback"]
 MAX_TICKETS = 100_000
+MAX_REQUEST_STATES = 20_000  # requests whose attempts kvroute remembers (a request lives seconds to minutes)
 
 
 @dataclass(slots=True)
@@ -86,7 +87,7 @@ class KvrouteCallback(CustomLogger):
         self.fleet = Deployments(litellm_cost_map, group_kind=self._group_kind)
         self.rules = RuleBook()
         self.tickets: OrderedDict[str, Ticket] = OrderedDict()
-        self.ids = RequestIds(MAX_TICKETS)
+        self.ids = RequestIds(MAX_REQUEST_STATES)
         self.billing: BillingFeed | None = None
         self._apps_by_key: dict[str, set[str]] = {}
         self._failed: OrderedDict[str, list[str]] = OrderedDict()
