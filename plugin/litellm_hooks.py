@@ -47,7 +47,7 @@ log = logging.getLogger("kvroute.plugin")
 RID_KEY = TICKET_KEY  # the ticket id of the current attempt (kvroute.plugin.request_ids)
 __all__ = ["ATTEMPT_KEY", "RID_KEY", "KvrouteCallback", "get_callback"]
 MAX_TICKETS = 100_000
-MAX_REQUEST_STATES = 20_000  # requests whose attempts kvroute remembers (a request lives seconds to minutes)
+MAX_REQUEST_STATES = 100_000  # requests whose attempts kvroute remembers (~0.3 KB each)
 
 
 @dataclass(slots=True)

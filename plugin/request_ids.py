@@ -33,7 +33,7 @@ SERVER_KEYS = (REQUEST_KEY, SIG_KEY, TICKET_KEY, ATTEMPT_KEY, "kvroute_trace")
 MAX_REQUESTS = 100_000
 
 
-@dataclass
+@dataclass(slots=True)
 class Attempt:
     """One upstream attempt (or router-level hop) of a request, as kvroute saw it."""
 
@@ -47,7 +47,7 @@ class Attempt:
     served: str | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestState:
     """What kvroute knows of one client request across its attempts."""
 
