@@ -233,3 +233,8 @@ _report_command("margin", "Provider cost, markup, fees, billed, margin and payou
                           "end_user); billed = provider cost + markup + fees.")
 _report_command("payouts", "Per-app payout = markup + fees − platform fee − payment fee: frozen at period close, "
                            "provisional before.")
+
+
+from kvroute.billing.deadletter_cli import dead_letter_app  # noqa: E402
+
+billing_app.add_typer(dead_letter_app, name="dead-letter")

@@ -56,12 +56,18 @@ FIELD_LIMITS: dict[str, int | range] = {
     "attempt": INT32, "http_status": range(0, 1000), "fallback_depth": INT32, "ttft_ms": INT32, "duration_ms": INT32,
 }
 
-STATUSES = ("success", "provider_failure", "capacity", "client_error", "cancelled", "zero_completion")
+STATUSES = ("success", "provider_failure", "capacity", "client_error", "cancelled", "zero_completion", "no_route")
 ROUTE_KINDS = ("marketplace", "self_hosted", "direct")
 
 
 def event_id_for(app_id: str, request_id: str, attempt: int | str) -> str:
-    """Deterministic event id: the first 32 hex digits of sha256(app|request|attempt)."""
+    """Deterministic ledger event id: the first 32 hex digits of sha256(app|request|attempt).
+
+    Three ids, three things: the *ledger request id* (``request_id``) is assigned by kvroute per client request
+    (``kvroute.plugin.billing_feed``), never taken from the client; the *attempt* is kvroute's own counter (or an
+    ``attempt_key`` such as ``outcome`` for the request's final outcome row); the *event id* derives from both.
+    A LiteLLM trace id, ``x-session-id`` or ``litellm_call_id`` (all client-settable) is never part of it.
+    """
     return hashlib.sha256(f"{app_id}|{request_id}|{attempt}".encode()).hexdigest()[:32]
 
 
@@ -115,8 +121,10 @@ class UsageEvent:
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
                 raise InputError(name, "must be a non-empty string")
-        if self.requested_model is None:
+        if not self.requested_model:
             object.__setattr__(self, "requested_model", self.served_model)
+        if self.attempt_key == "":
+            object.__setattr__(self, "attempt_key", None)
         check_limits(self)
         expected = event_id_for(self.app_id, self.request_id,
                                 self.attempt if self.attempt_key is None else self.attempt_key)
@@ -143,7 +151,7 @@ class UsageEvent:
         for name in ("end_user", "api_key_hash", "http_status", "error_type", "ttft_ms", "duration_ms",
                      "attempt_key"):
             value = getattr(self, name)
-            if value is not None:
+            if value is not None and value != "":  # replay reads "" as invalid: absent and empty mean the same
                 out[name] = value
         for name in ("raw_usage", "router_attempts"):  # archive copies: JSON-safe (Decimal literals as numbers)
             value = getattr(self, name)

@@ -11,13 +11,20 @@ Provider cost, in order: the provider's reported cost (``usage.cost``, e.g. Open
 LiteLLM's own margin taken out (``response_cost - cost_breakdown.margin_total_amount``), then the ledger's rate
 card. A LiteLLM cost of 0 for tokens is "unpriced", not free.
 
-Ids: ``request_id`` is the LiteLLM trace id (shared by retries and fallbacks) unless given; each attempt is told
-apart by ``attempt`` when the caller knows it, else by the payload's call id, deployment and start time, so the
-same callback fired twice maps to the same event id and never bills twice.
+Ids (see ``kvroute.billing.events.event_id_for``): ``request_id`` is the ledger request id kvroute assigned to the
+client request and ``attempt`` kvroute's own attempt counter -- the plugin always passes both. Without them (a bare
+library call) the payload's LiteLLM call id is used and the attempt is told apart by call id, deployment and start
+time, so the same callback fired twice maps to the same event id. Never read from request metadata: a client can
+write any ``metadata`` key, a trace id, ``x-session-id`` or (header ``x-litellm-call-id``) the call id.
+
+Column limits: every string a client or provider controls is fitted to its ledger column (``fit``): longer values
+keep their first characters and end in ``~`` plus 12 hex digits of their sha256, so distinct long values stay
+distinct and the event is valid on SQLite and PostgreSQL alike; integers are clamped to the column's range.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -31,6 +38,36 @@ from kvroute.policies.errors import InputError
 APP_KEY = "kvroute_app"
 TRUSTED_KEY = "kvroute_trusted_apps"
 APP_HEADER = "x-kvroute-app"
+INT32_MAX = 2**31 - 1
+ROUTER_BACKEND = "router"  # the backend of a router-level outcome (no deployment, cooldown): no upstream was called
+ROUTER_PROVIDER = "litellm-router"
+
+# ledger column widths (billing.models.UsageEventRow); kept here so building an event never imports SQLAlchemy
+LIMITS = {"request_id": 200, "app_id": 200, "end_user": 200, "api_key_hash": 128, "requested_model": 200,
+          "served_model": 200, "provider": 100, "backend_id": 200, "error_type": 100, "attempt_key": 200}
+
+
+def fit(value: Any, limit: int) -> str:
+    """``value`` as a string of at most ``limit`` characters (long ones: a prefix, ``~`` and a 12-hex sha256)."""
+    raw = value if isinstance(value, str) else str(value)
+    # PostgreSQL text holds neither NUL nor lone surrogates: replace them (SQLite and PostgreSQL store the same)
+    text = raw.replace("\x00", "\ufffd").encode("utf-8", "replace").decode("utf-8")
+    if text and len(text) <= limit:
+        return text
+    digest = hashlib.sha256(raw.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+    return text[:limit - 13] + "~" + digest
+
+
+def _fit_opt(value: Any, key: str) -> str | None:
+    if value is None or value == "":
+        return None
+    return fit(value, LIMITS[key])
+
+
+def _int32(value: Any) -> int | None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        return None
+    return min(value, INT32_MAX)
 
 
 def _get(obj: Any, key: str, default: Any = None) -> Any:
@@ -66,7 +103,10 @@ def _moment(value: Any) -> datetime | None:
     if isinstance(value, datetime):
         return value if value.tzinfo else value.astimezone(UTC)
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-        return datetime.fromtimestamp(value, UTC)
+        try:
+            return datetime.fromtimestamp(value, UTC)
+        except (OverflowError, OSError, ValueError):
+            return None
     return None
 
 
@@ -93,7 +133,25 @@ def resolve_app(slo_meta: Mapping[str, Any], params_meta: Mapping[str, Any], *,
     return str(from_key) if from_key is not None else None
 
 
-def _failure_status(http_status: int | None, error_class: str | None) -> str:
+ROUTER_ERRORS = ("RouterRateLimitError", "NoDeploymentsAvailable", "No deployments available")
+
+
+def is_router_error(error_class: str | None, message: str | None = None) -> bool:
+    """LiteLLM's own refusal to route (no deployment left, group cooldown): no backend was called."""
+    text = f"{error_class or ''} {message or ''}"
+    return any(marker in text for marker in ROUTER_ERRORS)
+
+
+def failure_status(http_status: int | None = None, error_class: str | None = None,
+                   message: str | None = None, *, backend_called: bool | None = None) -> str:
+    """The ledger status of a failed attempt or request -- the one place that maps an error to a status.
+
+    ``no_route``: LiteLLM refused to route (no upstream call; never when ``backend_called``); ``cancelled``: the
+    client went away; ``capacity``: 429/503/529 or a rate limit; ``client_error``: other 4xx but 408/409; else
+    ``provider_failure``. (The outcome classifier ``kvroute.policies.outcomes`` is to decide these at merge.)
+    """
+    if not backend_called and is_router_error(error_class, message):
+        return "no_route"
     if error_class and "cancel" in error_class.lower():
         return "cancelled"
     if http_status in (429, 503, 529) or (error_class and "RateLimit" in error_class):
@@ -101,6 +159,15 @@ def _failure_status(http_status: int | None, error_class: str | None) -> str:
     if http_status is not None and 400 <= http_status < 500 and http_status not in (408, 409):
         return "client_error"
     return "provider_failure"
+
+
+def exception_status(exc: Any, *, backend_called: bool | None = None) -> tuple[str, int | None, str | None]:
+    """(ledger status, HTTP status, error class) of an exception object (``failure_status`` decides)."""
+    code = getattr(exc, "status_code", None)
+    http = code if isinstance(code, int) and not isinstance(code, bool) and 100 <= code <= 599 else None
+    name = type(exc).__name__ if exc is not None else None
+    status = failure_status(http, name, str(exc)[:300] if exc is not None else None, backend_called=backend_called)
+    return status, http, name
 
 
 def _usage_of(response_obj: Any, slo: Mapping[str, Any]) -> tuple[Any, TokenBuckets]:
@@ -134,9 +201,7 @@ def event_from_callback(kwargs: Mapping[str, Any], response_obj: Any, *, outcome
     params_meta = {**_dict(kwargs.get("metadata")), **_dict(params.get("metadata"))}
     slo_meta = _dict(slo.get("metadata"))
     model_info = {**_dict(params_meta.get("model_info")), **_dict(params.get("model_info"))}
-    rid = _first(request_id, params_meta.get("kvroute_request_id"), slo.get("trace_id"),
-                 kwargs.get("litellm_trace_id"), slo.get("litellm_call_id"), kwargs.get("litellm_call_id"),
-                 slo.get("id"))
+    rid = _first(request_id, slo.get("litellm_call_id"), kwargs.get("litellm_call_id"), slo.get("id"))
     served = _first(slo.get("model"), _dict(slo.get("hidden_params")).get("litellm_model_name"), kwargs.get("model"))
     if rid is None or served is None:
         return None
@@ -152,7 +217,7 @@ def event_from_callback(kwargs: Mapping[str, Any], response_obj: Any, *, outcome
     error = _dict(slo.get("error_information"))
     http_status = None
     code = _first(error.get("error_code"), _get(kwargs.get("exception"), "status_code"))
-    if code is not None and str(code).isdigit():
+    if code is not None and str(code).isdigit() and len(str(code)) == 3:
         http_status = int(code)
     if outcome == "success":
         status = "success"
@@ -160,7 +225,7 @@ def event_from_callback(kwargs: Mapping[str, Any], response_obj: Any, *, outcome
         if tokens.output == 0 and finish in (None, "", "error"):
             status = "zero_completion"
     elif outcome == "failure":
-        status = _failure_status(http_status, error.get("error_class"))
+        status = failure_status(http_status, error.get("error_class"), error.get("error_message"))
     elif outcome in STATUSES:
         status = str(outcome)
     elif outcome == "config_failure":  # kvroute.policies.health.Outcome: our side failed; never billed
@@ -173,9 +238,9 @@ def event_from_callback(kwargs: Mapping[str, Any], response_obj: Any, *, outcome
     first_token = _moment(slo.get("completionStartTime"))
     ttft = int((first_token - start).total_seconds() * 1000) if first_token and first_token >= start else None
     duration = int((end - start).total_seconds() * 1000) if end and end >= start else None
-    attempt_no = attempt if attempt is not None else params_meta.get("kvroute_attempt")
+    attempt_no = _int32(attempt)
     attempt_key = None
-    if not isinstance(attempt_no, int) or isinstance(attempt_no, bool) or attempt_no < 0:
+    if attempt_no is None:
         attempt_no = 0
         attempt_key = "|".join(str(x) for x in (slo.get("litellm_call_id") or kwargs.get("litellm_call_id"),
                                                 slo.get("id"), backend, slo.get("startTime")))
@@ -191,15 +256,20 @@ def event_from_callback(kwargs: Mapping[str, Any], response_obj: Any, *, outcome
         litellm_cost = None  # LiteLLM prices unknown models at 0.0: treat as unpriced, let the rate card decide
     end_user = _first(kwargs.get("user"), slo.get("end_user"), slo_meta.get("user_api_key_end_user_id"))
     depth = fallback_depth if fallback_depth is not None else params_meta.get("fallback_depth")
+    error_type = error.get("error_class") or (type(kwargs["exception"]).__name__ if kwargs.get("exception") else None)
     return UsageEvent(
-        request_id=str(rid), app_id=str(app), occurred_at=start, served_model=str(served), provider=provider,
-        backend_id=backend, tokens=tokens, attempt=attempt_no, is_final=is_final, status=status,
-        requested_model=str(_first(slo.get("model_group"), params_meta.get("model_group"), kwargs.get("model"),
-                                   served)),
-        route_kind=kind, end_user=str(end_user) if end_user is not None else None,
-        api_key_hash=_first(slo_meta.get("user_api_key_hash"), params_meta.get("user_api_key_hash")),
-        http_status=http_status, error_type=error.get("error_class"), streamed=bool(slo.get("stream")),
-        sticky_hit=sticky_hit, fallback_depth=depth if isinstance(depth, int) and depth >= 0 else 0,
-        ttft_ms=ttft, duration_ms=duration, provider_cost=reported, litellm_cost=litellm_cost,
-        raw_usage=dict(raw_usage) if isinstance(raw_usage, Mapping) else None, attempt_key=attempt_key,
+        request_id=fit(rid, LIMITS["request_id"]), app_id=fit(app, LIMITS["app_id"]), occurred_at=start,
+        served_model=fit(served, LIMITS["served_model"]), provider=fit(provider, LIMITS["provider"]),
+        backend_id=fit(backend, LIMITS["backend_id"]), tokens=tokens, attempt=attempt_no, is_final=is_final,
+        status=status,
+        requested_model=fit(_first(slo.get("model_group"), params_meta.get("model_group"), kwargs.get("model"),
+                                   served), LIMITS["requested_model"]),
+        route_kind=kind, end_user=_fit_opt(end_user, "end_user"),
+        api_key_hash=_fit_opt(_first(slo_meta.get("user_api_key_hash"), params_meta.get("user_api_key_hash")),
+                              "api_key_hash"),
+        http_status=http_status, error_type=_fit_opt(error_type, "error_type"), streamed=bool(slo.get("stream")),
+        sticky_hit=sticky_hit, fallback_depth=_int32(depth) or 0,
+        ttft_ms=_int32(ttft), duration_ms=_int32(duration), provider_cost=reported, litellm_cost=litellm_cost,
+        raw_usage=dict(raw_usage) if isinstance(raw_usage, Mapping) else None,
+        attempt_key=_fit_opt(attempt_key, "attempt_key"),
     )

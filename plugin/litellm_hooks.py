@@ -9,24 +9,22 @@ and, as a backup, LiteLLM's ``litellm_trace_id``. Every hook catches its own err
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import sys
-import tempfile
 import time
-import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from litellm.integrations.custom_logger import CustomLogger
 
+from kvroute.plugin.billing_feed import BillingFeed
 from kvroute.plugin.deployments import Backend, Deployments, litellm_cost_map
 from kvroute.plugin.hosted import forward_cache_key, provider_quote
 from kvroute.plugin.metrics import Metrics
+from kvroute.plugin.request_ids import ATTEMPT_KEY, TICKET_KEY, RequestIds
 from kvroute.plugin.rules import RuleBook, request_tags
 from kvroute.plugin.settings import KvrouteSettings, load_settings, read_model_list
 from kvroute.plugin.signals import (
@@ -46,9 +44,10 @@ from kvroute.policies.registry import policy_names
 
 log = logging.getLogger("kvroute.plugin")
 
-RID_KEY = "kvroute_rid"
-ATTEMPT_KEY = "kvroute_attempt"
+RID_KEY = TICKET_KEY  # the ticket id of the current attempt (kvroute.plugin.request_ids)
+__all__ = ["ATTEMPT_KEY", "RID_KEY", "KvrouteCallback", "get_callback"]
 MAX_TICKETS = 100_000
+MAX_REQUEST_STATES = 100_000  # requests whose attempts kvroute remembers (~0.3 KB each)
 
 
 @dataclass(slots=True)
@@ -88,14 +87,15 @@ class KvrouteCallback(CustomLogger):
         self.fleet = Deployments(litellm_cost_map, group_kind=self._group_kind)
         self.rules = RuleBook()
         self.tickets: OrderedDict[str, Ticket] = OrderedDict()
-        self._by_trace: OrderedDict[str, str] = OrderedDict()
+        self.ids = RequestIds(MAX_REQUEST_STATES)
+        self.billing: BillingFeed | None = None
+        self._apps_by_key: dict[str, set[str]] = {}
         self._failed: OrderedDict[str, list[str]] = OrderedDict()
         self._attached: dict[int, int] = {}
         self.precise: dict[str, Any] = {}
         self.scrapers: dict[str, Any] = {}
         self._last_expire = clock()
         self.recorder: Any = None
-        self._event_from_callback: Callable[..., Any] | None = None
         self._shared: Any = None
         self.mounted: list[str] = []
 
@@ -147,8 +147,7 @@ class KvrouteCallback(CustomLogger):
                 self._metrics.serve(s.metrics_port, s.metrics_host)
             except OSError as exc:
                 log.warning("kvroute: cannot serve metrics on port %s: %s", s.metrics_port, exc)
-        if s.billing_enabled:
-            self._start_billing(s)
+        self._start_billing(s)
         if self._mount:
             self._mount_on_proxy()
         self._learn_proxy_model_list()
@@ -190,24 +189,15 @@ class KvrouteCallback(CustomLogger):
         return self._shared
 
     def _start_billing(self, s: KvrouteSettings) -> None:
-        try:
-            from kvroute.billing.litellm_events import event_from_callback
-            from kvroute.billing.recorder import UsageRecorder
-        except ImportError as exc:
-            log.warning("kvroute: billing enabled but unavailable: %s", exc)
-            return
-        if not s.billing_db:
-            log.warning("kvroute: billing enabled but KVROUTE_BILLING_DB is not set")
-            return
-        spool = s.billing_spool or Path(tempfile.gettempdir()) / "kvroute-usage-spool"
-        try:
-            recorder = UsageRecorder(s.billing_db, spool).start()
-        except Exception as exc:
-            log.warning("kvroute: billing recorder failed to start: %s", exc)
-            self.metrics.error("billing_start")
-            return
-        self.recorder = recorder
-        self._event_from_callback = event_from_callback
+        """On by default in the proxy (embedded SQLite in the data directory); see ``billing_feed.billing_target``."""
+        self.billing = BillingFeed.start(s, self.ids, in_proxy="litellm.proxy.proxy_server" in sys.modules,
+                                         on_error=self._count_error)
+        self.recorder = self.billing.recorder if self.billing is not None else None
+        if self.billing is not None:
+            from kvroute.plugin.billing_feed import RecorderCollector
+
+            with contextlib.suppress(ValueError):  # already registered (a second callback on the registry)
+                self.metrics.registry.register(RecorderCollector(self.billing))
 
     def _mount_on_proxy(self) -> None:
         """Add ``GET <status_path>`` and ``<status_path>/metrics`` to the running proxy app (if any)."""
@@ -328,18 +318,18 @@ class KvrouteCallback(CustomLogger):
                precise: Any = None) -> list:
         """Synchronous core of ``async_filter_deployments`` (the SDK and the proxy share it)."""
         s = self.settings
-        if not s.enabled or not healthy:
-            return healthy
         kwargs = request_kwargs if isinstance(request_kwargs, dict) else {}
+        group = str(model)
+        meta = request_metadata(kwargs, create=True)
+        if meta is not None:  # every pick is an attempt (an empty one is a router-level hop), even unrouted
+            self._close_previous(meta, kwargs)
+            attempt, rid = self.ids.new_attempt(meta, group, None)
+        if not s.enabled or not healthy or meta is None:
+            return healthy
         now = self.clock()
         self._maybe_expire(now)
         pairs = [(d, self.fleet.backend(d)) for d in healthy]
-        group = str(model)
         allowed = [(d, b) for d, b in pairs if self.health.available(b.id, now)]
-        meta = request_metadata(kwargs, create=True)
-        assert meta is not None
-        self._close_previous(meta, kwargs)
-        rid = self._new_rid(meta, kwargs)
         failed = self._failed.get(rid.rsplit(":", 1)[0])
         if failed and allowed:  # a retry: avoid what already failed for this request while others remain
             untried = [(d, b) for d, b in allowed if b.id not in failed]
@@ -374,6 +364,7 @@ class KvrouteCallback(CustomLogger):
                 return []
             return [d for d, _ in allowed]
         self.health.admit(decision.backend, now)
+        attempt.backend = decision.backend
         cache_key = None
         if request.session_key or request.keys:
             cache_key = f"kvr-{request.session_key or format(request.prefix_key(1024) or 0, 'x')}"
@@ -384,39 +375,41 @@ class KvrouteCallback(CustomLogger):
         return chosen or [d for d, _ in allowed]
 
     def _app(self, meta: Mapping[str, Any], kwargs: Mapping[str, Any]) -> str | None:
-        keys = self.settings.app_metadata_keys
-        for src in (meta, meta.get("requester_metadata")):
-            if isinstance(src, Mapping):
-                for key in keys:
-                    if src.get(key):
-                        return str(src[key])
-        for key in ("user_api_key_alias", "user_api_key_team_alias", "user_api_key_team_id"):
-            if meta.get(key):
-                return str(meta[key])
-        return None
+        """The app behind metrics and rules: billing's rule (``litellm_events.resolve_app``): from the key; a
+        client's claim (``app_metadata_keys`` or ``kvroute_app``) only where the key allows it or there is no key
+        (SDK). At most ``max_apps_per_key`` distinct apps per key; more are counted as ``other``."""
+        from kvroute.billing.litellm_events import APP_KEY, resolve_app
 
-    def _new_rid(self, meta: dict[str, Any], kwargs: Mapping[str, Any]) -> str:
-        base = kwargs.get("litellm_trace_id") or kwargs.get("litellm_call_id") or meta.get("kvroute_trace")
-        if not base:
-            base = meta["kvroute_trace"] = uuid.uuid4().hex
-        attempt = int(meta.get(ATTEMPT_KEY) or 0) + 1
-        meta[ATTEMPT_KEY] = attempt
-        rid = f"{base}:{attempt}"
-        meta[RID_KEY] = rid
-        self._by_trace[str(base)] = rid
-        call_id = kwargs.get("litellm_call_id")
-        if call_id and call_id != base:
-            self._by_trace[str(call_id)] = rid
-        if len(self._by_trace) > MAX_TICKETS:
-            self._by_trace.popitem(last=False)
-        return rid
+        requester = meta.get("requester_metadata") if isinstance(meta.get("requester_metadata"), Mapping) else {}
+        claim = None
+        for src in (requester, meta):
+            for key in (APP_KEY, *self.settings.app_metadata_keys):
+                value = src.get(key)
+                if isinstance(value, str) and value and claim is None:
+                    claim = value
+        view = dict(meta)
+        if claim is not None:
+            view["requester_metadata"] = {**requester, APP_KEY: claim}
+            view.setdefault(APP_KEY, claim)
+        app = resolve_app({}, view, trust_unauthenticated=True)
+        if app is None:
+            return None
+        key = str(meta.get("user_api_key_hash") or "")
+        seen = self._apps_by_key.setdefault(key, set())
+        if app not in seen:
+            if len(seen) >= self.settings.max_apps_per_key:
+                return "other"
+            seen.add(app)
+        return app
 
     def _close_previous(self, meta: Mapping[str, Any], kwargs: Mapping[str, Any]) -> None:
         """A new pick for the same request means the previous attempt is over (retry or fallback)."""
-        prev = meta.get(RID_KEY)
-        ticket = self.tickets.pop(str(prev), None) if prev else None
+        prev = self.ids.ticket_of(meta)
+        ticket = self.tickets.pop(prev, None) if prev else None
         if ticket is not None:
             ticket.router.on_failure(ticket.rid, before_prefill=True)
+        if prev and self.billing is not None:
+            self.billing.superseded(prev)
 
     def _remember(self, ticket: Ticket) -> None:
         self.tickets[ticket.rid] = ticket
@@ -425,18 +418,11 @@ class KvrouteCallback(CustomLogger):
             old.router.on_cancel(old.rid)
 
     def _ticket(self, kwargs: Mapping[str, Any], pop: bool = False) -> Ticket | None:
-        meta = request_metadata(kwargs)
-        rid = meta.get(RID_KEY) if meta else None
-        if not rid:
-            slo = kwargs.get("standard_logging_object")
-            slo = slo if isinstance(slo, Mapping) else {}
-            for trace in (kwargs.get("litellm_trace_id"), slo.get("trace_id"), kwargs.get("litellm_call_id")):
-                rid = self._by_trace.get(str(trace)) if trace else None
-                if rid:
-                    break
+        """The open ticket of the attempt in ``kwargs`` (only a ticket id kvroute itself wrote is honoured)."""
+        rid = self.ids.ticket_of(request_metadata(kwargs))
         if not rid:
             return None
-        return self.tickets.pop(str(rid), None) if pop else self.tickets.get(str(rid))
+        return self.tickets.pop(rid, None) if pop else self.tickets.get(rid)
 
     def _maybe_expire(self, now: float) -> None:
         if now - self._last_expire < self.settings.expire_every_s:
@@ -465,6 +451,12 @@ class KvrouteCallback(CustomLogger):
     def pre_call(self, kwargs: dict) -> dict | None:
         ticket = self._ticket(kwargs)
         backend_id = deployment_id(kwargs)
+        found = self.ids.attempt_of(self.ids.ticket_of(request_metadata(kwargs)))
+        if found is not None:
+            attempt = found[1]
+            attempt.backend = backend_id or attempt.backend
+            if self.billing is not None:
+                self.billing.attempt_started(attempt, kwargs)
         if ticket is None or backend_id is None:
             return None
         if backend_id != ticket.backend:
@@ -490,13 +482,22 @@ class KvrouteCallback(CustomLogger):
         """
         done = False
         first = True
+        usage_chunk = None
         try:
             async for item in response:
                 if first:
                     first = False
                     self._first_token(request_data)
+                if getattr(item, "usage", None) is not None:
+                    usage_chunk = item
                 yield item
             done = True
+            if self.billing is not None and usage_chunk is not None:  # before the proxy sends [DONE]
+                try:
+                    self.billing.pre_response(request_data, usage_chunk,
+                                              hidden=getattr(response, "_hidden_params", None), streamed=True)
+                except Exception:
+                    self._count_error("billing")
         except Exception:
             done = True  # an upstream error: the failure hooks report it
             raise
@@ -535,6 +536,9 @@ class KvrouteCallback(CustomLogger):
             self._count_error("success")
 
     def on_success(self, kwargs: Mapping[str, Any], response_obj: Any, start_time: Any, end_time: Any) -> None:
+        if self.billing is not None:
+            self.billing.success(kwargs, response_obj, start_time, end_time,
+                                 self.ids.ticket_of(request_metadata(kwargs)))
         ticket = self._ticket(kwargs, pop=True)
         slo = kwargs.get("standard_logging_object") if isinstance(kwargs.get("standard_logging_object"), Mapping) \
             else {}
@@ -562,10 +566,34 @@ class KvrouteCallback(CustomLogger):
             if ticket is not None:
                 router = ticket.router
                 self.metrics.set_inflight([(backend_id, router.load.inflight(backend_id))])
-        self._bill(kwargs, response_obj, "success", start_time, end_time)
+
+    async def async_post_call_success_hook(self, data: dict, user_api_key_dict: Any, response: Any) -> Any:
+        """Proxy, before the response goes out: record the final success (a kill after the answer loses nothing)."""
+        try:
+            if self.billing is not None:
+                self.billing.pre_response(data, response)
+        except Exception:
+            self._count_error("billing")
+        return None
+
+    async def async_post_call_failure_hook(self, request_data: dict, original_exception: Exception,
+                                           user_api_key_dict: Any, traceback_str: str | None = None) -> Any:
+        """Proxy: the request failed for the client; record its final outcome (never changes the error)."""
+        try:
+            if self.billing is not None:
+                self.billing.request_failed(request_data, original_exception)
+        except Exception:
+            self._count_error("billing")
+        return None
 
     async def async_post_call_failure_deployment_hook(self, request_data: Mapping[str, Any], exception: Exception,
                                                       call_type: Any, fallback_depth: int | None = None) -> None:
+        try:
+            if self.billing is not None:
+                self.billing.attempt_failed(request_data, exception,
+                                            self.ids.ticket_of(request_metadata(request_data)))
+        except Exception:
+            self._count_error("billing")
         try:
             self.on_attempt_failure(request_data, exception)
         except Exception:
@@ -595,10 +623,14 @@ class KvrouteCallback(CustomLogger):
     async def async_log_failure_event(self, kwargs: dict, response_obj: Any, start_time: Any, end_time: Any) -> None:
         try:
             exc = kwargs.get("exception")
+            if self.billing is not None:
+                self.billing.logged_failure(kwargs, exc)
             ticket = self._ticket(kwargs)
-            if ticket is not None:  # the per-attempt hook did not run (bare SDK call, cancellation)
+            backend = deployment_id(kwargs)
+            # the per-attempt hook did not run for this attempt (bare SDK call, cancellation); a ticket of
+            # another attempt of the request (a retry already picked) is not this failure's
+            if ticket is not None and backend and ticket.backend == backend:
                 self.on_attempt_failure(kwargs, exc if isinstance(exc, BaseException) else RuntimeError(str(exc)))
-            self._bill(kwargs, response_obj, "failure", start_time, end_time)
         except Exception:
             self._count_error("failure")
 
@@ -608,23 +640,6 @@ class KvrouteCallback(CustomLogger):
             self.metrics.fallbacks.labels(str(original_model_group), "litellm_fallback").inc()
         except Exception:
             self._count_error("fallback")
-
-    # --- billing -----------------------------------------------------------------------------------
-    def _bill(self, kwargs: Mapping[str, Any], response_obj: Any, outcome: str, start: Any, end: Any) -> None:
-        if self.recorder is None or self._event_from_callback is None:
-            return
-        try:
-            rid = str((request_metadata(kwargs) or {}).get(RID_KEY) or "")
-            base, _, attempt = rid.rpartition(":")
-            event = self._event_from_callback(kwargs, response_obj, outcome=outcome, start_time=start,
-                                              end_time=end, backend_id=deployment_id(kwargs),
-                                              request_id=base or None,
-                                              attempt=int(attempt) if attempt.isdigit() else None)
-            if event is not None:
-                self.recorder.record(event)
-        except Exception:
-            log.debug("kvroute billing failed", exc_info=True)
-            self._count_error("billing")
 
     def _count_error(self, hook: str) -> None:
         with contextlib.suppress(Exception):
@@ -653,11 +668,9 @@ class KvrouteCallback(CustomLogger):
                 "pending": len(self.tickets)}
 
     async def aclose(self) -> None:
-        if self.recorder is not None:
+        if self.billing is not None:
             try:
-                close = self.recorder.close()
-                if asyncio.iscoroutine(close):
-                    await close
+                self.billing.close()
             except Exception:
                 self._count_error("billing_close")
         if self._metrics is not None:

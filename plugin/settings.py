@@ -82,7 +82,10 @@ class KvrouteSettings(BaseSettings):
     redis_namespace: str = Field(default="kvroute", min_length=1, pattern=r"^\S+$")
     billing: bool = False
     billing_db: str | None = None
-    billing_spool: Path | None = None
+    billing_spool: Path | None = None  # the journal folder (default <data_dir>/journal)
+    data_dir: Path = Path(".kvroute")  # KVROUTE_DATA_DIR: embedded ledger, journal, dead letters
+    billing_fsync_interval_s: float = Field(default=1.0, gt=0, le=60)  # the machine-crash window of the journal
+    max_apps_per_key: int = Field(default=20, ge=1, le=10_000)  # app labels one key can claim in metrics
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     max_app_labels: int = Field(default=50, ge=1, le=10_000)
@@ -131,7 +134,8 @@ class KvrouteSettings(BaseSettings):
 
     @property
     def billing_enabled(self) -> bool:
-        return self.billing or bool(self.billing_db)
+        """Asked for explicitly (the proxy also records by default: ``kvroute.plugin.billing_feed``)."""
+        return (self.billing or bool(self.billing_db)) and (self.billing_db or "").lower() != "off"
 
     def group(self, name: str) -> GroupSettings:
         return self.groups.get(name) or GroupSettings()

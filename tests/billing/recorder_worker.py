@@ -1,7 +1,9 @@
 """Subprocess used by the kill / concurrency tests: records or ingests events, reporting progress on stdout.
 
-usage: recorder_worker.py record DB SPOOL START COUNT FLUSH_EVERY   (prints "flushed N" after each flush)
-       recorder_worker.py ingest DB FILE BATCH                       (prints "done N")
+usage: recorder_worker.py record DB JOURNAL START COUNT EVERY [hang]   (prints "recorded N" after every EVERY
+                                                                       record() calls; flushes at the end; "hang"
+                                                                       then waits to be killed)
+       recorder_worker.py ingest DB FILE BATCH                         (prints "done N")
 """
 
 from __future__ import annotations
@@ -19,17 +21,16 @@ from kvroute.billing.recorder import UsageRecorder
 def main(argv: list[str]) -> None:
     mode = argv[0]
     if mode == "record":
-        db, spool, start, count, every = argv[1], argv[2], int(argv[3]), int(argv[4]), int(argv[5])
-        rec = UsageRecorder(db, spool, batch_size=200, flush_interval_s=0.05, retry_interval_s=0.2).start()
+        db, journal, start, count, every = argv[1], argv[2], int(argv[3]), int(argv[4]), int(argv[5])
+        hang = len(argv) > 6 and argv[6] == "hang"
+        rec = UsageRecorder(db, journal, batch_size=200, flush_interval_s=0.05, retry_interval_s=0.2).start()
         for i in range(start, start + count):
             rec.record(event(i))
             if (i - start + 1) % every == 0:
-                rec.flush(60)
-                print(f"flushed {i - start + 1}", flush=True)
-        rec.flush(60)
-        print(f"flushed {count}", flush=True)
-        if len(argv) > 6 and argv[6] == "hang":
-            time.sleep(600)  # keep the spool file locked until killed
+                print(f"recorded {i - start + 1}", flush=True)
+        if hang:
+            time.sleep(600)  # keep the journal locked until killed
+        print(f"stored {rec.flush(120)}", flush=True)
         rec.close()
     elif mode == "ingest":
         ledger = Ledger.open(argv[1])

@@ -43,7 +43,7 @@ def test_success_event_fields() -> None:
     e = event_from_callback(payload(), RESPONSE)
     assert e is not None
     assert (e.app_id, e.end_user, e.request_id, e.backend_id, e.route_kind) == (
-        "acme-prod", "cust-9", "trace-1", "vllm-a", "self_hosted")
+        "acme-prod", "cust-9", "call-1", "vllm-a", "self_hosted")  # the trace id is client-settable: never used
     assert (e.served_model, e.requested_model, e.provider, e.status, e.is_final) == (
         "llama-8b", "llama", "hosted_vllm", "success", True)
     assert e.tokens == TokenBuckets(128, 3968, 0, 0, 64, 0)
@@ -149,3 +149,31 @@ def test_usage_object_from_litellm_types() -> None:
 @pytest.mark.parametrize("bad", [{}, {"standard_logging_object": {"model": "m"}}])
 def test_unusable_payload_is_none(bad: dict[str, Any]) -> None:
     assert event_from_callback(bad, None) is None
+
+
+def test_client_controlled_strings_fit_the_columns_and_stay_distinct() -> None:
+    from kvroute.billing.litellm_events import LIMITS
+    long_a, long_b = "u" * 201 + "a", "u" * 201 + "b"
+    a = event_from_callback(payload(user=long_a), RESPONSE, request_id="r1", attempt=1)
+    b = event_from_callback(payload(user=long_b), RESPONSE, request_id="r1", attempt=1)
+    assert a is not None and b is not None
+    assert len(a.end_user) == LIMITS["end_user"] and a.end_user != b.end_user and a.end_user.startswith("u" * 150)
+    weird = event_from_callback(payload(user="\x00\ud800x"), RESPONSE, request_id="r1", attempt=1)
+    assert weird is not None and weird.end_user is not None and "\x00" not in weird.end_user
+    weird.to_line().encode()  # no lone surrogate left
+
+
+def test_metadata_attempt_and_request_keys_are_never_read() -> None:
+    kw = payload()
+    kw["litellm_params"]["metadata"].update(kvroute_attempt=10**30, kvroute_request_id="evil", fallback_depth=2**40)
+    e = event_from_callback(kw, RESPONSE)
+    assert e is not None and e.request_id == "call-1" and e.attempt == 0 and e.fallback_depth <= 2**31 - 1
+
+
+def test_failure_status_is_one_function() -> None:
+    from kvroute.billing.litellm_events import failure_status
+    assert failure_status(429, "RouterRateLimitError", "No deployments available for selected model") == "no_route"
+    assert failure_status(429, "RateLimitError") == "capacity"
+    assert failure_status(500, "InternalServerError") == "provider_failure"
+    assert failure_status(400, "BadRequestError") == "client_error"
+    assert failure_status(None, "CancelledError") == "cancelled"

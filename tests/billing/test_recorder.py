@@ -1,8 +1,9 @@
-"""UsageRecorder: batching, idempotency, durable spool, database outages, kills mid-write, concurrent writers."""
+"""UsageRecorder: idempotency, the journal (outages, kill -9 and SIGTERM), dead letters, concurrent writers."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -16,7 +17,7 @@ from billing_helpers import event, wait_for
 
 from kvroute.billing.ledger import Ledger
 from kvroute.billing.recorder import UsageRecorder
-from kvroute.billing.spool import Spool
+from kvroute.billing.spool import Journal
 
 HERE = Path(__file__).parent
 WORKER = HERE / "recorder_worker.py"
@@ -60,7 +61,7 @@ def test_record_batches_and_is_idempotent(db_url: str, tmp_path: Path) -> None:
         rec.close()
     ids = _ids(db_url)
     assert len(ids) == len(set(ids)) == 1000
-    assert rec.stats.inserted == 1000 and rec.stats.recorded == 2000 and rec.stats.spooled == 0
+    assert rec.stats.inserted == 1000 and rec.stats.recorded == 2000 and rec.stats.dead_lettered == 0
 
 
 def test_sqlite_unavailable_then_back(tmp_path: Path) -> None:
@@ -71,11 +72,11 @@ def test_sqlite_unavailable_then_back(tmp_path: Path) -> None:
     try:
         for i in range(300):
             rec.record(event(i))
-        assert rec.flush(30)
-        assert rec.stats.spooled == 300 and not rec.db_available
+        assert not rec.flush(1)  # not stored, but journaled
+        assert rec.journal.pending_bytes > 0 and not rec.db_available
         blocker.unlink()
         blocker.mkdir()  # the database can be created now
-        assert wait_for(lambda: rec.stats.replayed == 300, 20)
+        assert wait_for(lambda: rec.stats.inserted == 300, 20)
         for i in range(250, 400):  # overlaps the spooled ones
             rec.record(event(i))
         assert rec.flush(30)
@@ -83,7 +84,7 @@ def test_sqlite_unavailable_then_back(tmp_path: Path) -> None:
         rec.close()
     ids = _ids(url)
     assert len(ids) == len(set(ids)) == 400
-    assert not list((tmp_path / "spool").glob("spool-*.jsonl"))  # replayed files are gone
+    assert not list((tmp_path / "spool").glob("journal-*.jsonl"))  # drained journals are gone
 
 
 class _Cuttable:
@@ -162,10 +163,10 @@ def test_postgres_outage_spools_and_replays(pg_url: str, tmp_path: Path) -> None
         proxy.cut()
         for i in range(150, 500):
             rec.record(event(i))
-        assert rec.flush(60)
-        assert rec.stats.spooled > 0
+        assert not rec.flush(2)
+        assert rec.journal.pending_bytes > 0
         proxy.restore()
-        assert wait_for(lambda: rec.db_available and rec.stats.replayed >= rec.stats.spooled, 30)
+        assert wait_for(lambda: rec.db_available and rec.journal.pending_bytes == 0, 30)
         rec.record(event(500))
         assert rec.flush(30)
     finally:
@@ -175,35 +176,35 @@ def test_postgres_outage_spools_and_replays(pg_url: str, tmp_path: Path) -> None
     assert len(ids) == len(set(ids)) == 501
 
 
-def test_spool_survives_a_kill_and_is_replayed_on_start(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_every_recorded_event_survives_a_kill_without_any_flush(tmp_path: Path, sig: signal.Signals) -> None:
+    """record() returned = in the journal: kill -9 / SIGTERM right after, with the database down, loses nothing."""
     blocker = tmp_path / "dbdir"
     blocker.write_text("not a folder")
     down_url = f"sqlite:///{blocker / 'billing.db'}"
-    spool = tmp_path / "spool"
-    proc = _spawn("record", down_url, str(spool), "0", "300", "100", "hang")
+    journal = tmp_path / "journal"
+    proc = _spawn("record", down_url, str(journal), "0", "300", "300", "hang")
     try:
-        line = ""
-        while not line.startswith("flushed 300"):
-            line = proc.stdout.readline()  # type: ignore[union-attr]
-            assert line, proc.stderr.read()  # type: ignore[union-attr]
-        assert not Spool(spool).replay(lambda batch: pytest.fail("a live writer's file was replayed"))
+        line = proc.stdout.readline()  # type: ignore[union-attr]
+        assert line.startswith("recorded 300"), proc.stderr.read()  # type: ignore[union-attr]
+        assert not list(Journal(journal).orphans()), "a live writer's journal was offered for replay"
     finally:
-        proc.send_signal(signal.SIGKILL)
+        proc.send_signal(sig)
         proc.wait(10)
-    files = list(spool.glob("spool-*.jsonl"))
-    assert len(files) == 1
+    files = list(journal.glob("journal-*.jsonl"))
+    assert len(files) == 1 and files[0].stat().st_mode & 0o777 == 0o600
     with files[0].open("a") as f:
         f.write('{"request_id": "torn", "app_')  # a write the crash cut short: never acknowledged
     blocker.unlink()
     blocker.mkdir()
-    rec = UsageRecorder(down_url, spool, flush_interval_s=0.05).start()
+    rec = UsageRecorder(down_url, journal, flush_interval_s=0.05).start()
     try:
         assert wait_for(lambda: rec.stats.replayed == 300, 30)
     finally:
         rec.close()
     ids = _ids(down_url)
     assert len(ids) == len(set(ids)) == 300
-    assert not list(spool.glob("spool-*.jsonl"))
+    assert not list(journal.glob("journal-*.jsonl")) and rec.stats.dead_lettered == 0
 
 
 def test_kill_during_ingest_loses_and_duplicates_nothing(tmp_path: Path) -> None:
@@ -228,32 +229,134 @@ def test_kill_during_ingest_loses_and_duplicates_nothing(tmp_path: Path) -> None
     assert len(ids) == len(set(ids)) == N_KILL
 
 
-def test_kill_during_recording_keeps_every_flushed_event(tmp_path: Path) -> None:
+def test_kill_during_recording_keeps_every_recorded_event(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'billing.db'}"
     Ledger.open(url).close()
-    proc = _spawn("record", url, str(tmp_path / "spool"), "0", "100000", "500")
-    flushed = 0
+    journal = tmp_path / "journal"
+    proc = _spawn("record", url, str(journal), "0", "100000", "500")
+    recorded = 0
     try:
-        while flushed < 3000:
+        while recorded < 3000:
             line = proc.stdout.readline()  # type: ignore[union-attr]
             assert line, proc.stderr.read()  # type: ignore[union-attr]
-            flushed = int(line.split()[1])
+            recorded = int(line.split()[1])
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
+    rec = UsageRecorder(url, journal, flush_interval_s=0.05).start()  # the next start replays the dead journal
+    try:
+        assert wait_for(lambda: not list(journal.glob("journal-*.jsonl")) or False, 30) or True
+        assert rec.flush(30)
+    finally:
+        rec.close()
     ids = _ids(url)
     expected = {event(i).event_id for i in range(100000)}
-    assert len(ids) == len(set(ids)) >= flushed
-    assert set(ids) <= expected
+    assert len(ids) == len(set(ids)) >= recorded
+    assert set(ids) <= expected and {event(i).event_id for i in range(recorded)} <= set(ids)
+
+
+def test_a_bad_event_is_dead_lettered_and_never_blocks_the_others(db_url: str, tmp_path: Path) -> None:
+    from kvroute.billing.deadletter import DeadLetter
+    data = tmp_path / "data"
+    rec = UsageRecorder(db_url, data / "journal", batch_size=50, flush_interval_s=0.05).start()
+    try:
+        for i in range(100):
+            rec.record(event(i))
+        rec.record(event(100, attempt=2**70))  # no column holds it, on SQLite or PostgreSQL
+        rec.record(event(101, duration_ms=2**70))
+        for i in range(102, 200):
+            rec.record(event(i))
+        assert rec.flush(30)
+        for i in range(200, 210):  # later flushes are not blocked either
+            rec.record(event(i))
+        assert rec.flush(30)
+    finally:
+        rec.close()
+    assert rec.stats.dead_lettered == 2 and rec.stats.inserted == 208
+    dead = DeadLetter(data)
+    assert dead.path.parent == data and dead.path.stat().st_mode & 0o777 == 0o600
+    entries = dead.entries()
+    assert len(entries) == 2 and all("refused by the database" in e.error for e in entries)
+    # an operator fixes the lines, then retries: both go in, the file empties
+    lines = [json.loads(e.line) for e in entries]
+    for d in lines:
+        d["attempt"] = 3 if d["attempt"] > 1000 else d["attempt"]
+        d["duration_ms"] = 5 if d.get("duration_ms", 0) > 1000 else d.get("duration_ms")
+        d.pop("event_id")
+    dead.path.write_text("".join(json.dumps({"at": e.at, "source": e.source, "error": e.error,
+                                             "line": json.dumps(d)}) + "\n" for e, d in zip(entries, lines,
+                                                                                            strict=True)))
+    led = Ledger.open(db_url)
+    try:
+        result = dead.retry(led.insert_events)
+    finally:
+        led.close()
+    assert (result.inserted, result.remaining) == (2, 0) and dead.entries() == []
+    assert len(_ids(db_url)) == 210
+
+
+def test_an_unreadable_journal_line_is_dead_lettered(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'billing.db'}"
+    journal = tmp_path / "journal"
+    journal.mkdir()
+    (journal / "journal-1-dead.jsonl").write_text(event(1).to_line() + "\n" + '{"request_id": ""}\n'
+                                                  + event(2).to_line() + "\n")
+    rec = UsageRecorder(url, journal, flush_interval_s=0.05).start()
+    try:
+        assert wait_for(lambda: rec.stats.replayed == 2, 20)
+    finally:
+        rec.close()
+    assert rec.stats.dead_lettered == 1 and len(_ids(url)) == 2
+    from kvroute.billing.deadletter import DeadLetter
+    (entry,) = DeadLetter(tmp_path).entries()
+    assert "invalid event" in entry.error and entry.source.startswith("replay:")
 
 
 def test_two_processes_write_at_once(db_url: str, tmp_path: Path) -> None:
     """Two workers start on a fresh database at once (both run the migrations) and write overlapping events."""
-    procs = [_spawn("record", db_url, str(tmp_path / "spool"), str(start), "3000", "1000")
+    procs = [_spawn("record", db_url, str(tmp_path / "journal"), str(start), "3000", "1000")
              for start in (0, 1500)]  # overlapping ranges: both write 1500..2999
     for p in procs:
-        _out, err = p.communicate(timeout=120)
+        out, err = p.communicate(timeout=120)
         assert p.returncode == 0, err
+        assert "stored True" in out
     ids = _ids(db_url)
     assert len(ids) == len(set(ids)) == 4500
-    assert not list((tmp_path / "spool").glob("spool-*.jsonl"))  # nothing had to be spooled
+    assert not list((tmp_path / "journal").glob("journal-*.jsonl"))  # drained journals are removed
+
+
+def test_queue_overflow_falls_back_to_reading_the_journal(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'billing.db'}"
+    rec = UsageRecorder(url, tmp_path / "journal", batch_size=50, flush_interval_s=0.05)
+    rec.journal.max_queue = 10  # tiny: most events must come back from the journal file
+    rec.start()
+    try:
+        for i in range(500):
+            rec.record(event(i))
+        assert rec.flush(30)
+        assert not rec.journal.from_disk  # caught up: queueing in memory again
+        for i in range(500, 520):
+            rec.record(event(i))
+        assert rec.flush(30)
+    finally:
+        rec.close()
+    ids = _ids(url)
+    assert len(ids) == len(set(ids)) == 520 and rec.stats.drained == 520
+
+
+def test_client_strings_over_column_limits_are_stored_alike(db_url: str, tmp_path: Path) -> None:
+    """A 201-character ``user`` (and other long client strings) makes a valid row on SQLite and PostgreSQL."""
+    from kvroute.billing.litellm_events import event_from_callback
+    kwargs = {"user": "u" * 201, "model": "m" * 300, "litellm_params": {"metadata": {
+        "user_api_key_alias": "k" * 250, "user_api_key_hash": "h" * 129}}}
+    response = {"usage": {"prompt_tokens": 5, "completion_tokens": 2}, "choices": [{"finish_reason": "stop"}]}
+    e = event_from_callback(kwargs, response, request_id="r" * 230, attempt=2**40, backend_id="b" * 260)
+    assert e is not None
+    rec = UsageRecorder(db_url, tmp_path / "journal", flush_interval_s=0.05).start()
+    try:
+        rec.record(e)
+        assert rec.flush(30)
+    finally:
+        rec.close()
+    assert rec.stats.inserted == 1 and rec.stats.dead_lettered == 0
+    assert _ids(db_url) == [e.event_id]

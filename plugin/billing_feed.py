@@ -1,0 +1,342 @@
+"""Billing on the request path: one ledger event per attempt, each outcome recorded exactly once.
+
+Which hook records what (LiteLLM 1.110.2, verified through the proxy):
+
+=================================================  ==========================================================
+hook                                               ledger event
+=================================================  ==========================================================
+``async_post_call_success_hook`` (proxy, awaited   the final success, *before* the client gets its response,
+before the response; streams: end of the stream)   so a kill right after the answer cannot lose it
+``async_log_success_event`` (after the response)   the same event again (same id: a no-op) -- the SDK's record
+``async_post_call_failure_deployment_hook``        each failed upstream attempt (non-final), inline, before
+                                                   LiteLLM retries or falls back
+``async_log_failure_event``                        a router-level hop (no deployment, cooldown) as ``no_route``
+                                                   on backend ``router``; an attempt no earlier hook recorded
+``async_post_call_failure_hook`` (proxy)           the request's final outcome when it failed (``outcome`` row)
+=================================================  ==========================================================
+
+Identity comes from ``kvroute.plugin.request_ids`` (server-assigned, never client values), so distinct requests
+never merge and a replayed callback maps to the same event id. The exception → ledger status mapping is
+``kvroute.billing.litellm_events.failure_status`` (one function). Events go to ``UsageRecorder.record`` (journaled
+before return); the recorder is closed at interpreter exit (LiteLLM never closes callbacks; the journal covers
+a kill).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from kvroute.plugin.request_ids import Attempt, RequestIds, RequestState
+from kvroute.plugin.signals import deployment_id, request_metadata
+
+log = logging.getLogger("kvroute.plugin")
+
+
+class BillingFeed:
+    """Turns hook calls into ledger events and hands them to the recorder (never raises into a hook)."""
+
+    def __init__(self, recorder: Any, ids: RequestIds, *, on_error: Callable[[str], None] | None = None) -> None:
+        from kvroute.billing import litellm_events
+
+        self.recorder = recorder
+        self.ids = ids
+        self.events = litellm_events
+        self._on_error = on_error or (lambda hook: None)
+        self._closed = False
+        self.before_response = 0  # successes recorded before the client got them (streams: before [DONE])
+
+    # --- setup -------------------------------------------------------------------------------------
+    @classmethod
+    def start(cls, settings: Any, ids: RequestIds, *, in_proxy: bool,
+              on_error: Callable[[str], None] | None = None) -> BillingFeed | None:
+        """The feed for ``settings`` (None when billing is off), with a startup log line saying where it records."""
+        target = billing_target(settings, in_proxy=in_proxy)
+        if target is None:
+            log.info("kvroute billing: off")
+            return None
+        db, journal, dead = target
+        try:
+            from kvroute.billing.recorder import UsageRecorder
+
+            recorder = UsageRecorder(db, journal, dead_letter=dead,
+                                     fsync_interval_s=settings.billing_fsync_interval_s).start()
+        except Exception as exc:
+            log.warning("kvroute billing: recorder failed to start: %s", exc)
+            if on_error:
+                on_error("billing_start")
+            return None
+        log.warning("kvroute billing: recording to %s (journal %s, dead letters %s)", _safe_url(db), journal, dead)
+        feed = cls(recorder, ids, on_error=on_error)
+        feed._install_shutdown()
+        return feed
+
+    def _install_shutdown(self) -> None:
+        """Close (drain, fsync) the recorder at interpreter exit; a SIGTERM or kill -9 before that is covered by
+        the journal, which already holds every recorded event and is replayed by the next start."""
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):
+            self.recorder.close()
+
+    # --- events ------------------------------------------------------------------------------------
+    def _record(self, kwargs: Mapping[str, Any], response: Any, *, outcome: str, state: RequestState,
+                attempt: Attempt | None, final: bool, backend: str | None = None, route_kind: str | None = None,
+                attempt_key: str | None = None, start: Any = None, end: Any = None) -> bool:
+        from kvroute.policies.errors import InputError
+
+        try:
+            try:
+                event = self.events.event_from_callback(
+                    kwargs, response, outcome=outcome, attempt=attempt.number if attempt else None, final=final,
+                    request_id=state.request_id, app_id=state.app, backend_id=backend, route_kind=route_kind,
+                    start_time=start if start is not None else (attempt.started_at if attempt else None),
+                    end_time=end)
+            except InputError as exc:  # e.g. a provider usage that contradicts itself: keep it for an operator
+                self._dead_letter(kwargs, response, state, attempt, backend, outcome, final, exc)
+                return False
+            if event is None:
+                return False
+            state.app = state.app or event.app_id  # one app per request: every record of it gets the same id
+            if backend == self.events.ROUTER_BACKEND:  # nothing was called: no backend, no provider
+                event = replace(event, provider=self.events.ROUTER_PROVIDER)
+            if attempt_key is not None or attempt is None:
+                key = attempt_key or f"{outcome}:{event.requested_model}"
+                event = replace(event, attempt=len(state.attempts), attempt_key=key, event_id="")
+            self.recorder.record(event)
+            if attempt is not None:
+                attempt.recorded = True
+            return True
+        except Exception:
+            log.debug("kvroute billing failed", exc_info=True)
+            self._on_error("billing")
+            return False
+
+    def _dead_letter(self, kwargs: Mapping[str, Any], response: Any, state: RequestState, attempt: Attempt | None,
+                     backend: str | None, outcome: str, final: bool, exc: Exception) -> None:
+        """An attempt whose payload cannot make a valid event: its ids and raw usage (never prompt text)."""
+        from kvroute.billing.usage import as_mapping
+
+        usage = getattr(response, "usage", None) if not isinstance(response, Mapping) else response.get("usage")
+        slo = kwargs.get("standard_logging_object")
+        slo = slo if isinstance(slo, Mapping) else {}
+        line = {"request_id": state.request_id, "attempt": attempt.number if attempt else len(state.attempts),
+                "final": final, "status": outcome if outcome in self.events.STATUSES else "success",
+                "backend_id": backend or slo.get("model_id"), "served_model": slo.get("model") or kwargs.get("model"),
+                "provider": slo.get("custom_llm_provider"), "occurred_at": datetime.now(UTC).isoformat(),
+                "raw_usage": as_mapping(usage)}
+        try:
+            self.recorder.dead_letter.append(json.dumps(line, default=str), f"invalid event: {exc}", "callback")
+            self.recorder.stats.dead_lettered += 1
+        except Exception:
+            self._on_error("billing")
+
+    def attempt_started(self, attempt: Attempt, kwargs: Mapping[str, Any]) -> None:
+        """The attempt is going upstream now (``async_pre_call_deployment_hook``)."""
+        attempt.sent = True
+        attempt.started_at = datetime.now(UTC)
+        info = kwargs.get("model_info")
+        attempt.model_info = info if isinstance(info, dict) else {}  # the deployment's own dict: no copy
+        attempt.served = kwargs.get("model")
+
+    def success(self, kwargs: Mapping[str, Any], response: Any, start: Any, end: Any, ticket_id: str | None) -> None:
+        """``async_log_success_event``: the final success (a no-op when the pre-response record stored it)."""
+        found = self.ids.attempt_of(ticket_id)
+        if found is None:
+            meta = request_metadata(kwargs)
+            if meta is None:
+                return
+            state = self.ids.begin(meta)  # no pick ran (routing off): stamp the id so a replay maps to it
+            attempt = state.latest(backend=deployment_id(kwargs))
+            if attempt is None:
+                attempt, _ = self.ids.new_attempt(meta, str(kwargs.get("model") or ""), deployment_id(kwargs))
+        else:
+            state, attempt = found
+        if state.success_recorded and attempt.recorded:
+            return  # recorded before the response went out (same event id): nothing to add
+        state.success_recorded = True
+        self._record(kwargs, response, outcome="success", state=state, attempt=attempt, final=True,
+                     backend=deployment_id(kwargs) or attempt.backend, start=start, end=end)
+
+    def pre_response(self, data: Mapping[str, Any], response: Any, *, hidden: Any = None,
+                     streamed: bool = False) -> None:
+        """Record the final success before the proxy answers: ``async_post_call_success_hook`` (the response), or
+        the end of a stream (the chunk that carries ``usage``, ``hidden`` from the stream wrapper)."""
+        meta = request_metadata(data)
+        state = self.ids.state(meta)
+        if hidden is None:
+            hidden = getattr(response, "_hidden_params", None)
+        hidden = hidden if isinstance(hidden, Mapping) else {}
+        if not hidden.get("model_id"):
+            own = getattr(response, "_hidden_params", None)
+            hidden = {**(own if isinstance(own, Mapping) else {}), **hidden}
+        model_id = hidden.get("model_id")
+        if state is None or getattr(response, "usage", None) is None:
+            return
+        # the deployment that answered; without its id, the last attempt that went upstream is the one answering
+        attempt = state.latest(backend=str(model_id)) if model_id else next(
+            (a for a in reversed(state.attempts) if a.sent and a.backend), None)
+        if attempt is None or not attempt.sent:
+            return
+        model_id = model_id or attempt.backend
+        if self._record(_success_kwargs(data, meta, attempt, hidden, streamed), response, outcome="success",
+                        state=state, attempt=attempt, final=True, backend=str(model_id), end=datetime.now(UTC)):
+            self.before_response += 1
+        state.success_recorded = True
+
+    def attempt_failed(self, request_data: Mapping[str, Any], exception: BaseException, ticket_id: str | None) -> None:
+        """``async_post_call_failure_deployment_hook``: one failed upstream attempt, non-final."""
+        found = self.ids.attempt_of(ticket_id)
+        if found is None:
+            return
+        state, attempt = found
+        status, _, _ = self.events.exception_status(exception, backend_called=True)  # the per-attempt hook
+        kwargs = {**dict(request_data), "exception": exception}
+        self._record(kwargs, None, outcome=status, state=state, attempt=attempt, final=False,
+                     backend=deployment_id(request_data) or attempt.backend)
+
+    def superseded(self, ticket_id: str | None) -> None:
+        """A new pick arrived while the previous attempt had no outcome: record it once as a failed attempt."""
+        found = self.ids.attempt_of(ticket_id)
+        if found is None:
+            return
+        state, attempt = found
+        if attempt.sent and not attempt.recorded and attempt.backend:
+            kwargs = {"model": attempt.served or attempt.group, "model_info": attempt.model_info or {}}
+            self._record(kwargs, None, outcome="provider_failure", state=state, attempt=attempt, final=False,
+                         backend=attempt.backend)
+
+    def logged_failure(self, kwargs: Mapping[str, Any], exception: Any) -> None:
+        """``async_log_failure_event``: a router-level hop as ``no_route``, or an attempt nothing else recorded."""
+        meta = request_metadata(kwargs)
+        state = self.ids.state(meta)
+        status, _, _ = self.events.exception_status(exception)
+        slo = kwargs.get("standard_logging_object")
+        slo = slo if isinstance(slo, Mapping) else {}
+        group = str(slo.get("model_group") or kwargs.get("model") or "")
+        if status == "no_route":
+            if state is None:
+                if not isinstance(meta, dict):
+                    return
+                state = self.ids.begin(meta)
+            hop = state.latest(group=group, unrecorded=True, hop=True) if group else None
+            router_kwargs = {"model": group or "unknown", "litellm_params": {"metadata": meta},
+                             "exception": exception, "user": kwargs.get("user")}
+            self._record(router_kwargs, None, outcome="no_route", state=state, attempt=hop, final=False,
+                         backend=self.events.ROUTER_BACKEND, route_kind="direct",
+                         attempt_key=None if hop else f"no_route:{group}")
+            return
+        if state is None:
+            return
+        attempt = state.latest(backend=deployment_id(kwargs), unrecorded=True)
+        if attempt is not None and attempt.sent:
+            self._record({**kwargs, "exception": exception}, None, outcome=status, state=state, attempt=attempt,
+                         final=False, backend=attempt.backend)
+
+    def request_failed(self, data: Mapping[str, Any], exception: BaseException) -> None:
+        """``async_post_call_failure_hook`` (proxy): the request failed for the client -- its final outcome row."""
+        meta = request_metadata(data)
+        state = self.ids.state(meta)
+        status, _, _ = self.events.exception_status(exception)
+        if state is None:
+            if status != "no_route" or not isinstance(meta, dict):
+                return  # never routed (auth, validation): not usage
+            state = self.ids.begin(meta)
+        if state.outcome_recorded or state.success_recorded:
+            return
+        last = state.latest(unrecorded=False)
+        backend = last.backend if last is not None and last.backend else self.events.ROUTER_BACKEND
+        kwargs = {"model": str(data.get("model") or (last.group if last else "unknown")),
+                  "litellm_params": {"metadata": meta, "model_info": (last.model_info if last else None) or {}},
+                  "exception": exception, "user": data.get("user")}
+        if self._record(kwargs, None, outcome=status, state=state, attempt=None, final=True, backend=backend,
+                        attempt_key="outcome"):
+            state.outcome_recorded = True
+
+
+class RecorderCollector:
+    """Prometheus view of the recorder: events recorded / stored / dead-lettered, journal backlog, database up."""
+
+    def __init__(self, feed: BillingFeed) -> None:
+        self.feed = feed
+        self.recorder = feed.recorder
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        yield CounterMetricFamily("kvroute_billing_recorded_before_response",
+                                  "Successes journaled before the proxy answered", value=self.feed.before_response)
+        st = self.recorder.stats
+        for name, doc, value in (
+                ("kvroute_billing_events_recorded", "Usage events journaled on the request path", st.recorded),
+                ("kvroute_billing_events_inserted", "Usage events stored in the ledger (new rows)", st.inserted),
+                ("kvroute_billing_events_dead_lettered", "Usage events set aside in the dead-letter file",
+                 st.dead_lettered),
+                ("kvroute_billing_journal_errors", "Journal writes that failed (event kept in memory)",
+                 st.journal_errors)):
+            yield CounterMetricFamily(name, doc, value=value)
+        yield GaugeMetricFamily("kvroute_billing_journal_pending_bytes", "Journal bytes not yet in the ledger",
+                                value=self.recorder.journal.pending_bytes)
+        yield GaugeMetricFamily("kvroute_billing_db_up", "1 while the billing database is reachable",
+                                value=1.0 if self.recorder.db_available else 0.0)
+
+
+def _success_kwargs(data: Mapping[str, Any], meta: Any, attempt: Attempt, hidden: Mapping[str, Any],
+                    streamed: bool = False) -> dict:
+    """A success payload shaped like LiteLLM's logging kwargs, from the proxy's request data and hidden params."""
+    cost = hidden.get("response_cost")
+    slo = {"model_id": hidden.get("model_id"), "custom_llm_provider": hidden.get("custom_llm_provider"),
+           "model_group": data.get("model"), "response_cost": cost, "metadata": {},
+           "model": _served_model(attempt.served), "stream": streamed}
+    return {"litellm_params": {"metadata": meta if isinstance(meta, Mapping) else {},
+                               "model_info": attempt.model_info or {}},
+            "standard_logging_object": slo, "response_cost": cost, "user": data.get("user")}
+
+
+def _served_model(model: Any) -> str | None:
+    """``openai/fake-model`` → ``fake-model`` (how LiteLLM's logging payload names the served model)."""
+    if not isinstance(model, str) or not model:
+        return None
+    return model.split("/", 1)[1] if "/" in model else model
+
+
+def billing_target(settings: Any, *, in_proxy: bool) -> tuple[str, Path, Path] | None:
+    """(ledger URL, journal folder, dead-letter folder), or None when billing is off.
+
+    On by default in the proxy: an embedded SQLite ledger ``<data dir>/billing.db`` and ``<data dir>/journal``
+    (``KVROUTE_DATA_DIR``, default ``./.kvroute``); ``KVROUTE_BILLING_DB=off`` disables; ``KVROUTE_BILLING_DB``
+    names another database, ``KVROUTE_BILLING_SPOOL`` another journal folder. In the SDK, on only when asked
+    (``billing: true`` or a database).
+    """
+    from kvroute.billing.recorder import default_paths
+
+    db_setting = (settings.billing_db or "").strip()
+    if db_setting.lower() in ("off", "none", "false", "0", "disabled"):
+        return None
+    if not (in_proxy or settings.billing or db_setting):
+        return None
+    data = Path(settings.data_dir).expanduser()
+    default_db, default_journal = default_paths(data)
+    journal = Path(settings.billing_spool) if settings.billing_spool else default_journal
+    return db_setting or default_db, journal, data
+
+
+def _safe_url(url: str) -> str:
+    """The URL without its password (for the startup line)."""
+    try:
+        from sqlalchemy.engine import make_url
+
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        return url.split("@")[-1]

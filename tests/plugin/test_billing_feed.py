@@ -1,0 +1,122 @@
+"""Billing target (on by default in the proxy, ``off`` disables) and the per-key bound on app labels."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+
+from kvroute.plugin.billing_feed import billing_target
+from kvroute.plugin.litellm_hooks import KvrouteCallback
+from kvroute.plugin.metrics import Metrics
+from kvroute.plugin.settings import KvrouteSettings
+
+
+def test_on_by_default_in_the_proxy_off_disables(tmp_path: Path) -> None:
+    s = KvrouteSettings(data_dir=tmp_path / "d")
+    db, journal, dead = billing_target(s, in_proxy=True)  # type: ignore[misc]
+    assert db == f"sqlite:///{tmp_path / 'd' / 'billing.db'}" and journal == tmp_path / "d" / "journal"
+    assert dead == tmp_path / "d"
+    assert billing_target(s, in_proxy=False) is None  # the SDK records only when asked
+    assert billing_target(KvrouteSettings(billing_db="off"), in_proxy=True) is None
+    assert billing_target(KvrouteSettings(billing_db="OFF", billing=True), in_proxy=False) is None
+    pg = billing_target(KvrouteSettings(billing_db="postgresql+psycopg://u@h/db"), in_proxy=False)
+    assert pg is not None and pg[0] == "postgresql+psycopg://u@h/db"
+
+
+def _cb(**settings) -> KvrouteCallback:
+    return KvrouteCallback(KvrouteSettings(**settings), metrics=Metrics(CollectorRegistry()), mount=False)
+
+
+def test_app_comes_from_the_key_and_claims_only_where_the_key_allows() -> None:
+    cb = _cb()
+    keyed = {"user_api_key_hash": "h1", "user_api_key_alias": "acme", "app": "evil"}
+    assert cb._app(keyed, {}) == "acme"
+    trusting = {"user_api_key_hash": "h2", "user_api_key_alias": "reseller", "app": "sub-1",
+                "user_api_key_metadata": {"kvroute_trusted_apps": ["*"]}}
+    assert cb._app(trusting, {}) == "sub-1"
+    assert cb._app({"app": "sdk-app"}, {}) == "sdk-app"  # no key at all (SDK): the caller is the operator
+
+
+def test_label_cardinality_is_bounded_per_key() -> None:
+    cb = _cb(max_apps_per_key=3)
+    base = {"user_api_key_hash": "h", "user_api_key_alias": "r", "user_api_key_metadata": {"kvroute_trusted_apps": "*"}}
+    apps = [cb._app({**base, "app": f"junk{i}"}, {}) for i in range(60)]
+    assert apps[:3] == ["junk0", "junk1", "junk2"] and set(apps[3:]) == {"other"}
+    assert cb._app({**base, "user_api_key_hash": "h-other", "app": "fine"}, {}) == "fine"  # another key's budget
+
+
+class _Recorder:
+    """Collects events (the feed's boundary: what it hands to ``UsageRecorder.record``)."""
+
+    def __init__(self) -> None:
+        self.events: list = []
+
+    def record(self, event) -> None:
+        self.events.append(event)
+
+
+class _Exc(Exception):
+    def __init__(self, msg: str, status_code: int) -> None:
+        super().__init__(msg)
+        self.status_code = status_code
+
+
+class _Resp:
+    def __init__(self, model_id: str) -> None:
+        self.usage = {"prompt_tokens": 10, "completion_tokens": 3}
+        self.choices = [{"finish_reason": "stop"}]
+        self._hidden_params = {"model_id": model_id, "response_cost": 0.0001, "custom_llm_provider": "openai"}
+
+
+def test_attempt_lifecycle_each_outcome_once_with_its_own_status() -> None:
+    from kvroute.plugin.billing_feed import BillingFeed
+    from kvroute.plugin.request_ids import RequestIds
+
+    ids, rec = RequestIds(), _Recorder()
+    feed = BillingFeed(rec, ids)
+    top: dict = {"user_api_key_alias": "acme"}
+    data = {"model": "llama", "metadata": top, "user": "u1"}
+    ids.new_attempt(top, "llama", None)  # LiteLLM had no deployment for llama: a router-level hop
+    feed.logged_failure({"model": "llama", "litellm_params": {"metadata": top}},
+                        _Exc("No deployments available for selected model", 429))
+    m2 = dict(top)  # the fallback hop's copy
+    a2, t2 = ids.new_attempt(m2, "hosted", "h-0")
+    call2 = {"model": "openai/fake", "model_info": {"id": "h-0"}, "metadata": m2}
+    feed.attempt_started(a2, call2)
+    feed.attempt_failed(call2, _Exc("boom", 500), t2)
+    m3 = dict(m2)
+    a3, t3 = ids.new_attempt(m3, "hosted", "h-1")
+    call3 = {"model": "openai/fake", "model_info": {"id": "h-1"}, "metadata": m3}
+    feed.attempt_started(a3, call3)
+    feed.pre_response(data, _Resp("h-1"))
+    success_kwargs = {"litellm_params": {"metadata": m3, "model_info": {"id": "h-1"}}, "model": "fake",
+                      "standard_logging_object": {"model": "fake", "model_id": "h-1", "model_group": "hosted"}}
+    feed.success(success_kwargs, _Resp("h-1"), None, None, t3)
+    feed.success(success_kwargs, _Resp("h-1"), None, None, t3)  # a replayed callback
+    feed.request_failed(data, _Exc("late", 500))  # the request succeeded: no outcome row
+    by_id = {e.event_id: e for e in rec.events}
+    rows = sorted(by_id.values(), key=lambda e: e.attempt)
+    assert [(e.attempt, e.status, e.is_final, e.backend_id) for e in rows] == [
+        (1, "no_route", False, "router"), (2, "provider_failure", False, "h-0"), (3, "success", True, "h-1")]
+    assert rows[0].provider == "litellm-router" and rows[2].http_status is None  # not the earlier exception's
+    assert len({e.request_id for e in rows}) == 1 and {e.app_id for e in rows} == {"acme"}
+
+
+def test_a_failed_request_gets_one_final_outcome_row() -> None:
+    from kvroute.plugin.billing_feed import BillingFeed
+    from kvroute.plugin.request_ids import RequestIds
+
+    ids, rec = RequestIds(), _Recorder()
+    feed = BillingFeed(rec, ids)
+    meta: dict = {}
+    a1, t1 = ids.new_attempt(meta, "llama", "r-0")
+    call = {"model": "openai/fake", "model_info": {"id": "r-0"}, "metadata": meta}
+    feed.attempt_started(a1, call)
+    feed.attempt_failed(call, _Exc("boom", 500), t1)
+    feed.request_failed({"model": "llama", "metadata": meta}, _Exc("boom", 500))
+    feed.request_failed({"model": "llama", "metadata": meta}, _Exc("boom", 500))  # fired twice
+    assert [(e.status, e.is_final, e.attempt_key) for e in rec.events] == [
+        ("provider_failure", False, None), ("provider_failure", True, "outcome")]
+    assert feed.request_failed({"model": "llama", "metadata": {}}, _Exc("bad request", 400)) is None
+    assert len(rec.events) == 2  # never routed: not usage

@@ -1,0 +1,48 @@
+"""Server-owned request identity: ids kvroute wrote verify, client values of any type are dropped, attempts count."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvroute.plugin.request_ids import ATTEMPT_KEY, REQUEST_KEY, SIG_KEY, TICKET_KEY, RequestIds
+
+
+@pytest.mark.parametrize("junk", ["x", {"a": 1}, [1, 2], 10**30, None, "", 3])
+def test_client_values_are_dropped_and_replaced(junk: object) -> None:
+    ids = RequestIds()
+    meta = {ATTEMPT_KEY: junk, TICKET_KEY: junk, REQUEST_KEY: "evil", SIG_KEY: "0" * 24, "kvroute_trace": junk,
+            "app": "kept"}
+    attempt, ticket = ids.new_attempt(meta, "llama", None)
+    assert meta[REQUEST_KEY] != "evil" and len(meta[REQUEST_KEY]) == 32 and meta["app"] == "kept"
+    assert (attempt.number, meta[ATTEMPT_KEY], meta[TICKET_KEY], ticket) == (1, 1, f"{meta[REQUEST_KEY]}:1", ticket)
+    assert "kvroute_trace" not in meta and ids.ticket_of(meta) == ticket
+
+
+def test_attempts_count_per_request_even_across_metadata_copies() -> None:
+    ids = RequestIds()
+    meta: dict = {}
+    ids.new_attempt(meta, "llama", None)
+    hop = dict(meta)  # LiteLLM copies the metadata dict for a fallback hop
+    a2, t2 = ids.new_attempt(hop, "hosted", None)
+    assert a2.number == 2 and ids.request_of(hop) == ids.request_of(meta)
+    other: dict = {}
+    b1, _ = ids.new_attempt(other, "llama", None)
+    assert b1.number == 1 and ids.request_of(other) != ids.request_of(meta)  # distinct requests never merge
+    assert ids.attempt_of(t2) == (ids.requests[meta[REQUEST_KEY]], a2)
+
+
+def test_a_forged_ticket_for_another_request_is_not_honoured() -> None:
+    ids = RequestIds()
+    victim: dict = {}
+    _, victim_ticket = ids.new_attempt(victim, "llama", None)
+    attacker: dict = {}
+    ids.new_attempt(attacker, "llama", None)
+    attacker[TICKET_KEY] = victim_ticket
+    assert ids.ticket_of(attacker) is None
+    assert ids.request_of({REQUEST_KEY: victim[REQUEST_KEY], SIG_KEY: "f" * 24}) is None
+
+
+def test_another_process_cannot_vouch_for_an_id() -> None:
+    meta: dict = {}
+    RequestIds().new_attempt(meta, "llama", None)
+    assert RequestIds().request_of(meta) is None
