@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
 
@@ -32,7 +33,7 @@ def err(name: str, msg: str = "", module: str = "litellm.exceptions", status: in
 
 def chain(*links: BaseException) -> BaseException:
     """``chain(top, cause, root)``: each link raised from the next one, as LiteLLM wraps errors."""
-    for outer, inner in zip(links, links[1:], strict=False):
+    for outer, inner in itertools.pairwise(links):
         outer.__cause__ = inner
     return links[0]
 
