@@ -18,7 +18,7 @@ from collections import Counter
 import httpx
 import pytest
 from fuzz_requests import Case, generate
-from outcome_stack import kvroute_proxy, stack_config
+from outcome_stack import kvroute_proxy, plain_proxy, stack_config
 
 from kvroute.plugin.fake_engine import FakeEngineConfig, FakeEngineServer
 from kvroute.plugin.fleet import Fleet, ReplicaOptions
@@ -78,8 +78,8 @@ async def test_kvroute_changes_no_status_class_of_odd_requests():
         router = {"disable_cooldowns": True}
         ours = es.enter_context(kvroute_proxy(stack_config(replicas.api_bases, hosted.api_bases, router=router),
                                               breaker={}))
-        plain = es.enter_context(ProxyProcess(stack_config(replicas.api_bases, hosted.api_bases, kvroute=False,
-                                                           router=router), inherit_kvroute_env=False))
+        plain = es.enter_context(plain_proxy(stack_config(replicas.api_bases, hosted.api_bases, kvroute=False,
+                                                          router=router)))
         cases = generate(CASES, SEED)
         results: dict[int, tuple[int, int]] = {}
         gate = asyncio.Semaphore(CONCURRENCY)
