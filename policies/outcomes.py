@@ -12,10 +12,10 @@ Pure duck typing over the exception and its ``__cause__``/``__context__`` chain:
 | evidence in the chain (first that applies)                    | kind               | blames |
 |---------------------------------------------------------------|--------------------|--------|
 | ``CancelledError`` / client disconnect                        | cancelled          | no     |
-| ``RouterRateLimitError``, "No deployments available", budget  | router             | no     |
-| proxy-side errors (``ProxyException``, model not found, auth) | router             | no     |
-| transport error (connect/read/timeout/protocol) from httpx... | connect/timeout/…  | yes    |
+| ``RouterRateLimitError``, budget, proxy-side errors (auth...) | router             | no     |
 | an upstream HTTP answer (``HTTPStatusError``, openai status)  | by status          | 5xx/429/401-404/408 |
+| "No deployments available", "Invalid model name" (text only)  | router             | no     |
+| transport error (connect/read/timeout/protocol) from httpx... | connect/timeout/…  | yes    |
 | a plain Python error at the root (TypeError, ValueError, ...) | request_rejected   | no     |
 | otherwise: ``status_code`` and type words                     | by status/type     | as above |
 """
@@ -182,7 +182,14 @@ def classify(exc: BaseException | None, *, backend_called: bool | None = None,
 
     if any(w in n for n in names for w in _CANCEL_WORDS) or "client disconnected" in text:
         return verdict(FailureKind.CANCELLED, False)
-    if any(w in n for n in names for w in _ROUTER_WORDS) or any(t in text for t in _ROUTER_TEXT):
+    if any(w in n for n in names for w in _ROUTER_WORDS):
+        return verdict(FailureKind.ROUTER, False)
+    for link in links:  # the backend answered: its status decides, whatever its message says
+        answered = _answered_status(link)
+        if answered is not None:
+            kind, blamed = _by_status(answered, retry_after, mid_stream)
+            return verdict(kind, blamed, answered)
+    if any(t in text for t in _ROUTER_TEXT):
         return verdict(FailureKind.ROUTER, False)
     transport = [n for n in names if n not in _WRAPPERS]
     if any(w in n for n in transport for w in _TIMEOUT_WORDS):
@@ -194,11 +201,6 @@ def classify(exc: BaseException | None, *, backend_called: bool | None = None,
         return verdict(FailureKind.STREAM_CUT, True)
     if any(w in n for n in transport for w in _CONNECT_WORDS) or "connectionerror" in transport:
         return verdict(FailureKind.STREAM_CUT if mid_stream else FailureKind.CONNECT_ERROR, True)
-    for link in links:
-        answered = _answered_status(link)
-        if answered is not None:
-            kind, blamed = _by_status(answered, retry_after, mid_stream)
-            return verdict(kind, blamed, answered)
     root = links[-1]
     root_module = (type(root).__module__ or "").split(".")[0]
     if len(links) > 1 and root_module in _REJECT_MODULES and not any(w in names[-1] for w in _REJECT_EXEMPT):

@@ -76,6 +76,10 @@ CASES = [
     ("no deployments (cooldown)", err("RouterRateLimitError", "No deployments available for selected model, "
                                       "Try again in 5 seconds. Passed model=llama", "litellm.types.router", 429),
      FailureKind.ROUTER, False),
+    ("upstream 429 whose text says no deployments", chain(
+        err("RateLimitError", "No deployments available for selected model", status=429),
+        err("HTTPStatusError", "No deployments available", module="httpx", response=_Response(429))),
+     FailureKind.CAPACITY, True),
     ("budget exceeded", err("BudgetExceededError", "Budget has been exceeded", status=400), FailureKind.ROUTER,
      False),
     ("proxy auth", err("ProxyException", "Authentication Error, invalid key", "litellm.proxy._types", 401),
