@@ -45,6 +45,7 @@ class FakeEngineConfig:
     decode_s_per_token: float = 0.002
     slots: int = 4
     default_max_tokens: int = 16
+    max_tokens_limit: int = 4096  # larger requests get a 400 (one unbounded request once grew to 5 GB)
     metrics_style: str = "vllm"
 
     def __post_init__(self) -> None:
@@ -58,6 +59,8 @@ class FakeEngineConfig:
             raise ConfigError("decode_s_per_token", "must be >= 0")
         if self.slots <= 0:
             raise ConfigError("slots", "must be > 0")
+        if not 0 < self.default_max_tokens <= self.max_tokens_limit:
+            raise ConfigError("max_tokens_limit", "must be >= default_max_tokens > 0")
         if self.metrics_style not in ("vllm", "llamacpp"):
             raise ConfigError("metrics_style", "must be 'vllm' or 'llamacpp'")
 
@@ -179,8 +182,10 @@ class FakeEngine:
                 raise BadRequest("body must be a JSON object")
             prompt = render_chat(body.get("messages")) if chat else _prompt_text(body.get("prompt"))
             max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or self.config.default_max_tokens
-            if not isinstance(max_tokens, int) or max_tokens <= 0:
+            if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0:
                 raise BadRequest("max_tokens must be a positive integer")
+            if max_tokens > self.config.max_tokens_limit:
+                raise BadRequest(f"max_tokens must be <= {self.config.max_tokens_limit}")
         except (ValueError, BadRequest) as exc:
             await ex.send_json(400, {"error": {"message": str(exc), "type": "invalid_request_error"}})
             return

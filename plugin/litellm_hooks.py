@@ -31,7 +31,6 @@ from kvroute.plugin.signals import (
     HealthAdapter,
     breaker_config,
     cached_tokens_of,
-    classify_failure,
     completion_tokens_of,
     deployment_id,
     duration_s,
@@ -40,6 +39,7 @@ from kvroute.plugin.signals import (
     ttft_of,
 )
 from kvroute.policies import FingerprintConfig, PrefixIndexConfig, Router, RouterConfig
+from kvroute.policies.outcomes import Attribution, FailureKind, classify
 from kvroute.policies.registry import policy_names
 
 log = logging.getLogger("kvroute.plugin")
@@ -48,6 +48,7 @@ RID_KEY = TICKET_KEY  # the ticket id of the current attempt (kvroute.plugin.req
 __all__ = ["ATTEMPT_KEY", "RID_KEY", "KvrouteCallback", "get_callback"]
 MAX_TICKETS = 100_000
 MAX_REQUEST_STATES = 100_000  # requests whose attempts kvroute remembers (~0.3 KB each)
+MAX_SEEN_FAILURES = 1024
 
 
 @dataclass(slots=True)
@@ -91,6 +92,7 @@ class KvrouteCallback(CustomLogger):
         self.billing: BillingFeed | None = None
         self._apps_by_key: dict[str, set[str]] = {}
         self._failed: OrderedDict[str, list[str]] = OrderedDict()
+        self._seen_failures: OrderedDict[int, BaseException] = OrderedDict()  # judged by the per-attempt hook
         self._attached: dict[int, int] = {}
         self.precise: dict[str, Any] = {}
         self.scrapers: dict[str, Any] = {}
@@ -600,39 +602,73 @@ class KvrouteCallback(CustomLogger):
             log.debug("kvroute failure hook failed", exc_info=True)
             self._count_error("attempt_failure")
 
-    def on_attempt_failure(self, request_data: Mapping[str, Any], exception: BaseException) -> None:
+    def on_attempt_failure(self, request_data: Mapping[str, Any], exception: BaseException) -> Attribution:
+        """One attempt failed: release its pick and feed the breaker what ``outcomes.classify`` blames."""
+        self._remember_failure(exception)
         ticket = self._ticket(request_data, pop=True)
         backend_id = deployment_id(request_data) or (ticket.backend if ticket else None)
-        failure = classify_failure(exception)
+        verdict = classify(exception, backend_called=backend_id is not None,
+                           first_token=bool(ticket and ticket.first_token))
         if ticket is not None:
-            if failure.outcome == "cancelled":
+            if verdict.kind is FailureKind.CANCELLED:
                 ticket.router.on_cancel(ticket.rid)
             else:
-                ticket.router.on_failure(ticket.rid, before_prefill=failure.before_prefill)
-        if backend_id is not None:
-            if ticket is not None and failure.outcome not in ("cancelled", "client_error"):
-                base = ticket.rid.rsplit(":", 1)[0]
-                self._failed[base] = [*self._failed.get(base, ()), backend_id][-16:]
-                self._failed.move_to_end(base)
-                while len(self._failed) > 10_000:
-                    self._failed.popitem(last=False)
-            self.health.record(backend_id, failure.outcome, self.clock(), status=failure.status,
-                               retry_after_s=failure.retry_after_s, started_at=ticket.started if ticket else None)
-            self.metrics.failed(backend_id, failure.outcome)
+                ticket.router.on_failure(ticket.rid, before_prefill=verdict.before_prefill)
+        if backend_id is None:
+            return verdict
+        if ticket is not None and verdict.blames_backend:
+            base = ticket.rid.rsplit(":", 1)[0]
+            self._failed[base] = [*self._failed.get(base, ()), backend_id][-16:]
+            self._failed.move_to_end(base)
+            while len(self._failed) > 10_000:
+                self._failed.popitem(last=False)
+        # a neutral verdict still reaches the breaker: it hands a half-open probe token back without a verdict
+        self.health.record(backend_id, verdict.outcome.value, self.clock(), status=verdict.status,
+                           retry_after_s=verdict.retry_after_s, started_at=ticket.started if ticket else None)
+        self.metrics.failed(backend_id, verdict.outcome.value)
+        return verdict
+
+    def _remember_failure(self, exception: BaseException) -> None:
+        self._seen_failures[id(exception)] = exception  # held, so the id is not reused while remembered
+        while len(self._seen_failures) > MAX_SEEN_FAILURES:
+            self._seen_failures.popitem(last=False)
+
+    def _already_judged(self, exception: BaseException) -> bool:
+        link: BaseException | None = exception
+        for _ in range(12):
+            if link is None:
+                return False
+            if self._seen_failures.get(id(link)) is link:
+                return True
+            link = link.__cause__ or link.__context__
+        return False
 
     async def async_log_failure_event(self, kwargs: dict, response_obj: Any, start_time: Any, end_time: Any) -> None:
         try:
             exc = kwargs.get("exception")
             if self.billing is not None:
                 self.billing.logged_failure(kwargs, exc)
-            ticket = self._ticket(kwargs)
-            backend = deployment_id(kwargs)
-            # the per-attempt hook did not run for this attempt (bare SDK call, cancellation); a ticket of
-            # another attempt of the request (a retry already picked) is not this failure's
-            if ticket is not None and backend and ticket.backend == backend:
-                self.on_attempt_failure(kwargs, exc if isinstance(exc, BaseException) else RuntimeError(str(exc)))
+            self.on_request_failure(kwargs)
         except Exception:
             self._count_error("failure")
+
+    def on_request_failure(self, kwargs: Mapping[str, Any]) -> Attribution | None:
+        """LiteLLM's request-level failure event: judge it only when no per-attempt hook did (a bare SDK call,
+        a cancellation). Its metadata may already name a newer attempt (a fallback's pick runs before this
+        event), so only a verdict that blames a backend, or a cancellation, may touch that ticket."""
+        exc = kwargs.get("exception")
+        exc = exc if isinstance(exc, BaseException) else RuntimeError(str(exc))
+        if self._already_judged(exc):
+            return None
+        ticket = self._ticket(kwargs)
+        backend = deployment_id(kwargs)
+        if ticket is not None and backend and ticket.backend != backend:
+            ticket = None  # a ticket of another attempt of the request (a retry already picked) is not this one's
+        verdict = classify(exc, backend_called=ticket is not None and ticket.backend is not None,
+                           first_token=bool(ticket and ticket.first_token))
+        if ticket is not None and (verdict.blames_backend or verdict.kind is FailureKind.CANCELLED):
+            return self.on_attempt_failure(kwargs, exc)
+        return verdict
 
     async def log_success_fallback_event(self, original_model_group: str, kwargs: dict,
                                          original_exception: Exception) -> None:

@@ -1,4 +1,6 @@
-"""What LiteLLM payloads say about an attempt: cached tokens, TTFT, failure class; and the health board adapter.
+"""What LiteLLM payloads say about an attempt: cached tokens, TTFT; and the health board adapter.
+
+Whom a failure blames is decided in ``kvroute.policies.outcomes`` (``classify``).
 
 Cached tokens come from ``usage.prompt_tokens_details.cached_tokens`` (OpenAI/vLLM/SGLang; LiteLLM maps
 Anthropic ``cache_read_input_tokens`` there too), Anthropic's raw ``cache_read_input_tokens`` and llama.cpp's
@@ -9,13 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from kvroute.plugin.metrics import Metrics
 from kvroute.policies.errors import ConfigError
-from kvroute.policies.health import BreakerConfig, HealthBoard, Outcome, Transition, classify
+from kvroute.policies.health import BreakerConfig, HealthBoard, Transition
 
 
 def request_metadata(kwargs: Mapping[str, Any], create: bool = False) -> dict[str, Any] | None:
@@ -136,47 +137,6 @@ def ttft_of(kwargs: Mapping[str, Any], slo: Mapping[str, Any], start: Any, end: 
         return None
     value = first - began
     return value if 0 <= value < 3600 else None
-
-
-@dataclass(frozen=True, slots=True)
-class Failure:
-    """One failed attempt, classified for the breaker and the index."""
-
-    outcome: str
-    status: int | None
-    retry_after_s: float | None
-    before_prefill: bool
-
-
-def _retry_after(exc: BaseException) -> float | None:
-    for holder in (getattr(exc, "response", None), exc):
-        headers = getattr(holder, "headers", None)
-        if headers is None:
-            continue
-        try:
-            value = headers.get("retry-after") or headers.get("Retry-After")
-        except Exception:
-            value = None
-        if value is not None:
-            try:
-                return max(0.0, float(value))
-            except (TypeError, ValueError):
-                return None
-    return None
-
-
-def classify_failure(exc: BaseException | None) -> Failure:
-    """Classify an attempt's exception (LiteLLM/OpenAI errors carry ``status_code``)."""
-    if exc is None:
-        return Failure(Outcome.PROVIDER_FAILURE.value, None, None, True)
-    status = _int(getattr(exc, "status_code", None))
-    retry_after = _retry_after(exc)
-    text = f"{type(exc).__name__} {str(exc)[:200]}".lower()
-    mid_stream = "midstream" in text.replace("-", "").replace(" ", "") or "incomplete chunked read" in text
-    outcome = classify(status, type(exc), mid_stream=mid_stream, retry_after_s=retry_after)
-    if outcome is Outcome.PROVIDER_FAILURE and status is None and ("cancel" in text or "disconnect" in text):
-        outcome = Outcome.CANCELLED
-    return Failure(outcome.value, status, retry_after, before_prefill=not mid_stream)
 
 
 def breaker_config(knobs: Mapping[str, Any], where: str = "kvroute.breaker") -> BreakerConfig:

@@ -9,8 +9,9 @@ import httpx
 import litellm
 import pytest
 
-from kvroute.plugin.signals import breaker_config, cached_tokens_of, classify_failure, ttft_of
+from kvroute.plugin.signals import breaker_config, cached_tokens_of, ttft_of
 from kvroute.policies.errors import ConfigError
+from kvroute.policies.outcomes import classify
 
 
 def test_cached_tokens_openai_anthropic_llamacpp_shapes():
@@ -57,28 +58,44 @@ def _status_error(status: int, retry_after: str | None = None) -> Exception:
     return exc
 
 
-@pytest.mark.parametrize(("status", "retry_after", "outcome"), [
-    (500, None, "provider_failure"),
-    (429, "7", "capacity"),
-    (401, None, "config_failure"),
-    (400, None, "client_error"),
+@pytest.mark.parametrize(("status", "retry_after", "outcome", "blames"), [
+    (500, None, "provider_failure", True),
+    (429, "7", "capacity", True),
+    (401, None, "config_failure", True),
+    (400, None, "client_error", False),
 ])
-def test_classify_litellm_exceptions(status, retry_after, outcome):
-    f = classify_failure(_status_error(status, retry_after))
-    assert f.outcome == outcome and f.status == status
+def test_classify_litellm_exceptions(status, retry_after, outcome, blames):
+    f = classify(_status_error(status, retry_after), backend_called=True)
+    assert f.outcome == outcome and f.status == status and f.blames_backend is blames
     if retry_after:
         assert f.retry_after_s == 7.0
 
 
-def test_classify_connection_errors_and_cancellation():
-    assert classify_failure(litellm.exceptions.APIConnectionError(message="Connection error.", llm_provider="openai",
-                                                                  model="m")).outcome == "provider_failure"
-    assert classify_failure(litellm.exceptions.Timeout(message="t", model="m", llm_provider="openai")).outcome \
-        == "provider_failure"
+def test_classify_real_litellm_connection_router_and_precall_errors():
     import asyncio
 
-    assert classify_failure(asyncio.CancelledError()).outcome == "cancelled"
-    assert classify_failure(None).outcome == "provider_failure"
+    assert classify(litellm.exceptions.APIConnectionError(message="Connection error.", llm_provider="openai",
+                                                          model="m")).outcome == "provider_failure"
+    assert classify(litellm.exceptions.Timeout(message="t", model="m", llm_provider="openai")).outcome \
+        == "provider_failure"
+    assert classify(asyncio.CancelledError()).outcome == "cancelled"
+    assert classify(None).outcome == "provider_failure"
+    from litellm.types.router import RouterRateLimitError
+
+    no_deployments = RouterRateLimitError(model="llama", cooldown_time=5, enable_pre_call_checks=False,
+                                          cooldown_list=[])
+    assert not classify(no_deployments, backend_called=True).blames_backend
+    try:
+        try:
+            iter(5)  # type: ignore[call-overload]
+        except TypeError as inner:
+            raise litellm.exceptions.APIConnectionError(message=str(inner), llm_provider="openai",
+                                                        model="m") from inner
+    except litellm.exceptions.APIConnectionError as pre_call:
+        verdict = classify(pre_call, backend_called=True)
+    assert verdict.kind == "request_rejected" and not verdict.blames_backend
+    budget = litellm.BudgetExceededError(current_cost=2.0, max_budget=1.0)
+    assert not classify(budget, backend_called=True).blames_backend
 
 
 def test_breaker_config_errors_name_the_key():

@@ -1,0 +1,221 @@
+"""Whom a failed attempt blames: an exception → ``Attribution`` (the backend or nobody, and what kind of failure).
+
+One classifier read by the hook, the breaker and the ledger. A backend is blamed only when it was called and
+failed for a reason of its own: a connect error, its 5xx, a timeout or slow first token, a stream it cut, its
+429 (capacity) or its 401/402/403/404 (its configuration). Router-level errors (no deployments, cooldown,
+budget, auth at the proxy), requests rejected before any upstream call (LiteLLM's own validation, surfaced as
+``APIConnectionError`` over a ``TypeError``), 4xx caused by the request and client disconnects blame nobody.
+
+Pure duck typing over the exception and its ``__cause__``/``__context__`` chain: class names, ``status_code``,
+``response.status_code`` and ``headers``; no LiteLLM import.
+
+| evidence in the chain (first that applies)                    | kind               | blames |
+|---------------------------------------------------------------|--------------------|--------|
+| ``CancelledError`` / client disconnect                        | cancelled          | no     |
+| ``RouterRateLimitError``, budget, proxy-side errors (auth...) | router             | no     |
+| an upstream HTTP answer (``HTTPStatusError``, openai status)  | by status          | 5xx/429/401-404/408 |
+| "No deployments available", "Invalid model name" (text only)  | router             | no     |
+| transport error (connect/read/timeout/protocol) from httpx... | connect/timeout/…  | yes    |
+| a plain Python error at the root (TypeError, ValueError, ...) | request_rejected   | no     |
+| otherwise: ``status_code`` and type words                     | by status/type     | as above |
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from kvroute.policies.health import Outcome
+from kvroute.policies.health import classify as classify_status
+
+
+class FailureKind(StrEnum):
+    """What went wrong with one attempt; the first seven blame the backend, the rest blame nobody."""
+
+    CONNECT_ERROR = "connect_error"
+    TIMEOUT = "timeout"
+    SLOW_FIRST_TOKEN = "slow_first_token"
+    STREAM_CUT = "stream_cut"
+    BACKEND_ERROR = "backend_error"
+    CAPACITY = "capacity"
+    BACKEND_CONFIG = "backend_config"
+    REQUEST_INVALID = "request_invalid"
+    REQUEST_REJECTED = "request_rejected"
+    ROUTER = "router"
+    CANCELLED = "cancelled"
+
+
+BLAMING = frozenset({FailureKind.CONNECT_ERROR, FailureKind.TIMEOUT, FailureKind.SLOW_FIRST_TOKEN,
+                     FailureKind.STREAM_CUT, FailureKind.BACKEND_ERROR, FailureKind.CAPACITY,
+                     FailureKind.BACKEND_CONFIG})
+
+_BREAKER_OUTCOME = {
+    FailureKind.CAPACITY: Outcome.CAPACITY,
+    FailureKind.BACKEND_CONFIG: Outcome.CONFIG_FAILURE,
+    FailureKind.CANCELLED: Outcome.CANCELLED,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Attribution:
+    """The verdict on one failed attempt. ``outcome`` is what the breaker records (neutral when nobody is blamed);
+    ``before_prefill`` is False only when the backend had started answering (a cut stream)."""
+
+    kind: FailureKind
+    blames_backend: bool
+    status: int | None = None
+    retry_after_s: float | None = None
+    before_prefill: bool = True
+
+    @property
+    def outcome(self) -> Outcome:
+        if self.blames_backend:
+            return _BREAKER_OUTCOME.get(self.kind, Outcome.PROVIDER_FAILURE)
+        return Outcome.CANCELLED if self.kind is FailureKind.CANCELLED else Outcome.CLIENT_ERROR
+
+
+def _norm(text: str) -> str:
+    return "".join(ch for ch in text.lower() if ch.isalnum())
+
+
+_CANCEL_WORDS = ("cancellederror", "clientdisconnect", "requestaborted", "clientdisconnected")
+_ROUTER_WORDS = ("routerratelimiterror", "budgetexceeded", "proxyexception", "proxymodelnotfound",
+                 "rejectedrequest", "nodeploymentsavailable", "invalidmodelname")
+_ROUTER_TEXT = ("no deployments available", "all deployments for selected model are in cooldown",
+                "budget exceeded", "exceeded budget", "invalid model name passed")
+_TIMEOUT_WORDS = ("timeout", "timedout")
+_CUT_WORDS = ("remoteprotocolerror", "incompleteread", "clientpayloaderror", "chunkedencodingerror", "midstream")
+_CONNECT_WORDS = ("connecterror", "clientconnectorerror", "connectionrefused", "clientoserror", "networkerror",
+                  "transporterror", "serverdisconnected", "protocolerror", "readerror", "writeerror",
+                  "connectionreset", "brokenpipe")
+_WRAPPERS = ("apiconnectionerror", "apierror", "internalservererror", "serviceunavailableerror")  # LiteLLM/openai
+_REJECT_MODULES = ("builtins", "json", "orjson", "pydantic", "pydantic_core", "jsonschema", "jinja2")
+_REJECT_EXEMPT = ("oserror", "connection", "timeout", "brokenpipe", "cancelled", "eoferror")
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen and len(seen) < 12:
+        seen.add(id(link))
+        yield link
+        link = link.__cause__ or link.__context__
+
+
+def _int(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    try:
+        return int(value) if value is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _answered_status(link: BaseException) -> int | None:
+    """The HTTP status of an upstream answer this link carries (httpx ``HTTPStatusError``, openai status errors)."""
+    name = type(link).__name__
+    module = type(link).__module__ or ""
+    response = getattr(link, "response", None)
+    if name == "HTTPStatusError" or (module.startswith("openai") and getattr(link, "status_code", None)):
+        return _int(getattr(link, "status_code", None)) or _int(getattr(response, "status_code", None))
+    return None
+
+
+def retry_after_of(exc: BaseException) -> float | None:
+    """Seconds from a ``Retry-After`` header anywhere in the chain (None when absent or not a number)."""
+    for link in _chain(exc):
+        for holder in (getattr(link, "response", None), link):
+            headers = getattr(holder, "headers", None)
+            if headers is None:
+                continue
+            try:
+                value = headers.get("retry-after") or headers.get("Retry-After")
+            except Exception:
+                continue
+            if value is None:
+                continue
+            try:
+                seconds = float(value)
+            except (TypeError, ValueError):
+                return None
+            return max(0.0, seconds) if math.isfinite(seconds) else None
+    return None
+
+
+def _by_status(status: int, retry_after: float | None, mid_stream: bool) -> tuple[FailureKind, bool]:
+    if status == 429 or (status == 503 and retry_after is not None):
+        return FailureKind.CAPACITY, True
+    if status in (401, 402, 403, 404):
+        return FailureKind.BACKEND_CONFIG, True
+    if status == 408:
+        return FailureKind.TIMEOUT, True
+    if status == 499:
+        return FailureKind.CANCELLED, False
+    if 400 <= status < 500:
+        return FailureKind.REQUEST_INVALID, False
+    if status >= 500:
+        return (FailureKind.STREAM_CUT if mid_stream else FailureKind.BACKEND_ERROR), True
+    return FailureKind.BACKEND_ERROR, True
+
+
+def classify(exc: BaseException | None, *, backend_called: bool | None = None,
+             first_token: bool = False) -> Attribution:
+    """Attribute one failed attempt. ``backend_called=False`` (known not sent) never blames a backend;
+    ``first_token``: the backend had already streamed a token (a timeout then is a cut, not a slow start)."""
+    if exc is None:
+        return Attribution(FailureKind.BACKEND_ERROR, backend_called is not False)
+    links = list(_chain(exc))
+    names = [_norm(type(link).__name__) for link in links]
+    text = " ".join(str(link)[:300].lower() for link in links)
+    flat = _norm(text)
+    status = _int(getattr(exc, "status_code", None))
+    retry_after = retry_after_of(exc)
+    mid_stream = first_token or "midstream" in flat or "incomplete chunked read" in text
+
+    def verdict(kind: FailureKind, blamed: bool, code: int | None = status) -> Attribution:
+        blamed = blamed and backend_called is not False
+        cut = blamed and (mid_stream or kind is FailureKind.STREAM_CUT)
+        return Attribution(kind, blamed, code, retry_after if blamed else None, before_prefill=not cut)
+
+    if any(w in n for n in names for w in _CANCEL_WORDS) or "client disconnected" in text:
+        return verdict(FailureKind.CANCELLED, False)
+    if any(w in n for n in names for w in _ROUTER_WORDS):
+        return verdict(FailureKind.ROUTER, False)
+    for link in links:  # the backend answered: its status decides, whatever its message says
+        answered = _answered_status(link)
+        if answered is not None:
+            kind, blamed = _by_status(answered, retry_after, mid_stream)
+            return verdict(kind, blamed, answered)
+    if any(t in text for t in _ROUTER_TEXT):
+        return verdict(FailureKind.ROUTER, False)
+    transport = [n for n in names if n not in _WRAPPERS]
+    if any(w in n for n in transport for w in _TIMEOUT_WORDS):
+        if mid_stream:
+            return verdict(FailureKind.STREAM_CUT, True)
+        slow = any("readtimeout" in n for n in transport)
+        return verdict(FailureKind.SLOW_FIRST_TOKEN if slow else FailureKind.TIMEOUT, True)
+    if any(w in n for n in transport for w in _CUT_WORDS):
+        return verdict(FailureKind.STREAM_CUT, True)
+    if any(w in n for n in transport for w in _CONNECT_WORDS) or "connectionerror" in transport:
+        return verdict(FailureKind.STREAM_CUT if mid_stream else FailureKind.CONNECT_ERROR, True)
+    root = links[-1]
+    root_module = (type(root).__module__ or "").split(".")[0]
+    if len(links) > 1 and root_module in _REJECT_MODULES and not any(w in names[-1] for w in _REJECT_EXEMPT):
+        return verdict(FailureKind.REQUEST_REJECTED, False)  # LiteLLM failed on the request before sending it
+    if status is not None:
+        if status == 400 and any("apiconnectionerror" in n for n in names):
+            return verdict(FailureKind.REQUEST_REJECTED, False)  # LiteLLM's own input validation
+        kind, blamed = _by_status(status, retry_after, mid_stream)
+        if kind in (FailureKind.BACKEND_ERROR, FailureKind.REQUEST_INVALID):
+            typed = classify_status(None, type(exc), mid_stream=mid_stream)
+            if typed is Outcome.CAPACITY:
+                kind, blamed = FailureKind.CAPACITY, True
+        return verdict(kind, blamed)
+    typed = classify_status(None, type(exc), mid_stream=mid_stream)
+    kind = {Outcome.CAPACITY: FailureKind.CAPACITY, Outcome.CONFIG_FAILURE: FailureKind.BACKEND_CONFIG,
+            Outcome.CLIENT_ERROR: FailureKind.REQUEST_INVALID, Outcome.CANCELLED: FailureKind.CANCELLED}.get(
+        typed, FailureKind.STREAM_CUT if mid_stream else FailureKind.BACKEND_ERROR)
+    return verdict(kind, kind in BLAMING)
