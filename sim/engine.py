@@ -164,6 +164,15 @@ def simulate(workload: Workload, policy: Policy | str, fleet: FleetConfig,
                 for rep in replicas:
                     router.observe(rep.name, ExternalSignal(at=now, queue_depth=len(rep.waiting),
                                                             running=len(rep.admitted), kv_usage=rep.kv_usage()))
+            live = Live(x, rid, spec.prompt_tokens, max(1, spec.output_tokens), spec.keys, now)
+            lives[x] = live
+            if spec.prompt_tokens + spec.output_tokens > max_tokens:
+                # over the context window: rejected before routing (LiteLLM's pre-call context check), so
+                # no policy's index records a prompt no engine will run
+                dropped += 1
+                live.done_at = now
+                release_successors(x, now)
+                continue
             tags = {} if spec.cache_prefix_blocks is None else {"cache_prefix_blocks": str(spec.cache_prefix_blocks)}
             request = RoutingRequest(model="sim", keys=spec.keys, block_tokens=bt, prompt_tokens=spec.prompt_tokens,
                                      session_key=spec.session, app=spec.app, request_id=rid, tags=tags,
@@ -171,9 +180,7 @@ def simulate(workload: Workload, policy: Policy | str, fleet: FleetConfig,
             decision = router.pick(request, names, policy=policy)
             reasons[decision.reason] += 1
             routed += 1
-            live = Live(x, rid, spec.prompt_tokens, max(1, spec.output_tokens), spec.keys, now)
-            lives[x] = live
-            if spec.prompt_tokens + spec.output_tokens > max_tokens or decision.backend is None:
+            if decision.backend is None:
                 dropped += 1
                 router.on_failure(rid)
                 if done_hook is not None:

@@ -131,6 +131,21 @@ class Replica:
                 break
         return n
 
+    def queued_prefill_s(self) -> float:
+        """Exact seconds of prefill ahead of a new arrival: running prefills' rest + the waiting queue's misses."""
+        cost, bt = self.cost, self.block_tokens
+        total = 0.0
+        for r in self.prefilling.values():
+            left = r.target - r.computed
+            total += left / cost.prefill_tok_s + cost.chunk_attention(r.computed, left)
+        for r in self.waiting:
+            hit = min(self.cached_blocks(r.keys) * bt, r.prompt - 1)
+            left = r.prompt - hit
+            total += left / cost.prefill_tok_s + cost.chunk_attention(hit, left)
+        steps = -(-int(sum(r.target - r.computed for r in self.prefilling.values())
+                       + sum(r.prompt for r in self.waiting)) // cost.chunk_tokens)
+        return total + steps * (cost.step_overhead_s + cost.decode_s_per_seq * self.dec_n)
+
     def queued_prefill_tokens(self) -> int:
         """Prompt tokens still to compute: running prefills plus the whole waiting queue (exact state)."""
         total = sum(r.target - r.computed for r in self.prefilling.values())

@@ -1,0 +1,108 @@
+"""Scorers of ``cache_aware``: each returns predicted seconds for one backend and knows nothing of the others.
+
+Every scorer reads one ``Candidate`` (what the router knows about one backend for this request) and the
+``EngineSpeed`` prior; the policy adds them up with weights and a picker chooses. Seconds from the prior
+are multiplied by the backend's learned factor (observed / predicted time to first token).
+
+| scorer | predicts | from |
+|---|---|---|
+| ``queue_wait`` | prefill work queued ahead on the backend | router's outstanding work, engine queue depth |
+| ``slot_wait`` | waiting for a free sequence slot | running requests over ``slots`` × learned decode time |
+| ``own_prefill`` | this request's uncached prefill, decode steps sharing it | index match, running decoders |
+| ``kv_pressure`` | admission delay when the new blocks do not fit the free KV | engine KV usage (scraped) |
+| ``eviction`` | what the copy costs others: cache it evicts, recomputed later | index residency vs capacity |
+| ``delay_to_others`` | what its prefill costs the requests queued behind it | own prefill × requests waiting there |
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvroute.policies.load import BackendLoad
+from kvroute.policies.speed import EngineSpeed
+
+
+@dataclass(slots=True)
+class Candidate:
+    """One backend as the scorers see it for one request (tokens are prompt tokens)."""
+
+    backend: str
+    prompt: int
+    matched: int
+    view: BackendLoad
+    factor: float
+    work_s: float
+    queued: int
+    decode_s: float
+    resident_tokens: float
+    capacity_tokens: float
+
+    @property
+    def uncached(self) -> int:
+        return self.prompt - self.matched
+
+
+Scorer = Callable[[Candidate, EngineSpeed], float]
+
+
+def queue_wait(c: Candidate, speed: EngineSpeed) -> float:
+    """Prefill queued ahead: the router's outstanding work, or the engine's reported queue if larger."""
+    queued = c.work_s
+    if c.view.queue_tokens > 0:
+        queued = max(queued, c.view.queue_tokens / speed.prefill_tok_s)
+    return c.factor * queued
+
+
+def slot_wait(c: Candidate, speed: EngineSpeed) -> float:
+    """Real seconds until a sequence slot frees when every slot is taken (learned decode duration)."""
+    busy = max(c.view.inflight, c.view.running)
+    if busy < speed.slots:
+        return 0.0
+    return (busy - speed.slots + 1) / speed.slots * c.decode_s
+
+
+def own_prefill(c: Candidate, speed: EngineSpeed) -> float:
+    """This request's uncached prefill, with the running decoders that share each of its steps."""
+    u = c.uncached
+    steps = math.ceil(max(1, u) / speed.chunk_tokens)
+    return c.factor * (speed.prefill_s(u, c.matched) + steps * c.view.running * speed.decode_s_per_seq)
+
+
+def kv_pressure(c: Candidate, speed: EngineSpeed) -> float:
+    """Real seconds of admission delay when the new blocks do not fit the KV left free by running requests:
+    one request has to finish first (learned decode duration). Zero while they fit."""
+    if c.capacity_tokens <= 0 or c.view.kv_usage <= 0:
+        return 0.0
+    free = (1.0 - c.view.kv_usage) * c.capacity_tokens
+    return c.decode_s if c.uncached > free else 0.0
+
+
+def eviction(c: Candidate, speed: EngineSpeed) -> float:
+    """Seconds others pay later for the cache this request's new blocks evict on a full backend."""
+    if c.capacity_tokens <= 0:
+        return 0.0
+    evicted = c.uncached - max(0.0, c.capacity_tokens - c.resident_tokens)
+    if evicted <= 0:
+        return 0.0
+    return c.factor * speed.prefill_s(evicted)
+
+
+def delay_to_others(c: Candidate, speed: EngineSpeed) -> float:
+    """Seconds this request's own prefill adds to the requests that will queue behind it (about as many as
+    wait there now): under saturation a cache miss slows everyone, not only itself."""
+    if c.queued <= 0:
+        return 0.0
+    return c.queued * own_prefill(c, speed)
+
+
+#: scorer names as config knobs use them (``<name>_weight``)
+SCORERS: dict[str, Scorer] = {
+    "queue": queue_wait,
+    "slot": slot_wait,
+    "prefill": own_prefill,
+    "kv": kv_pressure,
+    "evict": eviction,
+    "others": delay_to_others,
+}
