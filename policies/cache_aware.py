@@ -1,6 +1,6 @@
 """``cache_aware`` (the default): the backend with the lowest predicted time to first token.
 
-- routes on: predicted TTFT in seconds (queue, own prefill, KV, evictions, delay to others)
+- routes on: predicted TTFT in seconds (queue, own prefill, KV, evictions, duplicate work)
 - use it when: self-hosted replicas with prefix reuse (chat, RAG, agents, long contexts)
 - cost: one index match and six scorers per backend
 
@@ -38,7 +38,7 @@ class CacheAwareConfig:
     others_weight: float = 1.0
     epsilon: float = 0.5
     busy_floor_s: float = 2.0
-    sticky_fraction: float = 0.5
+    bound_cost_s: float = 0.5
     tie_s: float = 0.005
     tie_fraction: float = 0.05
     max_scores: int = 8
@@ -51,7 +51,7 @@ class CacheAwareConfig:
 
     def __post_init__(self) -> None:
         for name in ("min_prefix_tokens", "queue_weight", "slot_weight", "prefill_weight", "kv_weight",
-                     "evict_weight", "others_weight", "epsilon", "busy_floor_s", "sticky_fraction", "tie_s",
+                     "evict_weight", "others_weight", "epsilon", "busy_floor_s", "bound_cost_s", "tie_s",
                      "tie_fraction"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
@@ -90,20 +90,28 @@ class CacheAware:
         costs: dict[str, float] = {}
         cands: dict[str, Candidate] = {}
         scorers = self.scorers
+        matched: dict[str, int] = {}
         for b in candidates:
             m = min(prompt - 1, int(matches.get(b, 0) * bt)) if prompt > 0 else 0
-            c = Candidate(b, prompt, max(0, m), load.view(b, now), load.factor(b), load.work_s(b), load.queued(b),
+            matched[b] = max(0, m)
+        best_matched = max(matched.values())
+        pressure = sum(load.queued(b) for b in candidates) / len(candidates)
+        for b in candidates:
+            c = Candidate(b, prompt, matched[b], load.view(b, now), load.factor(b), load.work_s(b), load.queued(b),
                           load.decode_s(b), index.blocks(b) * bt,
-                          capacity_of(b) * bt if capacity_of is not None else 0.0)
+                          capacity_of(b) * bt if capacity_of is not None else 0.0, best_matched, pressure)
             cands[b] = c
             costs[b] = sum(w * f(c, speed) for f, w in scorers)
         top_holder = max(c.matched for c in cands.values())
-        # Hot-spot bound (busy seconds): it places new and weakly-warm work; a session whose context is
-        # mostly cached somewhere is never pushed off by it (moving would recompute that whole context).
-        allowed: Sequence[str] = candidates
-        if top_holder < cfg.sticky_fraction * prompt:
-            allowed = bounded_busy(candidates, load, cfg.epsilon, cfg.busy_floor_s, now)
-            costs = {b: costs[b] for b in allowed}
+        # Hot-spot bound (busy seconds): over-bound backends are left out unless that costs this request
+        # more than ``bound_cost_s`` (a session whose long context is cached there stays: moving it would
+        # recompute that whole context; new or short work spreads).
+        allowed = bounded_busy(candidates, load, cfg.epsilon, cfg.busy_floor_s, now)
+        if len(allowed) < len(costs):
+            inside = {b: costs[b] for b in allowed}
+            if min(inside.values()) - min(costs.values()) <= cfg.bound_cost_s:
+                costs = inside
+        allowed = list(costs)
         best_cost = min(costs.values())
         band = max(cfg.tie_s, cfg.tie_fraction * best_cost)
         near = [b for b in allowed if costs[b] <= best_cost + band]

@@ -11,7 +11,7 @@ are multiplied by the backend's learned factor (observed / predicted time to fir
 | ``own_prefill`` | this request's uncached prefill, decode steps sharing it | index match, running decoders |
 | ``kv_pressure`` | admission delay when the new blocks do not fit the free KV | engine KV usage (scraped) |
 | ``eviction`` | what the copy costs others: cache it evicts, recomputed later | index residency vs capacity |
-| ``delay_to_others`` | what its prefill costs the requests queued behind it | own prefill × requests waiting there |
+| ``duplicate_work`` | what recomputing a held prefix costs the requests queued behind | extra prefill × fleet queue |
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ class Candidate:
     decode_s: float
     resident_tokens: float
     capacity_tokens: float
+    best_matched: int = 0  # longest cached prefix any candidate holds (request-level)
+    pressure: float = 0.0  # requests waiting for a first token, mean per backend (fleet-level)
 
     @property
     def uncached(self) -> int:
@@ -89,12 +91,14 @@ def eviction(c: Candidate, speed: EngineSpeed) -> float:
     return c.factor * speed.prefill_s(evicted)
 
 
-def delay_to_others(c: Candidate, speed: EngineSpeed) -> float:
-    """Seconds this request's own prefill adds to the requests that will queue behind it (about as many as
-    wait there now): under saturation a cache miss slows everyone, not only itself."""
-    if c.queued <= 0:
+def duplicate_work(c: Candidate, speed: EngineSpeed) -> float:
+    """Prefill work this pick adds over the best holder's (recomputing a prefix the fleet already has),
+    times the fleet's queue pressure: under load every extra second of work delays the requests queued
+    behind it; on an idle fleet it is free."""
+    if c.pressure <= 0 or c.matched >= c.best_matched:
         return 0.0
-    return c.queued * own_prefill(c, speed)
+    extra = speed.prefill_s(c.uncached, c.matched) - speed.prefill_s(c.prompt - c.best_matched, c.best_matched)
+    return c.factor * c.pressure * max(0.0, extra)
 
 
 #: scorer names as config knobs use them (``<name>_weight``)
@@ -104,5 +108,5 @@ SCORERS: dict[str, Scorer] = {
     "prefill": own_prefill,
     "kv": kv_pressure,
     "evict": eviction,
-    "others": delay_to_others,
+    "others": duplicate_work,
 }
