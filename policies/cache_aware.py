@@ -21,7 +21,7 @@ from kvroute.policies.base import RoutingState, least_load_decision
 from kvroute.policies.decision import Decision
 from kvroute.policies.filters import bounded_busy
 from kvroute.policies.request import RoutingRequest
-from kvroute.policies.scorers import SCORERS, Candidate, own_prefill, slot_wait
+from kvroute.policies.scorers import FLEET_SCORERS, SCORERS, Candidate, own_prefill, slot_wait
 from kvroute.policies.speed import EngineSpeed
 
 
@@ -71,7 +71,8 @@ class CacheAware:
         self.speed = cfg.speed
         weights = {"queue": cfg.queue_weight, "slot": cfg.slot_weight, "prefill": cfg.prefill_weight,
                    "kv": cfg.kv_weight, "evict": cfg.evict_weight, "others": cfg.others_weight}
-        self.scorers = [(SCORERS[n], w) for n, w in weights.items() if w > 0]
+        self.scorers = [(SCORERS[n], w) for n, w in weights.items() if w > 0 and n not in FLEET_SCORERS]
+        self.fleet_scorers = [(SCORERS[n], w) for n, w in weights.items() if w > 0 and n in FLEET_SCORERS]
 
     def select(
         self, request: RoutingRequest, candidates: Sequence[str], state: RoutingState, now: float
@@ -89,28 +90,27 @@ class CacheAware:
         capacity_of = getattr(index, "capacity_blocks", None)
         costs: dict[str, float] = {}
         cands: dict[str, Candidate] = {}
-        scorers = self.scorers
+        scorers, fleet = self.scorers, self.fleet_scorers
+        ttft: dict[str, float] = {}
         matched: dict[str, int] = {}
         for b in candidates:
             m = min(prompt - 1, int(matches.get(b, 0) * bt)) if prompt > 0 else 0
             matched[b] = max(0, m)
         best_matched = max(matched.values())
-        pressure = sum(load.queued(b) for b in candidates) / len(candidates)
         for b in candidates:
             c = Candidate(b, prompt, matched[b], load.view(b, now), load.factor(b), load.work_s(b), load.queued(b),
                           load.decode_s(b), index.blocks(b) * bt,
-                          capacity_of(b) * bt if capacity_of is not None else 0.0, best_matched, pressure)
+                          capacity_of(b) * bt if capacity_of is not None else 0.0, best_matched)
             cands[b] = c
-            costs[b] = sum(w * f(c, speed) for f, w in scorers)
+            ttft[b] = own = sum(w * f(c, speed) for f, w in scorers)
+            costs[b] = own + sum(w * f(c, speed) for f, w in fleet)
         top_holder = max(c.matched for c in cands.values())
         # Hot-spot bound (busy seconds): over-bound backends are left out unless that costs this request
-        # more than ``bound_cost_s`` (a session whose long context is cached there stays: moving it would
-        # recompute that whole context; new or short work spreads).
+        # more than ``bound_cost_s`` of predicted TTFT (a session whose long context is cached there stays:
+        # moving it would recompute that whole context; new or short work spreads).
         allowed = bounded_busy(candidates, load, cfg.epsilon, cfg.busy_floor_s, now)
-        if len(allowed) < len(costs):
-            inside = {b: costs[b] for b in allowed}
-            if min(inside.values()) - min(costs.values()) <= cfg.bound_cost_s:
-                costs = inside
+        if len(allowed) < len(costs) and min(ttft[b] for b in allowed) - min(ttft.values()) <= cfg.bound_cost_s:
+            costs = {b: costs[b] for b in allowed}
         allowed = list(costs)
         best_cost = min(costs.values())
         band = max(cfg.tie_s, cfg.tie_fraction * best_cost)

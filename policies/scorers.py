@@ -11,7 +11,7 @@ are multiplied by the backend's learned factor (observed / predicted time to fir
 | ``own_prefill`` | this request's uncached prefill, decode steps sharing it | index match, running decoders |
 | ``kv_pressure`` | admission delay when the new blocks do not fit the free KV | engine KV usage (scraped) |
 | ``eviction`` | what the copy costs others: cache it evicts, recomputed later | index residency vs capacity |
-| ``duplicate_work`` | what recomputing a held prefix costs the requests queued behind | extra prefill × fleet queue |
+| ``duplicate_work`` | recomputing a prefix held elsewhere, for the fleet and the queue behind | extra × (1 + queue) |
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ class Candidate:
     resident_tokens: float
     capacity_tokens: float
     best_matched: int = 0  # longest cached prefix any candidate holds (request-level)
-    pressure: float = 0.0  # requests waiting for a first token, mean per backend (fleet-level)
 
     @property
     def uncached(self) -> int:
@@ -93,13 +92,16 @@ def eviction(c: Candidate, speed: EngineSpeed) -> float:
 
 def duplicate_work(c: Candidate, speed: EngineSpeed) -> float:
     """Prefill work this pick adds over the best holder's (recomputing a prefix the fleet already has),
-    times the fleet's queue pressure: under load every extra second of work delays the requests queued
-    behind it; on an idle fleet it is free."""
-    if c.pressure <= 0 or c.matched >= c.best_matched:
+    once for the fleet's capacity and once more per request that queues behind it on this backend
+    (about as many as wait there now): duplicating a prefix is cheap only onto an idle backend."""
+    if c.matched >= c.best_matched:
         return 0.0
     extra = speed.prefill_s(c.uncached, c.matched) - speed.prefill_s(c.prompt - c.best_matched, c.best_matched)
-    return c.factor * c.pressure * max(0.0, extra)
+    return c.factor * (1 + c.queued) * max(0.0, extra)
 
+
+#: scorers that price what a pick does to other requests (the rest predict this request's TTFT)
+FLEET_SCORERS = frozenset({"evict", "others"})
 
 #: scorer names as config knobs use them (``<name>_weight``)
 SCORERS: dict[str, Scorer] = {
