@@ -87,7 +87,8 @@ class CacheAware:
         matches = index.match(request.keys, candidates, now)
         prompt = request.prompt_tokens
         bt = request.block_tokens
-        capacity_of = getattr(index, "capacity_blocks", None)
+        capacity_of = getattr(index, "capacity_blocks", None) or getattr(getattr(index, "fallback", None),
+                                                                           "capacity_blocks", None)
         costs: dict[str, float] = {}
         cands: dict[str, Candidate] = {}
         scorers, fleet = self.scorers, self.fleet_scorers

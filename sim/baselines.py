@@ -16,6 +16,8 @@ from typing import Any
 
 from kvroute.policies import (
     DEFAULT_POLICY,
+    CacheAware,
+    CacheAwareConfig,
     Decision,
     PrefixIndex,
     PrefixIndexConfig,
@@ -379,6 +381,30 @@ class OracleTTFT:
                          {b: v[0] for b, v in preds.items()})
 
 
+# --- kvroute precise: the default policy on kvroute's PreciseIndex fed by simulated KV events -----------
+@dataclass(frozen=True, slots=True)
+class KvroutePreciseConfig(CacheAwareConfig):
+    """``cache_aware``'s knobs plus ``event_delay_s``: how late each replica's KV events reach the index."""
+
+    event_delay_s: float = 0.05
+
+    def __post_init__(self) -> None:
+        CacheAwareConfig.__post_init__(self)
+        if self.event_delay_s < 0:
+            raise ValueError("event_delay_s must be >= 0")
+
+
+class KvroutePrecise(CacheAware):
+    """kvroute's default policy, unchanged, reading ``PreciseIndex`` (engine events, speculative entries at
+    pick) instead of the approximate index: the difference to ``cache_aware`` is what events are worth."""
+
+    name = "kvroute_precise"
+
+    def __init__(self, config: KvroutePreciseConfig | None = None) -> None:
+        super().__init__(config or KvroutePreciseConfig())
+        self.event_delay_s = self.config.event_delay_s
+
+
 BASELINES: dict[str, tuple[type, type]] = {
     "random": (RandomPolicy, RandomConfig),
     "litellm_prompt_caching": (LiteLLMPromptCaching, LiteLLMPromptCachingConfig),
@@ -387,6 +413,7 @@ BASELINES: dict[str, tuple[type, type]] = {
     "dynamo": (DynamoApprox, DynamoConfig),
     "oracle": (Oracle, OracleConfig),
     "oracle_ttft": (OracleTTFT, OracleTTFTConfig),
+    "kvroute_precise": (KvroutePrecise, KvroutePreciseConfig),
 }
 for _name, (_cls, _cfg) in BASELINES.items():
     register_policy(_name, _cls, _cfg)
@@ -396,4 +423,4 @@ DEFAULT_LINEUP = (DEFAULT_POLICY, "round_robin", "random", "least_load", "litell
                   "sglang_cache_aware", "llmd_approx", "dynamo", "oracle")
 
 #: upper references reported beside the baselines (exact engine state; not counted as baselines to beat)
-REFERENCES = ("oracle_ttft",)
+REFERENCES = ("oracle_ttft", "kvroute_precise")

@@ -87,6 +87,7 @@ class Replica:
         self.preemptions = 0
         self.evictions = 0
         self.scheduled: dict[int, int] | None = None  # keys of queued/running requests (oracle only)
+        self.events: list[tuple[bool, int]] | None = None  # (stored?, key) KV events, when someone listens
         # decoders in aggregate
         self.clock_d = 0
         self.dec_n = 0
@@ -163,10 +164,13 @@ class Replica:
     def _evict_to_fit(self) -> None:
         over = len(self.pinned) + self.private + len(self.evictable) - self.capacity
         ev = self.evictable
+        events = self.events
         while over > 0 and ev:
-            ev.popitem(last=False)
+            k, _ = ev.popitem(last=False)
             self.evictions += 1
             over -= 1
+            if events is not None:
+                events.append((False, k))
 
     def _free_blocks(self) -> int:
         return self.capacity - len(self.pinned) - self.private
@@ -299,6 +303,8 @@ class Replica:
                 pinned[k] = 1
             else:
                 pinned[k] = 1
+                if self.events is not None:
+                    self.events.append((True, k))
             r.pins += 1
             r.private -= 1
             self.private -= 1
