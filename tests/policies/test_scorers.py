@@ -61,7 +61,8 @@ def test_kv_pressure_when_new_blocks_do_not_fit_the_free_kv():
 
 def test_eviction_prices_only_what_does_not_fit_the_free_cache():
     assert eviction(cand(resident_tokens=10_000, capacity_tokens=40_000), SPEED) == 0.0
-    assert eviction(cand(resident_tokens=36_000, capacity_tokens=40_000), SPEED) == pytest.approx(SPEED.prefill_s(6_000))
+    full = cand(resident_tokens=36_000, capacity_tokens=40_000)
+    assert eviction(full, SPEED) == pytest.approx(SPEED.prefill_s(6_000))
 
 
 def test_duplicate_work_grows_with_the_queue_behind_and_is_zero_for_the_holder():
