@@ -98,10 +98,11 @@ class CacheAware:
             m = min(prompt - 1, int(matches.get(b, 0) * bt)) if prompt > 0 else 0
             matched[b] = max(0, m)
         best_matched = max(matched.values())
+        best_own = speed.prefill_s(prompt - best_matched, best_matched)
         for b in candidates:
             c = Candidate(b, prompt, matched[b], load.view(b, now), load.factor(b), load.work_s(b), load.queued(b),
                           load.decode_s(b), index.blocks(b) * bt,
-                          capacity_of(b) * bt if capacity_of is not None else 0.0, best_matched)
+                          capacity_of(b) * bt if capacity_of is not None else 0.0, best_matched).priced(speed, best_own)
             cands[b] = c
             ttft[b] = own = sum(w * f(c, speed) for f, w in scorers)
             costs[b] = own + sum(w * f(c, speed) for f, w in fleet)
@@ -129,7 +130,7 @@ class CacheAware:
             backend = min(near, key=lambda b: (load.busy(b, now), load.last_pick(b), costs[b], b))
             reason = "cold" if top_holder == 0 else "prefix_spill"
         chosen = cands[backend]
-        work = speed.prefill_s(chosen.uncached, chosen.matched)
+        work = chosen.own_s
         fixed = slot_wait(chosen, speed) * cfg.slot_weight
         factor = chosen.factor or 1.0
         scores = (

@@ -39,6 +39,14 @@ class Candidate:
     resident_tokens: float
     capacity_tokens: float
     best_matched: int = 0  # longest cached prefix any candidate holds (request-level)
+    own_s: float = -1.0  # prefill_s(uncached, matched), filled in by ``priced``
+    best_own_s: float = 0.0  # the best holder's own prefill_s (request-level)
+
+    def priced(self, speed: EngineSpeed, best_own_s: float) -> Candidate:
+        """Compute the prefill seconds the scorers share once."""
+        self.own_s = speed.prefill_s(self.prompt - self.matched, self.matched)
+        self.best_own_s = best_own_s
+        return self
 
     @property
     def uncached(self) -> int:
@@ -66,9 +74,12 @@ def slot_wait(c: Candidate, speed: EngineSpeed) -> float:
 
 def own_prefill(c: Candidate, speed: EngineSpeed) -> float:
     """This request's uncached prefill, with the running decoders that share each of its steps."""
-    u = c.uncached
-    steps = math.ceil(max(1, u) / speed.chunk_tokens)
-    return c.factor * (speed.prefill_s(u, c.matched) + steps * c.view.running * speed.decode_s_per_seq)
+    own = c.own_s if c.own_s >= 0 else speed.prefill_s(c.uncached, c.matched)
+    running = c.view.running
+    if not running:
+        return c.factor * own
+    steps = math.ceil(max(1, c.uncached) / speed.chunk_tokens)
+    return c.factor * (own + steps * running * speed.decode_s_per_seq)
 
 
 def kv_pressure(c: Candidate, speed: EngineSpeed) -> float:
@@ -96,7 +107,10 @@ def duplicate_work(c: Candidate, speed: EngineSpeed) -> float:
     (about as many as wait there now): duplicating a prefix is cheap only onto an idle backend."""
     if c.matched >= c.best_matched:
         return 0.0
-    extra = speed.prefill_s(c.uncached, c.matched) - speed.prefill_s(c.prompt - c.best_matched, c.best_matched)
+    if c.own_s >= 0:
+        extra = c.own_s - c.best_own_s
+    else:
+        extra = speed.prefill_s(c.uncached, c.matched) - speed.prefill_s(c.prompt - c.best_matched, c.best_matched)
     return c.factor * (1 + c.queued) * max(0.0, extra)
 
 
