@@ -42,6 +42,7 @@ class CacheAwareConfig:
     tie_s: float = 0.005
     tie_fraction: float = 0.05
     max_scores: int = 8
+    max_scored: int = 8
     prefill_tok_s: float = 18_900.0
     attn_s: float = 2.0e-9
     step_s: float = 0.014
@@ -55,6 +56,8 @@ class CacheAwareConfig:
                      "tie_fraction"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
+        if self.max_scored < 1:
+            raise ValueError("max_scored must be >= 1")
         self.speed  # validates the speed knobs  # noqa: B018
 
     @property
@@ -94,19 +97,39 @@ class CacheAware:
         scorers, fleet = self.scorers, self.fleet_scorers
         ttft: dict[str, float] = {}
         matched: dict[str, int] = {}
+        if len(candidates) > cfg.max_scored:
+            # Large fleets: every holder of a prefix, plus the least loaded of the rest (backends holding
+            # nothing of this prompt differ only by load, so the cheapest few stand for all of them).
+            rest = [b for b in candidates if b not in matches]
+            keep = max(4, cfg.max_scored - len(matches))
+            if len(rest) > keep:
+                rest.sort(key=lambda b: (load.work_s(b), load.busy(b, now), load.last_pick(b), b))
+                candidates = [b for b in candidates if b in matches] + rest[:keep]
         for b in candidates:
             m = min(prompt - 1, int(matches.get(b, 0) * bt)) if prompt > 0 else 0
             matched[b] = max(0, m)
         best_matched = max(matched.values())
         best_own = speed.prefill_s(prompt - best_matched, best_matched)
+        factor = load.factor(candidates[0])  # fleet-wide (see LoadTracker.factor)
+        own_by_match: dict[int, float] = {best_matched: best_own}
+        prefill_s = speed.prefill_s
         for b in candidates:
-            c = Candidate(b, prompt, matched[b], load.view(b, now), load.factor(b), load.work_s(b), load.queued(b),
-                          load.decode_s(b), index.blocks(b) * bt,
-                          capacity_of(b) * bt if capacity_of is not None else 0.0, best_matched).priced(speed, best_own)
+            m = matched[b]
+            own_s = own_by_match.get(m)
+            if own_s is None:
+                own_s = own_by_match[m] = prefill_s(prompt - m, m)
+            c = Candidate(b, prompt, m, load.view(b, now), factor, load.work_s(b), load.queued(b), load.decode_s(b),
+                          index.blocks(b) * bt, capacity_of(b) * bt if capacity_of is not None else 0.0,
+                          best_matched, own_s, best_own)
             cands[b] = c
-            ttft[b] = own = sum(w * f(c, speed) for f, w in scorers)
-            costs[b] = own + sum(w * f(c, speed) for f, w in fleet)
-        top_holder = max(c.matched for c in cands.values())
+            t = 0.0
+            for f, w in scorers:
+                t += w * f(c, speed)
+            ttft[b] = t
+            for f, w in fleet:
+                t += w * f(c, speed)
+            costs[b] = t
+        top_holder = best_matched
         # Hot-spot bound (busy seconds): over-bound backends are left out unless that costs this request
         # more than ``bound_cost_s`` of predicted TTFT (a session whose long context is cached there stays:
         # moving it would recompute that whole context; new or short work spreads).

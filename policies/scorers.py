@@ -39,14 +39,8 @@ class Candidate:
     resident_tokens: float
     capacity_tokens: float
     best_matched: int = 0  # longest cached prefix any candidate holds (request-level)
-    own_s: float = -1.0  # prefill_s(uncached, matched), filled in by ``priced``
+    own_s: float = -1.0  # prefill_s(uncached, matched) when the caller computed it (else scorers do)
     best_own_s: float = 0.0  # the best holder's own prefill_s (request-level)
-
-    def priced(self, speed: EngineSpeed, best_own_s: float) -> Candidate:
-        """Compute the prefill seconds the scorers share once."""
-        self.own_s = speed.prefill_s(self.prompt - self.matched, self.matched)
-        self.best_own_s = best_own_s
-        return self
 
     @property
     def uncached(self) -> int:
