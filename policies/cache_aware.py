@@ -97,6 +97,7 @@ class CacheAware:
         scorers, fleet = self.scorers, self.fleet_scorers
         ttft: dict[str, float] = {}
         matched: dict[str, int] = {}
+        within = bounded_busy(candidates, load, cfg.epsilon, cfg.busy_floor_s, now)  # hot-spot bound, below
         if len(candidates) > cfg.max_scored:
             # Large fleets: every holder of a prefix, plus the least loaded of the rest (backends holding
             # nothing of this prompt differ only by load, so the cheapest few stand for all of them).
@@ -133,8 +134,9 @@ class CacheAware:
         # Hot-spot bound (busy seconds): over-bound backends are left out unless that costs this request
         # more than ``bound_cost_s`` of predicted TTFT (a session whose long context is cached there stays:
         # moving it would recompute that whole context; new or short work spreads).
-        allowed = bounded_busy(candidates, load, cfg.epsilon, cfg.busy_floor_s, now)
-        if len(allowed) < len(costs) and min(ttft[b] for b in allowed) - min(ttft.values()) <= cfg.bound_cost_s:
+        allowed = [b for b in within if b in costs]
+        if (allowed and len(allowed) < len(costs)
+                and min(ttft[b] for b in allowed) - min(ttft.values()) <= cfg.bound_cost_s):
             costs = {b: costs[b] for b in allowed}
         allowed = list(costs)
         best_cost = min(costs.values())
