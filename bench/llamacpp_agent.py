@@ -1,7 +1,7 @@
 """Agent-shaped confirmation on real engines: kvroute vs round robin vs the simulator's second-ranked policy.
 
     .venv/bin/python bench/llamacpp_agent.py [--engine llamacpp|fake] [--replicas 3] [--sessions 12]
-                                             [--turns 6] [--concurrency 3] [--json OUT]
+                                             [--turns 6] [--concurrency 4] [--json OUT]
 
 Sessions are agent loops: a shared tools + system prompt, a task, then turns that append the model's answer and a
 tool output, so every session's context grows turn by turn; the replicas' prompt caches hold about two sessions'
@@ -36,7 +36,7 @@ class AgentShape:
     task_tokens: int = 120
     tool_output_tokens: int = 350
     max_tokens: int = 8
-    concurrency: int = 3
+    concurrency: int = 4
 
     def final_context(self) -> int:
         turn = self.tool_output_tokens + self.max_tokens + 16
@@ -160,7 +160,7 @@ def main() -> int:
     ap.add_argument("--replicas", type=int, default=3)
     ap.add_argument("--sessions", type=int, default=12)
     ap.add_argument("--turns", type=int, default=6)
-    ap.add_argument("--concurrency", type=int, default=3)
+    ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--json", dest="json_out", default=None, help="Write the figures to this file.")
     a = ap.parse_args()
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
