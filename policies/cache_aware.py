@@ -37,7 +37,7 @@ class CacheAwareConfig:
     evict_weight: float = 0.5
     others_weight: float = 1.0
     epsilon: float = 0.5
-    busy_floor_s: float = 2.0
+    busy_floor_s: float = 0.05
     bound_cost_s: float = 0.5
     tie_s: float = 0.005
     tie_fraction: float = 0.05

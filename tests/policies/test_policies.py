@@ -83,7 +83,9 @@ def test_short_prompts_skip_affinity_and_say_so():
 
 
 def test_burst_of_siblings_is_recorded_at_once_and_co_located_while_cheap():
-    router, _ = make()
+    # the hot-spot bound would spread a burst on an otherwise idle fleet (its floor is 50 ms of busy time):
+    # this test is about the cost model, so the bound gets a 2 s floor here
+    router, _ = make(busy_floor_s=2.0)
     # No completion in between: the first pick's blocks must already steer its sibling.
     first = router.route(group_prompt(7, 0, sys_len=40000), BACKENDS)[1]
     second = router.route(group_prompt(7, 1, sys_len=40000), BACKENDS)[1]
@@ -94,7 +96,7 @@ def test_burst_of_siblings_is_recorded_at_once_and_co_located_while_cheap():
 
 
 def test_hot_prefix_replicates_under_load_and_concentrates_again():
-    router, clock = make()
+    router, clock = make(busy_floor_s=2.0)  # the cost model's replication, not the hot-spot bound
     # Demand outgrows one backend: many concurrent requests with one shared prefix.
     inflight = []
     for i in range(24):
