@@ -6,10 +6,11 @@
 Sessions are agent loops: a shared tools + system prompt, a task, then turns that append the model's answer and a
 tool output, so every session's context grows turn by turn; the replicas' prompt caches hold about two sessions'
 final contexts each, so the fleet's cache is smaller than the sessions' contexts together. The same shape is
-first simulated (``cpu-llamacpp-34m`` preset, the policies a LiteLLM proxy can run) to pick the policy the
-simulator ranks second after kvroute's default by TTFT p90; then each of the three policies gets its own fresh
-fleet and a real LiteLLM proxy with kvroute, and the sessions are replayed through it (streaming, official
-``openai`` client). Figures: cached-token share (engine-reported), TTFT p50/p90, requests/s, failures.
+first simulated (``cpu-llamacpp-ci`` preset: the 7.4M model these replicas run; the policies a LiteLLM proxy
+can run) to pick the policy the simulator ranks second after kvroute's default by TTFT p90; then each of the
+three policies gets its own fresh fleet and a real LiteLLM proxy with kvroute, and the sessions are replayed
+through it (streaming, official ``openai`` client). Figures: cached-token share (engine-reported), TTFT
+p50/p90, requests/s, failures.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def simulate_ranking(shape: AgentShape, replicas: int) -> list[dict]:
     from kvroute.sim.runner import compare
     from kvroute.sim.workload import SegmentKeys, SimRequest, Workload
 
-    preset = get_preset("cpu-llamacpp-34m")
+    preset = get_preset("cpu-llamacpp-ci")
     kb = SegmentKeys(preset.block_tokens)
     reqs: list[SimRequest] = []
     last_of_worker: dict[int, int] = {}
