@@ -73,6 +73,7 @@ class LoadTracker:
         self._prefill: dict[str, int] = {}
         self._last_pick: dict[str, float] = {}
         self._signals: dict[str, ExternalSignal] = {}
+        self._fresh_memo: tuple[float, float] = (math.nan, 1.0)
         self._mean_prompt = mean_prompt_tokens
 
     # --- request lifecycle ----------------------------------------------------------------------
@@ -267,7 +268,13 @@ class LoadTracker:
         queue_tokens = float(prefill)
         running = inflight
         kv_usage = 0.0
-        w = self.freshness(now - sig.at)
+        age = now - sig.at
+        memo = self._fresh_memo
+        if memo[0] == age:  # signals scraped together share their age: one pow per pick, not per backend
+            w = memo[1]
+        else:
+            w = self.freshness(age)
+            self._fresh_memo = (age, w)
         if sig.queue_depth is not None:
             queue_tokens = max(queue_tokens, w * sig.queue_depth * self._mean_prompt)
         if sig.running is not None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvroute.policies.load import BackendLoad
 from kvroute.policies.speed import EngineSpeed
@@ -41,10 +41,10 @@ class Candidate:
     best_matched: int = 0  # longest cached prefix any candidate holds (request-level)
     own_s: float = -1.0  # prefill_s(uncached, matched) when the caller computed it (else scorers do)
     best_own_s: float = 0.0  # the best holder's own prefill_s (request-level)
+    uncached: int = field(init=False)
 
-    @property
-    def uncached(self) -> int:
-        return self.prompt - self.matched
+    def __post_init__(self) -> None:
+        self.uncached = self.prompt - self.matched
 
 
 Scorer = Callable[[Candidate, EngineSpeed], float]
