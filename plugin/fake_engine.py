@@ -2,8 +2,14 @@
 
 Serves ``/v1/chat/completions`` and ``/v1/completions`` (JSON and SSE), ``/v1/models``, ``/health``, ``/metrics``
 (vLLM- or llama.cpp-style names), ``POST/DELETE /admin/fault``, ``GET /admin/stats`` and ``POST /admin/reset``.
-Prefill takes time in proportion to the *uncached* prompt tokens, so TTFT shows cache reuse. Prompt text is never
-logged or exposed. Run it with ``python -m kvroute.plugin.fake_engine --port 0 --capacity-tokens 8192``.
+Timing follows the work, as on a continuous-batching engine (calibrated to the llama.cpp CI preset in
+``shared/engines/README.md``): one compute queue per replica runs prefills in arrival order, each taking
+``uncached / prefill_tokens_per_s · (1 + context_cost · (cached + uncached / 2))`` seconds (linear work plus
+attention over the context), so concurrent misses delay each other and cache hits free the engine for
+everyone. Decoding sequences share steps: a token takes ``decode_s_per_token · (1 + decode_batch_share · (n − 1))``
+with ``n`` sequences decoding, and a step that shares its batch with a prefill chunk lasts as long as that
+chunk. Prompt text is never logged or exposed.
+Run it with ``python -m kvroute.plugin.fake_engine --port 0 --capacity-tokens 8192``.
 """
 
 from __future__ import annotations
@@ -44,6 +50,11 @@ class FakeEngineConfig:
     prefill_tokens_per_s: float = 20000.0
     decode_s_per_token: float = 0.002
     slots: int = 4
+    # llama.cpp CI preset (7.4M model, 1 thread): cold 1013 tok 0.177 s, 4013 tok 1.42 s → t = a·n + b·n² with
+    # a = 1.142e-4 s/token (8,760 tok/s) and b = 5.97e-8; attention relative to linear work: 2b/a per token
+    context_cost: float = 1.045e-3
+    chunk_tokens: int = 2048  # llama.cpp n_batch: a decode step sharing a batch with prefill waits this long
+    decode_batch_share: float = 0.1
     default_max_tokens: int = 16
     max_tokens_limit: int = 4096  # larger requests get a 400 (one unbounded request once grew to 5 GB)
     metrics_style: str = "vllm"
@@ -61,6 +72,10 @@ class FakeEngineConfig:
             raise ConfigError("slots", "must be > 0")
         if not 0 < self.default_max_tokens <= self.max_tokens_limit:
             raise ConfigError("max_tokens_limit", "must be >= default_max_tokens > 0")
+        if self.context_cost < 0 or self.decode_batch_share < 0:
+            raise ConfigError("context_cost", "context_cost and decode_batch_share must be >= 0")
+        if self.chunk_tokens <= 0:
+            raise ConfigError("chunk_tokens", "must be > 0")
         if self.metrics_style not in ("vllm", "llamacpp"):
             raise ConfigError("metrics_style", "must be 'vllm' or 'llamacpp'")
 
@@ -126,7 +141,32 @@ class FakeEngine:
         self.running = 0
         self.waiting = 0
         self.active_tokens = 0  # KV held by running requests (prompt + output), what vLLM calls "usage"
+        self.decoding = 0
+        self._compute_free_at = 0.0  # loop time when the prefill queued so far is done
         self.started_at = time.time()
+
+    # ------------------------------------------------------------------ timing
+    def prefill_seconds(self, new_tokens: int, cached_tokens: int) -> float:
+        """Compute time of a prefill of ``new_tokens`` after ``cached_tokens`` (alone on the engine)."""
+        cfg = self.config
+        return new_tokens / cfg.prefill_tokens_per_s * (1.0 + cfg.context_cost * (cached_tokens + new_tokens / 2))
+
+    async def _prefill(self, seconds: float) -> None:
+        """Queue ``seconds`` of prefill behind the prefills already queued on this replica and wait for it."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        done = max(now, self._compute_free_at) + seconds
+        self._compute_free_at = done
+        await asyncio.sleep(done - now)
+
+    def _decode_step_s(self) -> float:
+        """One decode step now: shared with the other decoders, stretched by a prefill chunk running beside it."""
+        cfg = self.config
+        step = cfg.decode_s_per_token * (1.0 + cfg.decode_batch_share * max(0, self.decoding - 1))
+        busy = self._compute_free_at - asyncio.get_running_loop().time()
+        if busy > 0:
+            step = max(step, min(busy, cfg.chunk_tokens / cfg.prefill_tokens_per_s))
+        return step
 
     # ------------------------------------------------------------------ routing
     async def handle(self, request: Request, ex: Exchange) -> None:
@@ -232,14 +272,14 @@ class FakeEngine:
         cached = self.cache.lookup(prompt)
         output = generate_text(prompt, max_tokens)
         self.cache.insert(prompt + output)
-        prefill_s = (prompt_tokens - cached) / cfg.prefill_tokens_per_s
+        prefill_s = self.prefill_seconds(prompt_tokens - cached, cached)
         self.stats.prompt_tokens += prompt_tokens
         self.stats.cached_tokens += cached
         self.stats.prefill_seconds += prefill_s
         mode = fault.mode if fault else None
         log.info("%s prompt_tokens=%d cached_tokens=%d max_tokens=%d fault=%s",
                  "chat" if chat else "completion", prompt_tokens, cached, max_tokens, mode)
-        await asyncio.sleep(prefill_s)
+        await self._prefill(prefill_s)
         if fault is not None and mode == "slow_first_token":
             await asyncio.sleep(fault.delay_s)
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": max_tokens,
@@ -252,27 +292,41 @@ class FakeEngine:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         model = str(body.get("model") or cfg.model)
         pieces = [output[i:i + BYTES_PER_TOKEN] for i in range(0, len(output), BYTES_PER_TOKEN)]
-        if body.get("stream"):
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            if not await self._stream(ex, rid, model, chat, pieces, usage if include_usage else None, fault, extra):
+        self.decoding += 1
+        try:
+            if body.get("stream"):
+                include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+                if not await self._stream(ex, rid, model, chat, pieces, usage if include_usage else None, fault,
+                                          extra):
+                    return
+            elif not await self._respond(ex, rid, model, chat, output, usage, max_tokens, mode, extra):
                 return
-        else:
-            await asyncio.sleep(cfg.decode_s_per_token * max_tokens)
-            if mode == "cut":
-                await ex.start(200, {"content-type": "application/json"}, length=4096)
-                await ex.chunk(b'{"id": "' + rid.encode() + b'", "choices": [')
-                ex.abort()
-                return
-            if chat:
-                choice = {"index": 0, "message": {"role": "assistant", "content": output}, "finish_reason": "length",
-                          "logprobs": None}
-            else:
-                choice = {"index": 0, "text": output, "finish_reason": "length", "logprobs": None}
-            await ex.send_json(200, {"id": rid, "object": "chat.completion" if chat else "text_completion",
-                                     "created": int(time.time()), "model": model, "system_fingerprint": cfg.name,
-                                     "choices": [choice], "usage": usage, **extra})
+        finally:
+            self.decoding -= 1
         self.stats.succeeded += 1
         self.stats.completion_tokens += max_tokens
+
+    async def _respond(self, ex: Exchange, rid: str, model: str, chat: bool, output: str, usage: dict,
+                       max_tokens: int, mode: str | None, extra: dict) -> bool:
+        """The non-streaming answer, after ``max_tokens`` decode steps; False when a ``cut`` fault ended it."""
+        cfg = self.config
+        if cfg.decode_s_per_token > 0:
+            for _ in range(max_tokens):
+                await asyncio.sleep(self._decode_step_s())
+        if mode == "cut":
+            await ex.start(200, {"content-type": "application/json"}, length=4096)
+            await ex.chunk(b'{"id": "' + rid.encode() + b'", "choices": [')
+            ex.abort()
+            return False
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": output}, "finish_reason": "length",
+                      "logprobs": None}
+        else:
+            choice = {"index": 0, "text": output, "finish_reason": "length", "logprobs": None}
+        await ex.send_json(200, {"id": rid, "object": "chat.completion" if chat else "text_completion",
+                                 "created": int(time.time()), "model": model, "system_fingerprint": cfg.name,
+                                 "choices": [choice], "usage": usage, **extra})
+        return True
 
     async def _stream(self, ex: Exchange, rid: str, model: str, chat: bool, pieces: list[str], usage: dict | None,
                       fault: FaultPlan | None, extra: dict) -> bool:
@@ -302,8 +356,8 @@ class FakeEngine:
             if fault is not None and fault.mode == "cut" and sent >= fault.cut_after_chunks:
                 ex.abort()
                 return False
-            if i:
-                await asyncio.sleep(self.config.decode_s_per_token)
+            if i and self.config.decode_s_per_token > 0:
+                await asyncio.sleep(self._decode_step_s())
             await ex.chunk(event([choice(piece, None)]))
             sent += 1
         if fault is not None and fault.mode == "cut":
@@ -391,7 +445,7 @@ async def _main(args: argparse.Namespace) -> None:
     config = FakeEngineConfig(name=args.name, model=args.model, capacity_tokens=args.capacity_tokens,
                               block_tokens=args.block_tokens, prefill_tokens_per_s=args.prefill_tps,
                               decode_s_per_token=args.decode_ms / 1000.0, slots=args.slots,
-                              metrics_style=args.metrics_style)
+                              context_cost=args.context_cost, metrics_style=args.metrics_style)
     server = await FakeEngineServer(config, args.host, args.port).start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -416,6 +470,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prefill-tps", type=float, default=20000.0, help="simulated prefill speed, tokens/s")
     p.add_argument("--decode-ms", type=float, default=2.0, help="simulated decode time per output token")
     p.add_argument("--slots", type=int, default=4, help="concurrent requests; others queue")
+    p.add_argument("--context-cost", type=float, default=FakeEngineConfig.context_cost,
+                   help="attention cost per context token, relative to one token of linear prefill work")
     p.add_argument("--metrics-style", choices=("vllm", "llamacpp"), default="vllm")
     p.add_argument("--ready-file", default=None, help="write {port, pid, name} here once listening")
     p.add_argument("--log-level", default="INFO")

@@ -1,19 +1,15 @@
-"""``cache_aware`` (the default): longest cached prefix, weighed against load in one cost in tokens.
+"""``cache_aware`` (the default): the backend with the lowest predicted time to first token.
 
-Shape: filter (bounded load) → score (cost per backend) → pick (cheapest; near-ties go to the longer
-match, then to the prefix's rendezvous order for warm requests or the least recently used backend for
-cold ones). Cost of sending the request to backend *b*::
+- routes on: predicted TTFT in seconds (queue, own prefill, KV, evictions, duplicate work)
+- use it when: self-hosted replicas with prefix reuse (chat, RAG, agents, long contexts)
+- cost: one index match and six scorers per backend
 
-    cost_b = uncached_prefill_b + queue_weight · queued_prefill_b
-             + decode_weight_tokens · running_b + kv_weight · kv_usage_b · prompt_tokens
-             + replication_weight · kv_usage_b · (best_match − match_b)
-
-(near-ties, within ``max(tie_tokens, tie_fraction·prompt)``, go to the longer match) so a holder of the
-prefix wins unless its expected wait costs more than the prefill it saves. A hot
-prefix spills to a second backend once its holder's queue outweighs the saving (hot-prefix
-replication), and concentrates again when demand falls, because near-ties follow a stable
-per-prefix order and idle copies age out of the LRU. The last term prices that copy: on a backend
-whose KV cache is full it evicts about as much reusable cache as it duplicates (free when caches are empty).
+Shape: filter (hot-spot bound in busy seconds) → score (weighted scorers, ``policies/scorers.py``, each
+in seconds) → pick (lowest; near-ties go to the longer match, then the prefix's rendezvous order for
+warm requests, or the least busy then least recently used backend for cold ones). Seconds come from
+an ``EngineSpeed`` prior (knobs) times a factor the load tracker learns per backend from observed TTFT,
+so a session stays on its replica until the wait there costs more than recomputing its whole context
+elsewhere — load is weighed as work, never as a request count.
 """
 
 from __future__ import annotations
@@ -23,39 +19,63 @@ from dataclasses import dataclass
 
 from kvroute.policies.base import RoutingState, least_load_decision
 from kvroute.policies.decision import Decision
-from kvroute.policies.filters import bounded_load
+from kvroute.policies.filters import bounded_busy
 from kvroute.policies.request import RoutingRequest
+from kvroute.policies.scorers import FLEET_SCORERS, SCORERS, Candidate, own_prefill, slot_wait
+from kvroute.policies.speed import EngineSpeed
 
 
 @dataclass(frozen=True, slots=True)
 class CacheAwareConfig:
-    """Knobs of the cost model; every weight is in prompt-token equivalents."""
+    """Scorer weights (dimensionless; scores are seconds), the hot-spot bound and the speed prior."""
 
     min_prefix_tokens: int = 256
-    queue_weight: float = 0.5
-    decode_weight_tokens: float = 16.0
+    queue_weight: float = 1.0
+    slot_weight: float = 1.0
+    prefill_weight: float = 1.0
     kv_weight: float = 0.25
+    evict_weight: float = 0.5
+    others_weight: float = 1.0
     epsilon: float = 0.5
-    min_cap: int = 4
-    tie_tokens: float = 64.0
+    busy_floor_s: float = 0.05
+    bound_cost_s: float = 0.5
+    tie_s: float = 0.005
     tie_fraction: float = 0.05
     max_scores: int = 8
-    replication_weight: float = 1.0
+    max_scored: int = 8
+    prefill_tok_s: float = 18_900.0
+    attn_s: float = 2.0e-9
+    step_s: float = 0.014
+    decode_s_per_seq: float = 1.0e-4
+    chunk_tokens: int = 8192
+    slots: int = 256
 
     def __post_init__(self) -> None:
-        for name in ("min_prefix_tokens", "queue_weight", "decode_weight_tokens", "kv_weight", "epsilon",
-                     "tie_tokens", "tie_fraction", "replication_weight"):
+        for name in ("min_prefix_tokens", "queue_weight", "slot_weight", "prefill_weight", "kv_weight",
+                     "evict_weight", "others_weight", "epsilon", "busy_floor_s", "bound_cost_s", "tie_s",
+                     "tie_fraction"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
-        if self.min_cap < 1:
-            raise ValueError("min_cap must be >= 1")
+        if self.max_scored < 1:
+            raise ValueError("max_scored must be >= 1")
+        self.speed  # validates the speed knobs  # noqa: B018
+
+    @property
+    def speed(self) -> EngineSpeed:
+        return EngineSpeed(self.prefill_tok_s, self.attn_s, self.step_s, self.decode_s_per_seq,
+                           self.chunk_tokens, self.slots)
 
 
 class CacheAware:
     name = "cache_aware"
 
     def __init__(self, config: CacheAwareConfig | None = None) -> None:
-        self.config = config or CacheAwareConfig()
+        self.config = cfg = config or CacheAwareConfig()
+        self.speed = cfg.speed
+        weights = {"queue": cfg.queue_weight, "slot": cfg.slot_weight, "prefill": cfg.prefill_weight,
+                   "kv": cfg.kv_weight, "evict": cfg.evict_weight, "others": cfg.others_weight}
+        self.scorers = [(SCORERS[n], w) for n, w in weights.items() if w > 0 and n not in FLEET_SCORERS]
+        self.fleet_scorers = [(SCORERS[n], w) for n, w in weights.items() if w > 0 and n in FLEET_SCORERS]
 
     def select(
         self, request: RoutingRequest, candidates: Sequence[str], state: RoutingState, now: float
@@ -65,34 +85,66 @@ class CacheAware:
             return least_load_decision(request, candidates, state, now, self.name, reason="least_load",
                                        skipped="short_prompt")
         load = state.load
-        # Filter: bounded load keeps any backend from taking more than (1+ε)× its fair share.
-        allowed, _ = bounded_load(candidates, load, cfg.epsilon, cfg.min_cap)
-        matches = state.index.match(request.keys, allowed, now)
+        speed = self.speed
+        index = state.index
+        matches = index.match(request.keys, candidates, now)
         prompt = request.prompt_tokens
-        block_tokens = request.block_tokens
+        bt = request.block_tokens
+        capacity_of = getattr(index, "capacity_blocks", None) or getattr(getattr(index, "fallback", None),
+                                                                           "capacity_blocks", None)
         costs: dict[str, float] = {}
-        matched_tok: dict[str, int] = {}
-        best_held = min(prompt, int(max(matches.values(), default=0) * block_tokens))
-        for b in allowed:
-            view = load.view(b, now)
-            m = min(prompt, int(matches.get(b, 0) * block_tokens))
-            matched_tok[b] = m
-            costs[b] = (
-                (prompt - m)
-                + cfg.queue_weight * view.queue_tokens
-                + cfg.decode_weight_tokens * view.running
-                + cfg.kv_weight * view.kv_usage * prompt
-                + cfg.replication_weight * view.kv_usage * (best_held - m)
-            )
+        cands: dict[str, Candidate] = {}
+        scorers, fleet = self.scorers, self.fleet_scorers
+        ttft: dict[str, float] = {}
+        matched: dict[str, int] = {}
+        within = bounded_busy(candidates, load, cfg.epsilon, cfg.busy_floor_s, now)  # hot-spot bound, below
+        if len(candidates) > cfg.max_scored:
+            # Large fleets: every holder of a prefix, plus the least loaded of the rest (backends holding
+            # nothing of this prompt differ only by load, so the cheapest few stand for all of them).
+            rest = [b for b in candidates if b not in matches]
+            keep = max(4, cfg.max_scored - len(matches))
+            if len(rest) > keep:
+                rest.sort(key=lambda b: (load.work_s(b), load.busy(b, now), load.last_pick(b), b))
+                candidates = [b for b in candidates if b in matches] + rest[:keep]
+        for b in candidates:
+            m = min(prompt - 1, int(matches.get(b, 0) * bt)) if prompt > 0 else 0
+            matched[b] = max(0, m)
+        best_matched = max(matched.values())
+        best_own = speed.prefill_s(prompt - best_matched, best_matched)
+        factor = load.factor(candidates[0])  # fleet-wide (see LoadTracker.factor)
+        own_by_match: dict[int, float] = {best_matched: best_own}
+        prefill_s = speed.prefill_s
+        for b in candidates:
+            m = matched[b]
+            own_s = own_by_match.get(m)
+            if own_s is None:
+                own_s = own_by_match[m] = prefill_s(prompt - m, m)
+            c = Candidate(b, prompt, m, load.view(b, now), factor, load.work_s(b), load.queued(b), load.decode_s(b),
+                          index.blocks(b) * bt, capacity_of(b) * bt if capacity_of is not None else 0.0,
+                          best_matched, own_s, best_own)
+            cands[b] = c
+            t = 0.0
+            for f, w in scorers:
+                t += w * f(c, speed)
+            ttft[b] = t
+            for f, w in fleet:
+                t += w * f(c, speed)
+            costs[b] = t
+        top_holder = best_matched
+        # Hot-spot bound (busy seconds): over-bound backends are left out unless that costs this request
+        # more than ``bound_cost_s`` of predicted TTFT (a session whose long context is cached there stays:
+        # moving it would recompute that whole context; new or short work spreads).
+        allowed = [b for b in within if b in costs]
+        if (allowed and len(allowed) < len(costs)
+                and min(ttft[b] for b in allowed) - min(ttft.values()) <= cfg.bound_cost_s):
+            costs = {b: costs[b] for b in allowed}
+        allowed = list(costs)
         best_cost = min(costs.values())
-        # Near-ties (within a block or a few % of the prompt) go to the longer match: co-locating a
-        # burst of siblings costs the same TTFT but computes the shared prefix once.
-        band = max(cfg.tie_tokens, cfg.tie_fraction * prompt)
+        band = max(cfg.tie_s, cfg.tie_fraction * best_cost)
         near = [b for b in allowed if costs[b] <= best_cost + band]
-        best_match = max(matched_tok[b] for b in near)
-        top_holder = max(matched_tok.values())
+        best_match = max(cands[b].matched for b in near)
         if best_match > 0:
-            holders = [b for b in near if matched_tok[b] == best_match]
+            holders = [b for b in near if cands[b].matched == best_match]
             if len(holders) == 1:
                 backend = holders[0]
             else:
@@ -100,22 +152,29 @@ class CacheAware:
                 backend = min(holders, key=lambda b: (-state.rendezvous.weight(anchor, b), b))
             reason = "prefix_match" if best_match >= top_holder else "prefix_spill"
         else:
-            cheapest = [b for b in near if costs[b] <= best_cost + cfg.tie_tokens]
-            backend = min(cheapest, key=lambda b: (load.last_pick(b), costs[b], b))  # no-hit LRU
+            backend = min(near, key=lambda b: (load.busy(b, now), load.last_pick(b), costs[b], b))
             reason = "cold" if top_holder == 0 else "prefix_spill"
-        m_blocks = matches.get(backend, 0)
+        chosen = cands[backend]
+        work = chosen.own_s
+        fixed = slot_wait(chosen, speed) * cfg.slot_weight
+        factor = chosen.factor or 1.0
         scores = (
             costs if len(costs) <= cfg.max_scores
             else dict(sorted(costs.items(), key=lambda kv: kv[1])[: cfg.max_scores])
         )
+        own = own_prefill(chosen, speed) / factor
+        queued = max(chosen.work_s, chosen.view.queue_tokens / speed.prefill_tok_s)
         return Decision(
             backend=backend,
             policy=self.name,
             reason=reason,
-            matched_tokens=matched_tok[backend],
-            matched_blocks=m_blocks,
+            matched_tokens=chosen.matched,
+            matched_blocks=matches.get(backend, 0),
             prompt_tokens=prompt,
             scores=scores,
             request_id=request.request_id,
-            predicted_prefill_tokens=prompt - matched_tok[backend],
+            predicted_prefill_tokens=chosen.uncached,
+            work_s=work,
+            predicted_ttft_s=queued + own,
+            fixed_wait_s=fixed,
         )

@@ -25,6 +25,9 @@ class Decision:
     fallback: str | None = None
     request_id: str | None = None
     predicted_prefill_tokens: int = 0
+    work_s: float = 0.0  # own prefill on the chosen backend, prior seconds (the load tracker scales them)
+    predicted_ttft_s: float = 0.0  # the prediction's part in prior seconds (learned factor applies)
+    fixed_wait_s: float = 0.0  # the prediction's part already in real seconds (decode-slot wait)
 
     def as_dict(self) -> dict[str, object]:
         return {

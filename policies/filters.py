@@ -18,6 +18,18 @@ def bounded_load(candidates: Sequence[str], load: LoadTracker, epsilon: float, m
     return (allowed or list(candidates)), cap
 
 
+def bounded_busy(candidates: Sequence[str], load: LoadTracker, epsilon: float, floor_s: float,
+                 now: float) -> list[str]:
+    """Backends whose recent busy seconds stay within ``(1+ε)·mean + floor_s`` (the hot-spot bound).
+
+    Busy seconds are the decayed work assigned at pick (``LoadTracker.busy``); never empty.
+    """
+    busy = [load.busy(b, now) for b in candidates]
+    limit = (1.0 + epsilon) * sum(busy) / len(busy) + floor_s
+    allowed = [b for b, v in zip(candidates, busy, strict=True) if v <= limit]
+    return allowed or list(candidates)
+
+
 def sticky_within_bound(
     order: Sequence[str], load: LoadTracker, epsilon: float, min_cap: int
 ) -> tuple[str, bool, int]:

@@ -2,6 +2,12 @@
 
 Router-side counts react within a burst (updated at pick); external signals (engine queue depth, KV
 usage) come with their age and weigh less as they get stale (exponential decay, ``half_life_s``).
+
+Work is also kept in seconds: each pick may carry its predicted own-prefill seconds (``work_s``, from the
+``EngineSpeed`` prior) and its predicted time to first token; the tracker sums the outstanding work per
+backend, learns a per-backend factor *observed TTFT / predicted TTFT* (log-space moving average), the
+mean decode duration (first token → completion), and a decayed sum of the busy seconds assigned to each
+backend (the hot-spot bound's measure).
 """
 
 from __future__ import annotations
@@ -27,6 +33,10 @@ class _Inflight:
     prefill_tokens: int
     started: float
     prefill_done: bool = False
+    work_s: float = 0.0  # own prefill, prior seconds (unscaled)
+    ttft_s: float = 0.0  # predicted TTFT, prior seconds (unscaled part)
+    fixed_s: float = 0.0  # predicted TTFT part already in real seconds (decode-slot wait)
+    first_at: float = -1.0
 
 
 @dataclass(slots=True)
@@ -44,53 +54,160 @@ class BackendLoad:
 class LoadTracker:
     """In-flight requests and prefill tokens per backend; ``release`` is idempotent."""
 
+    #: weight of a new sample in the learned speed factor and decode duration (moving averages)
+    learn_rate = 0.1
+    #: half-life of the assigned-busy-seconds sum the hot-spot bound reads
+    busy_half_life_s = 60.0
+
     def __init__(self, half_life_s: float = 2.0, mean_prompt_tokens: float = 1024.0) -> None:
         self.half_life_s = half_life_s
+        self._work: dict[str, float] = {}
+        self._queued: dict[str, int] = {}  # requests not yet at first token
+        self._log_factor: dict[str, float] = {}
+        self._log_factor_all: float | None = None
+        self._decode_s: dict[str, float] = {}
+        self._decode_all: float | None = None
+        self._busy: dict[str, tuple[float, float]] = {}  # backend -> (decayed busy seconds, at)
         self._requests: dict[str, _Inflight] = {}
         self._inflight: dict[str, int] = {}
         self._prefill: dict[str, int] = {}
         self._last_pick: dict[str, float] = {}
         self._signals: dict[str, ExternalSignal] = {}
+        self._fresh_memo: tuple[float, float] = (math.nan, 1.0)
         self._mean_prompt = mean_prompt_tokens
 
     # --- request lifecycle ----------------------------------------------------------------------
-    def start(self, request_id: str, backend: str, prefill_tokens: int, now: float) -> None:
-        """Charge a picked request to its backend (called at pick time, before the call is made)."""
+    def start(self, request_id: str, backend: str, prefill_tokens: int, now: float, *, work_s: float = 0.0,
+              ttft_s: float = 0.0, fixed_s: float = 0.0) -> None:
+        """Charge a picked request to its backend (called at pick time, before the call is made).
+
+        ``work_s``: its own prefill in prior seconds; ``ttft_s``/``fixed_s``: its predicted time to first
+        token, in prior seconds / already-real seconds (both 0 when the policy predicts nothing).
+        """
         if request_id in self._requests:
             self.release(request_id)
         prefill_tokens = max(0, int(prefill_tokens))
-        self._requests[request_id] = _Inflight(backend, prefill_tokens, now)
+        work_s = work_s if work_s > 0 and math.isfinite(work_s) else 0.0
+        self._requests[request_id] = _Inflight(backend, prefill_tokens, now, False, work_s, ttft_s, fixed_s)
         self._inflight[backend] = self._inflight.get(backend, 0) + 1
         self._prefill[backend] = self._prefill.get(backend, 0) + prefill_tokens
+        if work_s:
+            self._work[backend] = self._work.get(backend, 0.0) + work_s
+        self._queued[backend] = self._queued.get(backend, 0) + 1
         self._last_pick[backend] = now
         self._mean_prompt = 0.98 * self._mean_prompt + 0.02 * max(prefill_tokens, 1)
+        if work_s:
+            n = max(1, self._inflight[backend])
+            self.add_busy(backend, self.factor(backend) * work_s + self.decode_s(backend) / n, now)
 
     def move(self, request_id: str, backend: str, now: float) -> None:
         """The request went to another backend than picked (LiteLLM retry): move its charge."""
         req = self._requests.get(request_id)
         if req is None or req.backend == backend:
             return
-        tokens = req.prefill_tokens
+        tokens, work = req.prefill_tokens, req.work_s
         self.release(request_id)
-        self.start(request_id, backend, tokens, now)
+        self.start(request_id, backend, tokens, now, work_s=work)  # its TTFT prediction was for the other
 
-    def first_token(self, request_id: str) -> None:
-        """Prefill finished: the request no longer holds prefill work, only a decode slot."""
+    def first_token(self, request_id: str, now: float | None = None) -> None:
+        """Prefill finished: the request no longer holds prefill work, only a decode slot.
+
+        With ``now``, the observed time to first token teaches the backend's speed factor.
+        """
         req = self._requests.get(request_id)
         if req is None or req.prefill_done:
             return
         req.prefill_done = True
         self._prefill[req.backend] = max(0, self._prefill.get(req.backend, 0) - req.prefill_tokens)
+        self._drop_work(req)
+        if now is not None:
+            req.first_at = now
+            if req.ttft_s > 0:
+                observed = now - req.started
+                scaled = max(observed - req.fixed_s, 0.25 * observed)
+                if scaled > 0:
+                    self._learn_factor(req.backend, scaled / req.ttft_s)
 
-    def release(self, request_id: str) -> str | None:
-        """Completion, failure or cancellation; returns the backend it was charged to (or None)."""
+    def release(self, request_id: str, now: float | None = None) -> str | None:
+        """Completion, failure or cancellation; returns the backend it was charged to (or None).
+
+        With ``now`` and a first token seen, the decode duration is learned.
+        """
         req = self._requests.pop(request_id, None)
         if req is None:
             return None
         self._inflight[req.backend] = max(0, self._inflight.get(req.backend, 0) - 1)
         if not req.prefill_done:
             self._prefill[req.backend] = max(0, self._prefill.get(req.backend, 0) - req.prefill_tokens)
+            self._drop_work(req)
+        elif now is not None and req.first_at >= 0:
+            self._learn_decode(req.backend, max(0.0, now - req.first_at))
         return req.backend
+
+    def _drop_work(self, req: _Inflight) -> None:
+        self._queued[req.backend] = max(0, self._queued.get(req.backend, 0) - 1)
+        if req.work_s:
+            left = self._work.get(req.backend, 0.0) - req.work_s
+            self._work[req.backend] = left if left > 1e-12 else 0.0
+            req.work_s = 0.0
+
+    # --- learned speed --------------------------------------------------------------------------
+    def _learn_factor(self, backend: str, ratio: float) -> None:
+        x = math.log(min(1e3, max(1e-3, ratio)))
+        a = self.learn_rate
+        old = self._log_factor.get(backend)
+        self._log_factor[backend] = x if old is None else old + a * (x - old)
+        old_all = self._log_factor_all
+        self._log_factor_all = x if old_all is None else old_all + a * (x - old_all)
+
+    def _learn_decode(self, backend: str, seconds: float) -> None:
+        a = self.learn_rate
+        old = self._decode_s.get(backend)
+        self._decode_s[backend] = seconds if old is None else old + a * (seconds - old)
+        old_all = self._decode_all
+        self._decode_all = seconds if old_all is None else old_all + a * (seconds - old_all)
+
+    def factor(self, backend: str) -> float:
+        """Learned observed/predicted TTFT ratio (1 before any sample).
+
+        Fleet-wide, not per backend: in the simulator per-backend factors fed back on themselves (a queue
+        the model under-predicts raises that backend's factor, which pushes its sessions away, which
+        raises it more: capped llm-d ladder 56 % hit with them, 94 % with one factor). ``backend_factor``
+        keeps the per-backend estimate for reports.
+        """
+        x = self._log_factor_all
+        return 1.0 if x is None else math.exp(x)
+
+    def backend_factor(self, backend: str) -> float:
+        x = self._log_factor.get(backend, self._log_factor_all)
+        return 1.0 if x is None else math.exp(x)
+
+    def decode_s(self, backend: str) -> float:
+        """Learned mean decode duration of one request on ``backend`` (seconds; 0 before any sample)."""
+        v = self._decode_s.get(backend, self._decode_all)
+        return 0.0 if v is None else v
+
+    def queued(self, backend: str) -> int:
+        """Requests charged to ``backend`` that have not had their first token yet."""
+        return self._queued.get(backend, 0)
+
+    def work_s(self, backend: str) -> float:
+        """Outstanding prefill work of requests not yet at first token, in prior seconds (unscaled)."""
+        return self._work.get(backend, 0.0)
+
+    def add_busy(self, backend: str, seconds: float, now: float) -> None:
+        v, at = self._busy.get(backend, (0.0, now))
+        self._busy[backend] = (v * self._decay(now - at) + seconds, max(at, now))
+
+    def busy(self, backend: str, now: float) -> float:
+        """Busy seconds assigned to ``backend`` recently (decayed with ``busy_half_life_s``)."""
+        got = self._busy.get(backend)
+        if got is None:
+            return 0.0
+        return got[0] * self._decay(now - got[1])
+
+    def _decay(self, age_s: float) -> float:
+        return 1.0 if age_s <= 0 else math.pow(0.5, age_s / self.busy_half_life_s)
 
     def backend_of(self, request_id: str) -> str | None:
         req = self._requests.get(request_id)
@@ -123,6 +240,9 @@ class LoadTracker:
         self._prefill.pop(backend, None)
         self._last_pick.pop(backend, None)
         self._signals.pop(backend, None)
+        self._work.pop(backend, None)
+        self._queued.pop(backend, None)
+        self._busy.pop(backend, None)
 
     # --- views ----------------------------------------------------------------------------------
     def inflight(self, backend: str) -> int:
@@ -148,7 +268,13 @@ class LoadTracker:
         queue_tokens = float(prefill)
         running = inflight
         kv_usage = 0.0
-        w = self.freshness(now - sig.at)
+        age = now - sig.at
+        memo = self._fresh_memo
+        if memo[0] == age:  # signals scraped together share their age: one pow per pick, not per backend
+            w = memo[1]
+        else:
+            w = self.freshness(age)
+            self._fresh_memo = (age, w)
         if sig.queue_depth is not None:
             queue_tokens = max(queue_tokens, w * sig.queue_depth * self._mean_prompt)
         if sig.running is not None:

@@ -135,6 +135,22 @@ class PreciseIndex:
             start = parent[0]
         full = len(token_ids) // block_size
         own: Sequence[int] = token_keys(token_ids, block_size, start, n) if full else ()
+        return self._store(state, engine_hashes, own, n, copy)
+
+    def stored_keys(self, source: Hashable, engine_hashes: Sequence[int], keys: Sequence[int],
+                    copy: CopyTag = None) -> int:
+        """A ``BlockStored`` whose blocks the caller already keyed (simulated engines: no token ids)."""
+        state = self._sources.get(source)
+        if state is None or not engine_hashes:
+            return 0
+        with self._lock:
+            return self._store(state, engine_hashes, keys, min(len(engine_hashes), self.config.max_blocks_per_event),
+                               copy)
+
+    def _store(self, state: _Source, engine_hashes: Sequence[int], own: Sequence[int], n: int,
+               copy: CopyTag) -> int:
+        engine = state.engine
+        counters = state.counters
         added = 0
         holders = self._holders
         backend = state.backend

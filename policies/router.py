@@ -142,7 +142,8 @@ class Router:
         rid = request.request_id or ""
         try:
             backend = decision.backend
-            self.state.load.start(rid, backend, decision.predicted_prefill_tokens, now)
+            self.state.load.start(rid, backend, decision.predicted_prefill_tokens, now, work_s=decision.work_s,
+                                  ttft_s=decision.predicted_ttft_s, fixed_s=decision.fixed_wait_s)
             self.index.record(backend, request.keys, now)
             matched = decision.matched_blocks
             confirmed = self._confirmed_prefix(backend, request.keys, matched)
@@ -219,7 +220,7 @@ class Router:
 
     def on_first_token(self, request_id: str) -> None:
         """Prefill done: release prefill load; the request's blocks are now really on the backend."""
-        self.state.load.first_token(request_id)
+        self.state.load.first_token(request_id, self.clock())
         pending = self._pending.get(request_id)
         if pending is not None:
             self._settle(pending)
@@ -232,7 +233,7 @@ class Router:
         raced its burst's first request does not teach the index that the backend evicts early.
         """
         pending = self._pending.pop(request_id, None)
-        self.state.load.release(request_id)
+        self.state.load.release(request_id, self.clock())
         if pending is None:
             return
         self._settle(pending)

@@ -4,7 +4,10 @@ Events are arrivals (routed at once through ``Router.pick``) and replica step en
 the same lifecycle feedback as in production: ``on_first_token`` when the engine emits the first token
 and ``on_complete(cached_tokens=...)`` with the prefix the engine really reused. Engine metrics (waiting
 queue, running, KV usage) are observed every ``metrics_interval_s`` like a scraper would (llm-d scrapes
-every 50 ms); KV events are never sent, so approximate indexes learn only from picks and responses.
+every 50 ms). KV events (block stored / evicted) reach only a policy that asks for them with an
+``event_delay_s`` attribute (``kvroute_precise``): its router gets kvroute's ``PreciseIndex`` and every
+replica's events arrive that many seconds after the step that caused them; approximate indexes learn
+only from picks and responses.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from kvroute.policies import (
     RoutingRequest,
     build_policy,
 )
+from kvroute.policies.precise_index import PreciseIndex, PreciseIndexConfig
 from kvroute.sim.presets import Preset
 from kvroute.sim.replica import Live, Replica
 from kvroute.sim.workload import Workload
@@ -97,11 +101,33 @@ def simulate(workload: Workload, policy: Policy | str, fleet: FleetConfig,
     capacity = fleet.capacity_tokens
     names = _backend_names(fleet.replicas)
     now = 0.0
-    router = Router(
-        RouterConfig(index=PrefixIndexConfig(capacity_tokens=capacity, block_tokens=float(bt))),
-        clock=lambda: now,
-    )
+    index_config = PrefixIndexConfig(capacity_tokens=capacity, block_tokens=float(bt))
+    event_delay = getattr(policy, "event_delay_s", None)
+    precise = None
+    if event_delay is not None:  # kvroute's precise index, fed by the simulated engines' KV events
+        precise = PreciseIndex(PreciseIndexConfig(fallback=index_config))
+        for name in names:
+            precise.attach(name, name)
+    router = Router(RouterConfig(index=index_config), clock=lambda: now, index=precise)
     replicas = [Replica(n, fleet.preset.cost, capacity // bt, bt) for n in names]
+    in_transit: deque[tuple[float, str, list[tuple[bool, int]]]] = deque()
+    if precise is not None:
+        for rep in replicas:
+            rep.events = []
+
+    def ship_events(rep: Replica, at: float) -> None:
+        if rep.events:
+            in_transit.append((at + event_delay, rep.name, rep.events))
+            rep.events = []
+
+    def deliver_events(at: float) -> None:
+        while in_transit and in_transit[0][0] <= at:
+            _, source, batch = in_transit.popleft()
+            for stored, key in batch:
+                if stored:
+                    precise.stored_keys(source, [key], [key])
+                else:
+                    precise.removed(source, [key])
     by_name = {r.name: i for i, r in enumerate(replicas)}
     attach = getattr(policy, "attach_fleet", None)
     if attach is not None:
@@ -159,11 +185,22 @@ def simulate(workload: Workload, policy: Policy | str, fleet: FleetConfig,
             in_flight += 1
             spec = reqs[x]
             rid = f"r{x}"
+            if in_transit:
+                deliver_events(now)
             if interval is not None and now - last_obs >= interval:
                 last_obs = now
                 for rep in replicas:
                     router.observe(rep.name, ExternalSignal(at=now, queue_depth=len(rep.waiting),
                                                             running=len(rep.admitted), kv_usage=rep.kv_usage()))
+            live = Live(x, rid, spec.prompt_tokens, max(1, spec.output_tokens), spec.keys, now)
+            lives[x] = live
+            if spec.prompt_tokens + spec.output_tokens > max_tokens:
+                # over the context window: rejected before routing (LiteLLM's pre-call context check), so
+                # no policy's index records a prompt no engine will run
+                dropped += 1
+                live.done_at = now
+                release_successors(x, now)
+                continue
             tags = {} if spec.cache_prefix_blocks is None else {"cache_prefix_blocks": str(spec.cache_prefix_blocks)}
             request = RoutingRequest(model="sim", keys=spec.keys, block_tokens=bt, prompt_tokens=spec.prompt_tokens,
                                      session_key=spec.session, app=spec.app, request_id=rid, tags=tags,
@@ -171,9 +208,7 @@ def simulate(workload: Workload, policy: Policy | str, fleet: FleetConfig,
             decision = router.pick(request, names, policy=policy)
             reasons[decision.reason] += 1
             routed += 1
-            live = Live(x, rid, spec.prompt_tokens, max(1, spec.output_tokens), spec.keys, now)
-            lives[x] = live
-            if spec.prompt_tokens + spec.output_tokens > max_tokens or decision.backend is None:
+            if decision.backend is None:
                 dropped += 1
                 router.on_failure(rid)
                 if done_hook is not None:
@@ -217,6 +252,8 @@ def simulate(workload: Workload, policy: Policy | str, fleet: FleetConfig,
         if step is not None:
             push(heap, (step.end, seq, _END, x, rep.version))
             seq += 1
+        if precise is not None:
+            ship_events(rep, now)
     if progress is not None:
         progress(n, n)
     finished = [r for r in lives if r is not None]

@@ -122,7 +122,33 @@ def _cpu_llamacpp_34m() -> Preset:
     )
 
 
-PRESETS: dict[str, Preset] = {p.name: p for p in (_qwen3_32b_h100_tp2(), _llama31_8b_a100(), _cpu_llamacpp_34m())}
+def _cpu_llamacpp_ci() -> Preset:
+    # shared/engines/README.md, CI preset (7.4M model), 1 replica: cold 1013 tok → 0.177 s, 4013 tok → 1.42 s.
+    # Fit t = a·n + b·n²: a = 1.142e-4 s/token (8,760 tok/s), b = 5.97e-8 → attn = 2b (checks: 2013 tok → 0.47 s,
+    # measured 0.452). Decode per token not in the README: 2 ms, as the fake engine's default.
+    return Preset(
+        name="cpu-llamacpp-ci",
+        description="tiny 7.4M Llama on llama.cpp (xllamacpp), 1 thread, 1 slot (the CI and demo model)",
+        cost=CostModel(
+            prefill_tok_s=1 / 1.142e-4,
+            attn_s=2 * 5.97e-8,
+            step_overhead_s=0.002,
+            decode_s_per_seq=0.0002,
+            kv_read_s_per_token=0.0,
+            chunk_tokens=2048,
+            max_running=1,
+        ),
+        kv_tokens=16_384,
+        block_tokens=16,
+        gpus=1,
+        usd_per_gpu_hour=Decimal("0.10"),
+        max_model_len=8192,
+        sources=("shared/engines/README.md prefill table (7.4M CI preset)",),
+    )
+
+
+PRESETS: dict[str, Preset] = {p.name: p for p in (_qwen3_32b_h100_tp2(), _llama31_8b_a100(), _cpu_llamacpp_34m(),
+                                                  _cpu_llamacpp_ci())}
 DEFAULT_PRESET = "qwen3-32b-h100-tp2"
 
 

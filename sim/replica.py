@@ -87,6 +87,7 @@ class Replica:
         self.preemptions = 0
         self.evictions = 0
         self.scheduled: dict[int, int] | None = None  # keys of queued/running requests (oracle only)
+        self.events: list[tuple[bool, int]] | None = None  # (stored?, key) KV events, when someone listens
         # decoders in aggregate
         self.clock_d = 0
         self.dec_n = 0
@@ -131,6 +132,21 @@ class Replica:
                 break
         return n
 
+    def queued_prefill_s(self) -> float:
+        """Exact seconds of prefill ahead of a new arrival: running prefills' rest + the waiting queue's misses."""
+        cost, bt = self.cost, self.block_tokens
+        total = 0.0
+        for r in self.prefilling.values():
+            left = r.target - r.computed
+            total += left / cost.prefill_tok_s + cost.chunk_attention(r.computed, left)
+        for r in self.waiting:
+            hit = min(self.cached_blocks(r.keys) * bt, r.prompt - 1)
+            left = r.prompt - hit
+            total += left / cost.prefill_tok_s + cost.chunk_attention(hit, left)
+        steps = -(-int(sum(r.target - r.computed for r in self.prefilling.values())
+                       + sum(r.prompt for r in self.waiting)) // cost.chunk_tokens)
+        return total + steps * (cost.step_overhead_s + cost.decode_s_per_seq * self.dec_n)
+
     def queued_prefill_tokens(self) -> int:
         """Prompt tokens still to compute: running prefills plus the whole waiting queue (exact state)."""
         total = sum(r.target - r.computed for r in self.prefilling.values())
@@ -148,10 +164,13 @@ class Replica:
     def _evict_to_fit(self) -> None:
         over = len(self.pinned) + self.private + len(self.evictable) - self.capacity
         ev = self.evictable
+        events = self.events
         while over > 0 and ev:
-            ev.popitem(last=False)
+            k, _ = ev.popitem(last=False)
             self.evictions += 1
             over -= 1
+            if events is not None:
+                events.append((False, k))
 
     def _free_blocks(self) -> int:
         return self.capacity - len(self.pinned) - self.private
@@ -284,6 +303,8 @@ class Replica:
                 pinned[k] = 1
             else:
                 pinned[k] = 1
+                if self.events is not None:
+                    self.events.append((True, k))
             r.pins += 1
             r.private -= 1
             self.private -= 1

@@ -4,21 +4,32 @@ from __future__ import annotations
 
 import pytest
 
-from kvroute.policies import CacheAwareConfig, ExternalSignal, PrefixIndexConfig, Router, RouterConfig, RoutingRequest
+from kvroute.policies import ExternalSignal, PrefixIndexConfig, Router, RouterConfig, RoutingRequest
+from kvroute.policies.speed import EngineSpeed
 
 
-def test_copy_of_a_held_prefix_costs_more_when_the_target_cache_is_full() -> None:
+def test_copy_onto_a_full_cache_is_priced_as_the_cache_it_evicts() -> None:
     now = [0.0]
-    r = Router(RouterConfig(index=PrefixIndexConfig(block_tokens=64.0)), clock=lambda: now[0])
-    keys = list(range(1, 33))  # 2048 tokens
+    # index capacity 40 blocks of 64 tokens: a 2,048-token prompt fills 32 of them
+    r = Router(RouterConfig(index=PrefixIndexConfig(block_tokens=64.0, capacity_tokens=40 * 64)),
+               clock=lambda: now[0])
+    keys = list(range(1, 33))
     first = r.pick(RoutingRequest("m", keys, 64, 2048, request_id="a"), ["x", "y"]).backend
     other = "y" if first == "x" else "x"
-    r.on_complete("a", cached_tokens=0)  # no load left anywhere: only the cache terms differ
-    r.observe(first, ExternalSignal(at=0.0, kv_usage=0.0))
-    r.observe(other, ExternalSignal(at=0.0, kv_usage=0.8))
+    r.on_complete("a", cached_tokens=0)
+    filler = list(range(1000, 1040))  # the other backend's cache is full of someone else's prefix
+    r.pick(RoutingRequest("m", filler, 64, 40 * 64, request_id="f"), [other])
+    r.on_complete("f", cached_tokens=0)
+    for b in ("x", "y"):
+        r.observe(b, ExternalSignal(at=0.0, kv_usage=0.0))
     d = r.pick(RoutingRequest("m", [*keys, 99], 64, 2112, request_id="b"), ["x", "y"])
-    cfg = CacheAwareConfig()
-    # holder: 64 uncached tokens; other: 2112 uncached + kv 0.25·0.8·2112 + copy 1.0·0.8·2048
-    assert d.scores[first] == pytest.approx(64)
-    assert d.scores[other] == pytest.approx(2112 + cfg.kv_weight * 0.8 * 2112 + cfg.replication_weight * 0.8 * 2048)
+    speed = EngineSpeed()
+    own_holder = speed.prefill_s(2112 - 2048, 2048)
+    assert d.scores[first] == pytest.approx(own_holder)
+    # the other backend: its whole uncached prefill, the 2,112 tokens of cache it evicts (weight 0.5), and
+    # the duplicate of the held prefix (idle there: once)
+    own_other = speed.prefill_s(2112)
+    evicts = 0.5 * speed.prefill_s(2112)
+    dup = own_other - own_holder
+    assert d.scores[other] == pytest.approx(own_other + evicts + dup)
     assert d.backend == first

@@ -62,6 +62,13 @@ def test_cpu_preset_matches_measured_cold_prefill() -> None:
         assert p.cost.cold_prefill_s(tokens) == pytest.approx(secs, rel=0.15)
 
 
+def test_ci_preset_matches_measured_cold_prefill() -> None:
+    p = get_preset("cpu-llamacpp-ci")
+    measured = {1013: 0.177, 2013: 0.452, 4013: 1.42}  # shared/engines/README.md, 7.4M CI model
+    for tokens, secs in measured.items():
+        assert p.cost.cold_prefill_s(tokens) == pytest.approx(secs, rel=0.15)
+
+
 def test_presets_are_sane_and_unknown_preset_is_a_config_error() -> None:
     for p in PRESETS.values():
         assert p.kv_blocks > 0 and p.cost.prefill_tok_s > 0

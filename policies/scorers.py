@@ -1,0 +1,122 @@
+"""Scorers of ``cache_aware``: each returns predicted seconds for one backend and knows nothing of the others.
+
+Every scorer reads one ``Candidate`` (what the router knows about one backend for this request) and the
+``EngineSpeed`` prior; the policy adds them up with weights and a picker chooses. Seconds from the prior
+are multiplied by the backend's learned factor (observed / predicted time to first token).
+
+| scorer | predicts | from |
+|---|---|---|
+| ``queue_wait`` | prefill work queued ahead on the backend | router's outstanding work, engine queue depth |
+| ``slot_wait`` | waiting for a free sequence slot | running requests over ``slots`` × learned decode time |
+| ``own_prefill`` | this request's uncached prefill, decode steps sharing it | index match, running decoders |
+| ``kv_pressure`` | admission delay when the new blocks do not fit the free KV | engine KV usage (scraped) |
+| ``eviction`` | what the copy costs others: cache it evicts, recomputed later | index residency vs capacity |
+| ``duplicate_work`` | recomputing a prefix held elsewhere, for the fleet and the queue behind | extra × (1 + queue) |
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvroute.policies.load import BackendLoad
+from kvroute.policies.speed import EngineSpeed
+
+
+@dataclass(slots=True)
+class Candidate:
+    """One backend as the scorers see it for one request (tokens are prompt tokens)."""
+
+    backend: str
+    prompt: int
+    matched: int
+    view: BackendLoad
+    factor: float
+    work_s: float
+    queued: int
+    decode_s: float
+    resident_tokens: float
+    capacity_tokens: float
+    best_matched: int = 0  # longest cached prefix any candidate holds (request-level)
+    own_s: float = -1.0  # prefill_s(uncached, matched) when the caller computed it (else scorers do)
+    best_own_s: float = 0.0  # the best holder's own prefill_s (request-level)
+    uncached: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.uncached = self.prompt - self.matched
+
+
+Scorer = Callable[[Candidate, EngineSpeed], float]
+
+
+def queue_wait(c: Candidate, speed: EngineSpeed) -> float:
+    """Prefill queued ahead: the router's outstanding work, or the engine's reported queue if larger."""
+    queued = c.work_s
+    if c.view.queue_tokens > 0:
+        queued = max(queued, c.view.queue_tokens / speed.prefill_tok_s)
+    return c.factor * queued
+
+
+def slot_wait(c: Candidate, speed: EngineSpeed) -> float:
+    """Real seconds until a sequence slot frees when every slot is taken (learned decode duration)."""
+    busy = max(c.view.inflight, c.view.running)
+    if busy < speed.slots:
+        return 0.0
+    return (busy - speed.slots + 1) / speed.slots * c.decode_s
+
+
+def own_prefill(c: Candidate, speed: EngineSpeed) -> float:
+    """This request's uncached prefill, with the running decoders that share each of its steps."""
+    own = c.own_s if c.own_s >= 0 else speed.prefill_s(c.uncached, c.matched)
+    running = c.view.running
+    if not running:
+        return c.factor * own
+    steps = math.ceil(max(1, c.uncached) / speed.chunk_tokens)
+    return c.factor * (own + steps * running * speed.decode_s_per_seq)
+
+
+def kv_pressure(c: Candidate, speed: EngineSpeed) -> float:
+    """Real seconds of admission delay when the new blocks do not fit the KV left free by running requests:
+    one request has to finish first (learned decode duration). Zero while they fit."""
+    if c.capacity_tokens <= 0 or c.view.kv_usage <= 0:
+        return 0.0
+    free = (1.0 - c.view.kv_usage) * c.capacity_tokens
+    return c.decode_s if c.uncached > free else 0.0
+
+
+def eviction(c: Candidate, speed: EngineSpeed) -> float:
+    """Seconds others pay later for the cache this request's new blocks evict on a full backend."""
+    if c.capacity_tokens <= 0:
+        return 0.0
+    evicted = c.uncached - max(0.0, c.capacity_tokens - c.resident_tokens)
+    if evicted <= 0:
+        return 0.0
+    return c.factor * speed.prefill_s(evicted)
+
+
+def duplicate_work(c: Candidate, speed: EngineSpeed) -> float:
+    """Prefill work this pick adds over the best holder's (recomputing a prefix the fleet already has),
+    once for the fleet's capacity and once more per request that queues behind it on this backend
+    (about as many as wait there now): duplicating a prefix is cheap only onto an idle backend."""
+    if c.matched >= c.best_matched:
+        return 0.0
+    if c.own_s >= 0:
+        extra = c.own_s - c.best_own_s
+    else:
+        extra = speed.prefill_s(c.uncached, c.matched) - speed.prefill_s(c.prompt - c.best_matched, c.best_matched)
+    return c.factor * (1 + c.queued) * max(0.0, extra)
+
+
+#: scorers that price what a pick does to other requests (the rest predict this request's TTFT)
+FLEET_SCORERS = frozenset({"evict", "others"})
+
+#: scorer names as config knobs use them (``<name>_weight``)
+SCORERS: dict[str, Scorer] = {
+    "queue": queue_wait,
+    "slot": slot_wait,
+    "prefill": own_prefill,
+    "kv": kv_pressure,
+    "evict": eviction,
+    "others": duplicate_work,
+}
