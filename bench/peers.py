@@ -41,18 +41,24 @@ PRECISE_NOTE = ("not run: precise mode needs KV-cache events, which neither the 
 
 # ---------------------------------------------------------------------------------------------- measurements
 def cpu_seconds(pids: list[int]) -> float:
-    """User+system CPU seconds of ``pids`` and their direct children (Linux /proc; 0 elsewhere)."""
-    tick = os.sysconf("SC_CLK_TCK")
+    """CPU seconds ``pids`` and their direct children have run, summed over their live threads (Linux
+    ``/proc/*/task/*/schedstat``, nanoseconds; 0 elsewhere). Threads that ended meanwhile are not counted."""
     wanted = set(pids)
-    total = 0.0
+    procs = set(wanted)
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) in wanted:
+                procs.add(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
             continue
-        if int(stat.parent.name) in wanted or int(fields[1]) in wanted:
-            total += (int(fields[11]) + int(fields[12])) / tick
-    return total
+    total_ns = 0
+    for pid in procs:
+        for task in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+            try:
+                total_ns += int(task.read_text().split()[0])
+            except (OSError, ValueError, IndexError):
+                continue
+    return total_ns / 1e9
 
 
 def engine_counters(kind: str, base_urls: list[str]) -> list[tuple[float, float]]:
