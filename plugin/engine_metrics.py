@@ -61,13 +61,24 @@ def _int_label(labels: Mapping[str, str], name: str) -> int | None:
     return value if value > 0 else None
 
 
+_WANTED = tuple(sorted({n for names in _GAUGES.values() for n in names} | set(_CACHE_INFO)))
+
+
+def _wanted_lines(text: str) -> str:
+    """Only the samples (and their ``# TYPE``/``# HELP`` lines) of the metrics read here: a vLLM page is mostly
+    histograms, and the Prometheus parser is ~10× slower on all of it than on this subset."""
+    return "\n".join(line for line in text.splitlines()
+                      if line.startswith(_WANTED) or (line.startswith(("# TYPE ", "# HELP "))
+                                                      and line[7:].startswith(_WANTED))) + "\n"
+
+
 def parse_metrics(text: str) -> EngineSnapshot:
     """Parse Prometheus text exposition; raises ``ValueError`` when it is not that format."""
     from prometheus_client.parser import text_string_to_metric_families
 
     found: dict[str, list[float]] = {}
     snap = EngineSnapshot()
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(_wanted_lines(text)):
         for sample in family.samples:
             name = sample.name
             base = name[:-6] if name.endswith("_total") else name

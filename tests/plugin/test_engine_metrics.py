@@ -82,6 +82,21 @@ def test_recorded_vllm_metrics_page():
     assert snap.queue_depth is not None and snap.running is not None and snap.kv_usage is not None
 
 
+def test_only_the_metrics_read_reach_the_parser():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvroute.plugin.engine_metrics import _wanted_lines
+
+    page = (FIXTURES / "vllm-0.32-cpu-metrics.txt").read_text()
+    subset = _wanted_lines(page)
+    assert len(subset) < len(page) / 4  # the histograms are skipped
+    full = {s.name: s for f in text_string_to_metric_families(page) for s in f.samples}
+    kept = {s.name: s for f in text_string_to_metric_families(subset) for s in f.samples}
+    assert kept and all(full[name] == sample for name, sample in kept.items())
+    assert {"vllm:num_requests_waiting", "vllm:prefix_cache_hits_total", "vllm:cache_config_info"} <= set(kept)
+    assert parse_metrics(page) == parse_metrics(subset)
+
+
 def test_hit_rate_between_scrapes():
     a = EngineSnapshot(cache_hits=100, cache_queries=200)
     b = EngineSnapshot(cache_hits=160, cache_queries=300)
