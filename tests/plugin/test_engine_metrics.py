@@ -158,3 +158,28 @@ def test_scraper_thread_runs_on_an_interval(metrics_server):
     finally:
         scraper.stop()
     assert len(seen) >= 3
+
+
+class _DropsIdle(QuietHandler):
+    """Answers as HTTP/1.1 keep-alive, then closes the socket anyway: a server that dropped an idle connection."""
+
+    protocol_version = "HTTP/1.1"
+    served: ClassVar[list[int]] = []
+
+    def do_GET(self):
+        self.served.append(1)
+        self.reply(200, VLLM.encode(), "text/plain; version=0.0.4")
+        self.close_connection = True
+
+
+def test_scraper_reconnects_when_a_kept_alive_connection_was_dropped():
+    seen: list[str] = []
+    _DropsIdle.served = []
+    with http_stub(_DropsIdle) as url:
+        scraper = EngineMetricsScraper({"a": url + "/metrics"}, lambda b, s: seen.append(b), timeout_s=1.0)
+        try:
+            results = [scraper.scrape_once()["a"] for _ in range(3)]
+        finally:
+            scraper.stop()
+    assert all(r is not None and r.engine == "vllm" for r in results)
+    assert seen == ["a"] * 3 and len(_DropsIdle.served) == 3 and scraper.failures == {}
