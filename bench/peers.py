@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -183,13 +184,14 @@ def _one_run(rival: Rival, workload: Workload, model: str, kind: str, base_urls:
 
 def run(args: argparse.Namespace, say) -> dict:
     """Everything: fleet, rivals, interleaved runs; the JSON-ready result."""
-    size = Size.quick() if args.quick else Size()
+    size = Size.quick() if args.quick else Size.llamacpp() if args.fleet == "llamacpp" else Size()
     capacity = replica_capacity_tokens(size, args.replicas)
     specs = [s for s in RIVALS if not args.rival or s.key in args.rival]
     started_at = time.time()
     say(f"sglang-router venv: {args.venv}")
     binary = ensure_venv(Path(args.venv))
     result: dict = {"fleet": args.fleet, "replicas": args.replicas, "repeats": args.repeats, "quick": args.quick,
+                    "size": dataclasses.asdict(size),
                     "capacity_tokens_per_replica": capacity, "sglang_router": SGLANG_ROUTER_PIN,
                     "kvroute_precise": PRECISE_NOTE, "cpu_count": os.cpu_count(),
                     "load_average_start": list(os.getloadavg())}
@@ -279,7 +281,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny workloads, one repeat: a CI smoke run")
     p.add_argument("--venv", default=str(DEFAULT_VENV), help=f"where {SGLANG_ROUTER_PIN}'s venv is kept")
     p.add_argument("--json", action="store_true", help="print the result as JSON only")
+    p.add_argument("--render", metavar="FILE", help="print the table of a result saved with --json, run nothing")
     args = p.parse_args(argv)
+    if args.render:
+        print(render(json.loads(Path(args.render).read_text())))
+        return 0
     args.workload = args.workload or list(WORKLOADS)
     args.repeats = args.repeats or (1 if args.quick else 3)
     if args.repeats <= 0 or args.replicas <= 0:

@@ -63,6 +63,12 @@ class Size:
     prefix_tokens: int = 1024
 
     @classmethod
+    def llamacpp(cls) -> Size:
+        """Smaller for llama.cpp, whose CPU prefill is ~50× slower than the fake engine's default."""
+        return cls(demo_requests=24, app_requests=30, app_rate_per_s=3.0, agents=3, agent_steps=6,
+                   agent_rate_per_s=1.0, prefix_tokens=768)
+
+    @classmethod
     def quick(cls) -> Size:
         return cls(demo_requests=8, apps=2, app_requests=8, app_rate_per_s=8.0, agents=2, agent_steps=3,
                    agent_rate_per_s=4.0, prefix_tokens=512)
