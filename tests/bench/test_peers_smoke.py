@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from peers import METRICS, run_figures, summarise  # noqa: E402
+from peers import METRICS, run_figures, summarise, targets  # noqa: E402
 from peers_rivals import RIVALS  # noqa: E402
 from peers_workloads import Outcome, RunResult, Size, build, replica_capacity_tokens  # noqa: E402
 
@@ -60,6 +60,18 @@ def test_run_figures_and_same_repeat_ratios():
     assert summary["kvroute"]["ttft_p90_ms_vs_litellm-shuffle"] == 2.125
     assert summary["kvroute"]["cached_share_vs_litellm-shuffle"] == 2.0
     assert summary["kvroute"]["failed"] == 2
+
+
+def test_targets_say_by_how_much_each_is_met_or_missed():
+    row = {"cached_share": 0.8, "ttft_p90_ms": 100.0, "router_cpu_ms_per_req": 10.0}
+    summary = {"kvroute": dict(row, **{"ttft_p90_ms_vs_litellm-sglang-ca": 0.9,
+                                       "router_cpu_ms_per_req_vs_litellm-shuffle": 1.05}),
+               "sglang-ca": dict(row, cached_share=0.85), "litellm-sglang-ca": row, "litellm-shuffle": row}
+    t = targets(summary)
+    assert t["cached_share"]["met"] is False and t["cached_share"]["difference"] == -0.05
+    assert t["ttft_p90"]["met"] is True and t["ttft_p90"]["ratio"] == 0.9
+    assert t["proxy_cpu"]["met"] is False and t["proxy_cpu"]["ratio"] == 1.05
+    assert targets({"kvroute": row}) == {}  # a rival that did not run: no verdict rather than a wrong one
 
 
 @pytest.mark.e2e
