@@ -82,6 +82,21 @@ def test_recorded_vllm_metrics_page():
     assert snap.queue_depth is not None and snap.running is not None and snap.kv_usage is not None
 
 
+def test_only_the_metrics_read_reach_the_parser():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvroute.plugin.engine_metrics import _wanted_lines
+
+    page = (FIXTURES / "vllm-0.32-cpu-metrics.txt").read_text()
+    subset = _wanted_lines(page)
+    assert len(subset) < len(page) / 4  # the histograms are skipped
+    full = {s.name: s for f in text_string_to_metric_families(page) for s in f.samples}
+    kept = {s.name: s for f in text_string_to_metric_families(subset) for s in f.samples}
+    assert kept and all(full[name] == sample for name, sample in kept.items())
+    assert {"vllm:num_requests_waiting", "vllm:prefix_cache_hits_total", "vllm:cache_config_info"} <= set(kept)
+    assert parse_metrics(page) == parse_metrics(subset)
+
+
 def test_hit_rate_between_scrapes():
     a = EngineSnapshot(cache_hits=100, cache_queries=200)
     b = EngineSnapshot(cache_hits=160, cache_queries=300)
@@ -143,3 +158,28 @@ def test_scraper_thread_runs_on_an_interval(metrics_server):
     finally:
         scraper.stop()
     assert len(seen) >= 3
+
+
+class _DropsIdle(QuietHandler):
+    """Answers as HTTP/1.1 keep-alive, then closes the socket anyway: a server that dropped an idle connection."""
+
+    protocol_version = "HTTP/1.1"
+    served: ClassVar[list[int]] = []
+
+    def do_GET(self):
+        self.served.append(1)
+        self.reply(200, VLLM.encode(), "text/plain; version=0.0.4")
+        self.close_connection = True
+
+
+def test_scraper_reconnects_when_a_kept_alive_connection_was_dropped():
+    seen: list[str] = []
+    _DropsIdle.served = []
+    with http_stub(_DropsIdle) as url:
+        scraper = EngineMetricsScraper({"a": url + "/metrics"}, lambda b, s: seen.append(b), timeout_s=1.0)
+        try:
+            results = [scraper.scrape_once()["a"] for _ in range(3)]
+        finally:
+            scraper.stop()
+    assert all(r is not None and r.engine == "vllm" for r in results)
+    assert seen == ["a"] * 3 and len(_DropsIdle.served) == 3 and scraper.failures == {}

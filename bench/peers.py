@@ -1,0 +1,307 @@
+"""kvroute side by side with the real peers: sglang-router 0.3.2 and LiteLLM's own strategies on the same fleet.
+
+Starts N replicas (fake engines or llama.cpp, through ``plugin/fleet.py``), then every rival in front of them
+(``bench/peers_rivals.py``): sglang-router ``cache_aware`` / ``round_robin`` directly and behind LiteLLM, LiteLLM's
+strategies and affinity checks, LiteLLM + kvroute. Each workload is replayed once per rival per repeat, rivals
+interleaved (A B C … A B C …), every run with its own prompt salt. Per rival: cached-token share (the engines'
+own counters), TTFT p50/p90, req/s, failures, spread over replicas (max/mean prompt tokens served), routing CPU per
+request (the rival's router processes), and ratios against LiteLLM simple-shuffle and LiteLLM → sglang-router
+``cache_aware`` in the same repeat (medians over repeats). Usage::
+
+    LITELLM_LOCAL_MODEL_COST_MAP=True .venv/bin/python bench/peers.py [--fleet fake|llamacpp]
+        [--workload demo --workload apps --workload agent] [--repeats 3] [--quick] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from peers_rivals import CHAIN, RIVALS, SGLANG, SHUFFLE, FleetView, Rival, start_rivals
+from peers_workloads import WORKLOADS, RunResult, Size, Workload, build, replay, replica_capacity_tokens
+from sglang_router import DEFAULT_VENV, SGLANG_ROUTER_PIN, ensure_venv
+
+from kvroute.plugin.fleet import Fleet, ReplicaOptions
+
+PRECISE_NOTE = ("not run: precise mode needs KV-cache events, which neither the fake engine nor llama.cpp emits "
+                "(vLLM/SGLang do; see bench/vllm_precise_e2e.py)")
+
+
+# ---------------------------------------------------------------------------------------------- measurements
+def cpu_seconds(pids: list[int]) -> float:
+    """CPU seconds ``pids`` and their direct children have run, summed over their live threads (Linux
+    ``/proc/*/task/*/schedstat``, nanoseconds; 0 elsewhere). Threads that ended meanwhile are not counted."""
+    wanted = set(pids)
+    procs = set(wanted)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) in wanted:
+                procs.add(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    total_ns = 0
+    for pid in procs:
+        for task in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+            try:
+                total_ns += int(task.read_text().split()[0])
+            except (OSError, ValueError, IndexError):
+                continue
+    return total_ns / 1e9
+
+
+def engine_counters(kind: str, base_urls: list[str]) -> list[tuple[float, float]]:
+    """(prompt tokens served, of which cached) per replica, as each engine counts them."""
+    out = []
+    with httpx.Client(timeout=10.0, trust_env=False) as client:
+        for url in base_urls:
+            if kind == "fake":
+                stats = client.get(url + "/admin/stats").json()
+                out.append((float(stats["prompt_tokens"]), float(stats["cached_tokens"])))
+                continue
+            values = {}
+            for line in client.get(url + "/metrics").text.splitlines():
+                if line.startswith("llamacpp:prompt_tokens"):
+                    name, _, value = line.partition(" ")
+                    values[name] = float(value)
+            processed = values.get("llamacpp:prompt_tokens_total", 0.0)
+            cached = values.get("llamacpp:prompt_tokens_cached_total", 0.0)
+            out.append((processed + cached, cached))  # llama.cpp counts processed and cached tokens apart
+    return out
+
+
+def quantile(values: list[float], q: float) -> float | None:
+    """Nearest-rank quantile (None when empty)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+def run_figures(result: RunResult, before: list[tuple[float, float]], after: list[tuple[float, float]],
+                cpu_s: float) -> dict:
+    """The figures of one run of one rival."""
+    prompt = [a[0] - b[0] for a, b in zip(after, before, strict=True)]
+    cached = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
+    ok = [o for o in result.outcomes if o.ok]
+    ttfts = [o.ttft_s for o in ok if o.ttft_s is not None]
+    mean_prompt = sum(prompt) / len(prompt) if prompt else 0.0
+    p50, p90 = quantile(ttfts, 0.5), quantile(ttfts, 0.9)
+    return {"requests": len(result.outcomes), "failed": len(result.outcomes) - len(ok),
+            "cached_share": round(cached / sum(prompt), 4) if sum(prompt) > 0 else 0.0,
+            "ttft_p50_ms": None if p50 is None else round(p50 * 1000, 1),
+            "ttft_p90_ms": None if p90 is None else round(p90 * 1000, 1),
+            "req_per_s": round(len(ok) / result.wall_s, 3) if result.wall_s > 0 else 0.0,
+            "spread": round(max(prompt) / mean_prompt, 3) if mean_prompt > 0 else None,
+            "router_cpu_ms_per_req": round(cpu_s * 1000 / len(result.outcomes), 3) if result.outcomes else None}
+
+
+METRICS = ("cached_share", "ttft_p50_ms", "ttft_p90_ms", "req_per_s", "spread", "router_cpu_ms_per_req")
+RATIO_METRICS = ("cached_share", "ttft_p90_ms", "req_per_s", "router_cpu_ms_per_req")
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return round(statistics.median(present), 4) if present else None
+
+
+def summarise(runs: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per rival: the median of each figure over repeats, failures summed, and same-repeat ratio medians."""
+    out: dict[str, dict] = {}
+    for key, per_repeat in runs.items():
+        row: dict = {m: _median([r[m] for r in per_repeat]) for m in METRICS}
+        row["failed"] = sum(r["failed"] for r in per_repeat)
+        row["requests"] = sum(r["requests"] for r in per_repeat)
+        for base in (SHUFFLE, CHAIN):
+            if base not in runs:
+                continue
+            for m in RATIO_METRICS:
+                ratios = [r[m] / b[m] if r[m] is not None and b[m] else None
+                          for r, b in zip(per_repeat, runs[base], strict=False)]
+                row[f"{m}_vs_{base}"] = _median(ratios)
+        out[key] = row
+    return out
+
+
+def targets(summary: dict[str, dict]) -> dict:
+    """The issue's targets on one workload: kvroute's cached share ≥ sglang-router cache_aware's (direct), its
+    TTFT p90 ≤ LiteLLM → sglang-router's, its routing CPU per request ≤ 1.03 × LiteLLM simple-shuffle's."""
+    kv, sgl, chain, shuffle = (summary.get(k) for k in ("kvroute", SGLANG, CHAIN, SHUFFLE))
+    out: dict = {}
+    if kv and sgl and kv["cached_share"] is not None and sgl["cached_share"] is not None:
+        out["cached_share"] = {"kvroute": kv["cached_share"], SGLANG: sgl["cached_share"],
+                               "difference": round(kv["cached_share"] - sgl["cached_share"], 4),
+                               "met": kv["cached_share"] >= sgl["cached_share"]}
+    if kv and chain and kv.get(f"ttft_p90_ms_vs_{CHAIN}") is not None:
+        ratio = kv[f"ttft_p90_ms_vs_{CHAIN}"]
+        out["ttft_p90"] = {"kvroute_ms": kv["ttft_p90_ms"], f"{CHAIN}_ms": chain["ttft_p90_ms"],
+                           "ratio": ratio, "met": ratio <= 1.0}
+    if kv and shuffle and kv.get(f"router_cpu_ms_per_req_vs_{SHUFFLE}") is not None:
+        ratio = kv[f"router_cpu_ms_per_req_vs_{SHUFFLE}"]
+        out["proxy_cpu"] = {"kvroute_ms": kv["router_cpu_ms_per_req"],
+                            f"{SHUFFLE}_ms": shuffle["router_cpu_ms_per_req"], "ratio": ratio, "goal": 1.03,
+                            "met": ratio <= 1.03}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- the run
+def _replica_options(kind: str, capacity: int, quick: bool) -> ReplicaOptions:
+    if kind == "fake":  # timing stays the fleet's default (the fake engine's own model of prefill and decode)
+        return ReplicaOptions(capacity_tokens=capacity, block_tokens=16)
+    from kvroute.plugin.tiny_model import PRESETS
+
+    mib = max(1, math.ceil(capacity * PRESETS["small"].kv_bytes_per_token / (1024 * 1024)))
+    return ReplicaOptions(cache_ram_mib=mib, threads=1, parallel=1, ctx=4096 if quick else 8192)
+
+
+async def _warm_up(rival: Rival, model: str) -> None:
+    async with httpx.AsyncClient(base_url=rival.base_url, headers=rival.headers, timeout=60.0,
+                                 trust_env=False) as client:
+        r = await client.post("/v1/chat/completions", json={"model": model, "max_tokens": 1,
+                                                            "messages": [{"role": "user", "content": "hi"}]})
+        r.raise_for_status()
+
+
+def _one_run(rival: Rival, workload: Workload, model: str, kind: str, base_urls: list[str], salt: str) -> dict:
+    before = engine_counters(kind, base_urls)
+    cpu0 = cpu_seconds(rival.pids)
+    result = asyncio.run(replay(rival.base_url, rival.headers, model, workload, salt))
+    cpu = cpu_seconds(rival.pids) - cpu0
+    return run_figures(result, before, engine_counters(kind, base_urls), cpu)
+
+
+def run(args: argparse.Namespace, say) -> dict:
+    """Everything: fleet, rivals, interleaved runs; the JSON-ready result."""
+    size = Size.quick() if args.quick else Size.llamacpp() if args.fleet == "llamacpp" else Size()
+    capacity = replica_capacity_tokens(size, args.replicas)
+    specs = [s for s in RIVALS if not args.rival or s.key in args.rival]
+    started_at = time.time()
+    say(f"sglang-router venv: {args.venv}")
+    binary = ensure_venv(Path(args.venv))
+    result: dict = {"fleet": args.fleet, "replicas": args.replicas, "repeats": args.repeats, "quick": args.quick,
+                    "size": dataclasses.asdict(size),
+                    "capacity_tokens_per_replica": capacity, "sglang_router": SGLANG_ROUTER_PIN,
+                    "kvroute_precise": PRECISE_NOTE, "cpu_count": os.cpu_count(),
+                    "load_average_start": list(os.getloadavg())}
+    with contextlib.ExitStack() as stack:
+        fleet = stack.enter_context(Fleet(args.replicas, engine=args.fleet,
+                                          options=_replica_options(args.fleet, capacity, args.quick),
+                                          name_prefix="peers"))
+        view = FleetView(fleet.api_bases, fleet.model, "llamacpp" if args.fleet == "llamacpp" else "vllm",
+                         capacity, 16 if args.fleet == "fake" else None)
+        say(f"{args.replicas} {args.fleet} replicas up (cache ≈ {capacity} tokens each); starting {len(specs)} rivals")
+        rivals = start_rivals(specs, view, binary, stack)
+        for rival in rivals:
+            if rival.error is None:
+                try:
+                    asyncio.run(_warm_up(rival, fleet.model))
+                except httpx.HTTPError as exc:
+                    rival.error = f"warm-up request failed: {type(exc).__name__}: {exc}"
+        live = [r for r in rivals if r.error is None]
+        result["rivals"] = {r.spec.key: {"label": r.spec.label, "started": r.error is None, "error": r.error}
+                            for r in rivals}
+        say(f"started {len(live)}/{len(rivals)} rivals in {time.time() - started_at:.0f} s")
+        result["workloads"] = {}
+        for name in args.workload:
+            workload = build(name, size, capacity)
+            runs: dict[str, list[dict]] = {r.spec.key: [] for r in live}
+            for repeat in range(args.repeats):
+                for rival in live:
+                    salt = f"{name}-{repeat}-{rival.spec.key}-{started_at:.0f}"
+                    runs[rival.spec.key].append(_one_run(rival, workload, fleet.model, args.fleet,
+                                                         fleet.base_urls, salt))
+                    say(f"{name} repeat {repeat + 1}/{args.repeats} {rival.spec.key}: "
+                        f"{json.dumps(runs[rival.spec.key][-1])}")
+            summary = summarise(runs)
+            result["workloads"][name] = {"requests_per_run": workload.requests, "flows": len(workload.flows),
+                                         "summary": summary, "targets": targets(summary), "runs": runs}
+    result["load_average_end"] = list(os.getloadavg())
+    result["wall_s"] = round(time.time() - started_at, 1)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- output
+def _fmt(value: float | None, kind: str) -> str:
+    if value is None:
+        return "-"
+    if kind == "share":
+        return f"{value:.1%}"
+    if kind == "ms":
+        return f"{value:,.0f} ms"
+    if kind == "x":
+        return f"{value:.2f}×"
+    return f"{value:.2f}"
+
+
+def render(result: dict) -> str:
+    """A markdown table per workload, then the targets."""
+    labels = {k: v["label"] for k, v in result["rivals"].items()}
+    lines = [f"{result['replicas']} {result['fleet']} replicas, {result['repeats']} interleaved repeats, medians; "
+             f"load average {result['load_average_start'][0]:.1f} → {result['load_average_end'][0]:.1f} on "
+             f"{result['cpu_count']} CPUs"]
+    for key, info in result["rivals"].items():
+        if not info["started"]:
+            lines.append(f"NOT STARTED {key}: {info['error']}")
+    for name, w in result["workloads"].items():
+        lines += ["", f"### {name} ({w['requests_per_run']} requests per run)", "",
+                  "| router | cached share | TTFT p50 | TTFT p90 | req/s | failed | spread | CPU/req | "
+                  "cached × shuffle | p90 × chain | CPU × shuffle |", "|---|" + "---|" * 10]
+        for key, row in w["summary"].items():
+            lines.append(f"| {labels[key]} | {_fmt(row['cached_share'], 'share')} | {_fmt(row['ttft_p50_ms'], 'ms')} "
+                         f"| {_fmt(row['ttft_p90_ms'], 'ms')} | {_fmt(row['req_per_s'], '')} | {row['failed']} "
+                         f"| {_fmt(row['spread'], 'x')} | {_fmt(row['router_cpu_ms_per_req'], '')} ms "
+                         f"| {_fmt(row.get(f'cached_share_vs_{SHUFFLE}'), 'x')} "
+                         f"| {_fmt(row.get(f'ttft_p90_ms_vs_{CHAIN}'), 'x')} "
+                         f"| {_fmt(row.get(f'router_cpu_ms_per_req_vs_{SHUFFLE}'), 'x')} |")
+        for target, t in w["targets"].items():
+            lines.append(f"- target {target}: {'met' if t['met'] else 'MISSED'} {json.dumps(t)}")
+    lines.append(f"- kvroute precise: {result['kvroute_precise']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--fleet", choices=("fake", "llamacpp"), default="fake")
+    p.add_argument("--workload", action="append", choices=WORKLOADS, help="repeatable; default: all three")
+    p.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 3, --quick 1)")
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--rival", action="append", help="only these rivals (repeatable), e.g. kvroute")
+    p.add_argument("--quick", action="store_true", help="tiny workloads, one repeat: a CI smoke run")
+    p.add_argument("--venv", default=str(DEFAULT_VENV), help=f"where {SGLANG_ROUTER_PIN}'s venv is kept")
+    p.add_argument("--json", action="store_true", help="print the result as JSON only")
+    p.add_argument("--render", metavar="FILE", help="print the table of a result saved with --json, run nothing")
+    args = p.parse_args(argv)
+    if args.render:
+        print(render(json.loads(Path(args.render).read_text())))
+        return 0
+    args.workload = args.workload or list(WORKLOADS)
+    args.repeats = args.repeats or (1 if args.quick else 3)
+    if args.repeats <= 0 or args.replicas <= 0:
+        p.error("--repeats and --replicas must be positive")
+    unknown = set(args.rival or ()) - {s.key for s in RIVALS}
+    if unknown:
+        p.error(f"unknown rival(s) {sorted(unknown)}; expected some of {[s.key for s in RIVALS]}")
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+
+    def say(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    result = run(args, say)
+    print(json.dumps(result) if args.json else render(result))
+    return 0 if all(r["started"] for r in result["rivals"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

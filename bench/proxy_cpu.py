@@ -1,0 +1,199 @@
+"""Proxy CPU per request: plain LiteLLM vs LiteLLM with a do-nothing callback vs LiteLLM + kvroute.
+
+Same 4 fake replicas (instant prefill and decode, so the proxies are the work), the same shared-prefix chat
+requests, streamed or not, in interleaved rounds (the order rotates every round). CPU is read per thread from
+``/proc/*/task/*/schedstat`` (nanoseconds of CPU actually run, so other load on the machine disturbs it far less
+than wall clock). Prints the medians over rounds of the per-round ratios ``kvroute ÷ plain`` (goal ≤ 1.03) and
+``noop ÷ plain`` (what LiteLLM spends on dispatching to any callback with kvroute's hooks). ``--profile`` also
+samples each proxy with py-spy (installed into a throw-away venv) and lists kvroute's own hot frames. Usage::
+
+    LITELLM_LOCAL_MODEL_COST_MAP=True .venv/bin/python bench/proxy_cpu.py [--rounds 8] [--requests 200]
+        [--stream] [--profile] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import json
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from peers import cpu_seconds
+
+from kvroute.plugin.fleet import Fleet, ReplicaOptions
+from kvroute.plugin.proxy_process import ModelGroup, ProxyProcess, build_proxy_config
+
+HERE = Path(__file__).resolve().parent
+VARIANTS = ("plain", "noop", "kvroute")
+NOOP_PARTS = ("noop_filter", "noop_pre_call", "noop_success", "noop_failure", "noop_stream")
+PY_SPY_VENV = HERE.parent / ".kvroute" / "py-spy"
+_KVROUTE_FRAME = re.compile(r"\((plugin|policies|billing|sim)/")
+_IDLE = ("Condition.wait", "_worker (", "Runner.run (", "select (", "poll (")
+
+
+def _body(i: int, prefixes: int, stream: bool) -> dict:
+    system = f"System prompt {i % prefixes}: " + "shared instructions for the assistant " * 60
+    body = {"model": "llama", "max_tokens": 4,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"question {i}"}]}
+    if stream:
+        body.update(stream=True, stream_options={"include_usage": True})
+    return body
+
+
+async def _load(proxy: ProxyProcess, n: int, offset: int, args: argparse.Namespace) -> int:
+    """Send ``n`` requests, ``args.concurrency`` at a time; the number that failed."""
+    sem = asyncio.Semaphore(args.concurrency)
+    failed = 0
+    async with httpx.AsyncClient(base_url=proxy.base_url, headers=proxy.headers, timeout=60,
+                                 trust_env=False) as client:
+        async def one(i: int) -> None:
+            nonlocal failed
+            async with sem:
+                r = await client.post("/v1/chat/completions", json=_body(offset + i, args.prefixes, args.stream))
+                if r.status_code != 200:
+                    failed += 1
+
+        await asyncio.gather(*(one(i) for i in range(n)))
+    return failed
+
+
+def _py_spy() -> Path:
+    binary = PY_SPY_VENV / "bin" / "py-spy"
+    if not binary.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(PY_SPY_VENV)], check=True)
+        subprocess.run([str(PY_SPY_VENV / "bin" / "pip"), "install", "-q", "py-spy"], check=True)
+    return binary
+
+
+def own_frames(raw: Path, top: int = 15) -> dict:
+    """From py-spy's collapsed stacks: busy samples, those in kvroute's own code (the deepest kvroute frame
+    calls no LiteLLM code), and the hottest such frames."""
+    busy = own = 0
+    frames: collections.Counter[str] = collections.Counter()
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n, chain = int(count), stack.split(";")
+        if not chain[-1] or chain[-1].startswith(_IDLE):
+            continue
+        busy += n
+        ours = [i for i, f in enumerate(chain) if _KVROUTE_FRAME.search(f)]
+        if ours and not any("(litellm/" in f for f in chain[ours[-1] + 1:]):
+            own += n
+            frames[re.sub(r":\d+\)$", ")", chain[ours[-1]])] += n
+    return {"busy_samples": busy, "kvroute_own_samples": own,
+            "kvroute_own_share": round(own / busy, 4) if busy else None,
+            "hot": [[f, n] for f, n in frames.most_common(top)]}
+
+
+def measure(proxies: dict[str, ProxyProcess], args: argparse.Namespace) -> dict:
+    for proxy in proxies.values():  # warm-up: connections, lazy imports, first picks
+        asyncio.run(_load(proxy, max(20, args.requests // 5), 10_000_000, args))
+    cpu: dict[str, list[float]] = {v: [] for v in proxies}
+    failed = 0
+    for r in range(args.rounds):
+        names = list(proxies)
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            proxy = proxies[name]
+            before = cpu_seconds([proxy.process.pid])
+            failed += asyncio.run(_load(proxy, args.requests, r * args.requests, args))
+            cpu[name].append((cpu_seconds([proxy.process.pid]) - before) / args.requests)
+    out: dict = {"rounds": args.rounds, "requests_per_round": args.requests, "stream": args.stream,
+                 "concurrency": args.concurrency, "failed": failed,
+                 "cpu_ms_per_request": {v: round(statistics.median(c) * 1000, 3) for v, c in cpu.items()},
+                 "rounds_ms": {v: [round(x * 1000, 2) for x in c] for v, c in cpu.items()}}
+    for v in proxies:
+        if v != "plain":
+            out[f"{v}_vs_plain"] = round(statistics.median(a / b for a, b in zip(cpu[v], cpu["plain"],
+                                                                                   strict=True)), 4)
+    out["goal"] = 1.03
+    return out
+
+
+def profile(proxies: dict[str, ProxyProcess], args: argparse.Namespace, workdir: Path) -> dict:
+    spy = _py_spy()
+    out = {}
+    for name, proxy in proxies.items():
+        raw = workdir / f"{name}.txt"
+        sampler = subprocess.Popen([str(spy), "record", "--pid", str(proxy.process.pid), "--rate", "200",
+                                    "--format", "raw", "--nonblocking", "-o", str(raw)],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            time.sleep(1.0)
+            asyncio.run(_load(proxy, args.requests * 2, 20_000_000, args))
+        finally:
+            sampler.send_signal(2)  # SIGINT: py-spy writes its file and exits
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                sampler.wait(30)
+        out[name] = own_frames(raw) if raw.exists() else {"error": "py-spy wrote nothing (ptrace not allowed?)"}
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--requests", type=int, default=200)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--prefixes", type=int, default=16)
+    p.add_argument("--stream", action="store_true")
+    p.add_argument("--profile", action="store_true", help="also sample each proxy with py-spy")
+    p.add_argument("--hooks", action="store_true",
+                   help="also one proxy per kvroute hook, each alone and doing nothing (prices LiteLLM's dispatch)")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    opts = ReplicaOptions(capacity_tokens=65536, prefill_tokens_per_s=1e6, decode_ms=0.0, slots=64)
+    with contextlib.ExitStack() as stack:
+        fleet = stack.enter_context(Fleet(4, engine="fake", options=opts, name_prefix="cpu"))
+        group = ModelGroup("llama", fleet.api_bases, engine="vllm")
+        settings = {"num_retries": 0}
+        env = {"LITELLM_LOG": "ERROR", "PYTHONPATH": str(HERE)}
+        configs = {"plain": build_proxy_config([group], kvroute=False, router_settings=settings),
+                   "noop": build_proxy_config([group], kvroute=False, router_settings=settings,
+                                              litellm_settings={"callbacks": ["proxy_noop_callback.noop_callback"]}),
+                   "kvroute": build_proxy_config([group], kvroute=True, router_settings=settings)}
+        for part in NOOP_PARTS if args.hooks else ():
+            configs[part] = build_proxy_config([group], kvroute=False, router_settings=settings,
+                                               litellm_settings={"callbacks": [f"proxy_noop_callback.{part}"]})
+        proxies = {v: stack.enter_context(ProxyProcess(c, env=env, inherit_kvroute_env=False))
+                   for v, c in configs.items()}
+        result = measure(proxies, args)
+        if args.profile:
+            result["profile"] = profile(proxies, args, Path(stack.enter_context(_tempdir())))
+    if args.json:
+        print(json.dumps(result))
+        return
+    c = result["cpu_ms_per_request"]
+    print(f"proxy CPU per {'streamed ' if args.stream else ''}request (median of {args.rounds} interleaved rounds "
+          f"× {args.requests}): plain {c['plain']} ms, no-op callback {c['noop']} ms, kvroute {c['kvroute']} ms")
+    print(f"kvroute ÷ plain {result['kvroute_vs_plain']} (goal ≤ 1.03); no-op ÷ plain {result['noop_vs_plain']}; "
+          f"failed {result['failed']}")
+    for part in NOOP_PARTS:
+        if f"{part}_vs_plain" in result:
+            print(f"{part} ÷ plain {result[f'{part}_vs_plain']}")
+    for name, prof in result.get("profile", {}).items():
+        print(f"py-spy {name}: {json.dumps(prof)}")
+
+
+@contextlib.contextmanager
+def _tempdir():
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="kvroute-proxy-cpu-") as d:
+        yield d
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""SGLang's router (PyPI ``sglang-router==0.3.2``) in a venv of its own, and one running router process.
+
+``ensure_venv(path)`` creates the venv once (``python -m venv`` + ``pip install sglang-router==0.3.2``) and reuses it
+while its marker file names that version. ``SglangRouter(binary, worker_urls, policy)`` runs
+``sglang-router launch`` on free 127.0.0.1 ports (HTTP and Prometheus) with the policy's defaults, waits until
+every worker is registered and healthy, and always stops it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+
+from kvroute.plugin.child_processes import ChildOwner, ChildStartError, log_tail, spawn, terminate
+from kvroute.plugin.proxy_process import free_port
+
+SGLANG_ROUTER_PIN = "sglang-router==0.3.2"
+DEFAULT_VENV = Path(__file__).resolve().parent.parent / ".kvroute" / "sglang-router-0.3.2"
+
+
+def ensure_venv(path: Path = DEFAULT_VENV, python: str | None = None) -> Path:
+    """The ``sglang-router`` executable of the venv at ``path``, creating the venv first if needed."""
+    binary = path / "bin" / "sglang-router"
+    marker = path / ".kvroute-pin"
+    if binary.exists() and marker.exists() and marker.read_text().strip() == SGLANG_ROUTER_PIN:
+        return binary
+    if path.exists():
+        shutil.rmtree(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    steps = ([python or sys.executable, "-m", "venv", str(path)],
+             [str(path / "bin" / "python"), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+              SGLANG_ROUTER_PIN])
+    for cmd in steps:
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise ChildStartError(f"could not set up {SGLANG_ROUTER_PIN} in {path}: {' '.join(cmd[:3])} ... exited "
+                                  f"{done.returncode}:\n{(done.stderr or done.stdout)[-2000:]}")
+    if not binary.exists():
+        raise ChildStartError(f"{SGLANG_ROUTER_PIN} installed no sglang-router executable in {path / 'bin'}")
+    marker.write_text(SGLANG_ROUTER_PIN + "\n")
+    return binary
+
+
+class SglangRouter(ChildOwner):
+    """``sglang-router launch --policy POLICY --worker-urls ...`` on 127.0.0.1; ``base_url`` once started."""
+
+    def __init__(self, binary: Path, worker_urls: Sequence[str], policy: str = "cache_aware",
+                 start_timeout_s: float = 60.0, log_level: str = "warn") -> None:
+        self.binary = binary
+        self.worker_urls = list(worker_urls)
+        self.policy = policy
+        self.start_timeout_s = start_timeout_s
+        self.log_level = log_level
+        self.workdir = Path(tempfile.mkdtemp(prefix=f"kvroute-sglang-{policy}-"))
+        self.log_path = self.workdir / "router.log"
+        self.port = 0
+        self.process = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> SglangRouter:
+        for attempt in range(3):
+            self.port = free_port()
+            cmd = [str(self.binary), "launch", "--host", "127.0.0.1", "--port", str(self.port),
+                   "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+                   "--policy", self.policy, "--log-level", self.log_level, "--worker-urls", *self.worker_urls]
+            self.process = spawn(cmd, self.log_path)
+            try:
+                self._wait_ready()
+                return self
+            except ChildStartError:
+                terminate(self.process)
+                if "address already in use" not in log_tail(self.log_path).lower() or attempt == 2:
+                    raise
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        with httpx.Client(timeout=2.0, trust_env=False) as client:
+            while True:
+                if self.process.poll() is not None:
+                    raise ChildStartError(f"sglang-router ({self.policy}) exited with code "
+                                          f"{self.process.returncode}:\n{log_tail(self.log_path)}")
+                if time.monotonic() > deadline:
+                    raise ChildStartError(f"sglang-router ({self.policy}) had not registered all "
+                                          f"{len(self.worker_urls)} workers after {self.start_timeout_s:g}s:\n"
+                                          f"{log_tail(self.log_path)}")
+                try:
+                    workers = client.get(self.base_url + "/workers").json().get("workers") or []
+                    if len(workers) == len(self.worker_urls) and all(w.get("is_healthy") for w in workers):
+                        return
+                except (httpx.HTTPError, ValueError):
+                    pass
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            terminate(self.process)
+        shutil.rmtree(self.workdir, ignore_errors=True)
