@@ -75,7 +75,7 @@ def render_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], title: 
                     "period", "currency"}
     for c in columns:
         header = c.replace("_amount", "").replace("_tokens", "").replace("_", " ")
-        table.add_column(header, justify="left" if c in text_columns else "right", no_wrap=c in text_columns)
+        table.add_column(header, justify="left" if c in text_columns else "right", overflow="fold")
     for row in rows:
         style = "bold" if row.get("app_id") == "TOTAL" else None
         table.add_row(*[_cell(row.get(c), c) for c in columns], style=style)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-import click
 import typer
 
 from kvroute.plugin.extras import MissingExtra, extra_for_module, require
@@ -21,19 +21,54 @@ from kvroute.policies.errors import KvrouteError
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="kvroute: KV-cache-aware routing, failover and usage billing for LiteLLM.")
 
-# Top-level commands that cannot run at all without an extra (finer needs are checked inside the commands).
-COMMAND_EXTRAS = {"demo": "proxy", "billing": "billing", "report": "billing", "events": "events"}
 USAGE_ERROR = 2
-_args: list[str] = []  # the arguments main() runs with (the root callback cannot see the sub-command's own)
+
+
+@dataclass(frozen=True)
+class Need:
+    """``kvroute <command>`` (with ``option`` given, without ``unless``) cannot run without ``extra``."""
+
+    command: str
+    extra: str
+    option: str | None = None
+    unless: str | None = None
+
+
+NEEDS = (
+    Need("demo", "proxy"),
+    Need("demo", "engines", option="--engine=llamacpp"),
+    Need("billing", "billing"),
+    Need("report", "billing"),
+    Need("events", "events"),
+    Need("simulate", "sim", option="--plots"),
+    Need("bench decision", "litellm", unless="--no-litellm"),
+)
 
 
 @app.callback()
-def _root(ctx: typer.Context,
-          debug: bool = typer.Option(False, "--debug", help="Show the full traceback of an error "
+def _root(debug: bool = typer.Option(False, "--debug", help="Show the full traceback of an error "
                                      "(also KVROUTE_DEBUG=1).")) -> None:
-    extra = COMMAND_EXTRAS.get(ctx.invoked_subcommand or "")
-    if extra and not _asks_for_help(_args or sys.argv[1:]):
-        require(extra, ctx.invoked_subcommand or "")
+    """kvroute: KV-cache-aware routing, failover and usage billing for LiteLLM."""
+
+
+def _has(args: Sequence[str], option: str) -> bool:
+    name, _, value = option.partition("=")
+    for i, arg in enumerate(args):
+        if arg == option or (not value and arg == name):
+            return True
+        if value and arg == name and i + 1 < len(args) and args[i + 1] == value:
+            return True
+    return False
+
+
+def check_needs(command: str, args: Sequence[str]) -> None:
+    """Raise ``MissingExtra`` for the first extra ``kvroute <command> <args>`` needs and lacks."""
+    if "--help" in args or "-h" in args:
+        return
+    for need in NEEDS:
+        if f"{command} ".startswith(f"{need.command} ") and (need.option is None or _has(args, need.option)) \
+                and not (need.unless and _has(args, need.unless)):
+            require(need.extra, need.command if need.option is None else f"{need.command} {need.option}")
 
 
 def _mount() -> None:
@@ -67,18 +102,14 @@ def _mount() -> None:
 _mount()
 
 
-def _asks_for_help(args: Sequence[str]) -> bool:
-    return "--help" in args or "-h" in args
-
-
 def command_name(args: Sequence[str]) -> str:
     """The (sub-)command the arguments name, e.g. ``billing ingest`` (``kvroute`` itself when none)."""
-    group: click.Command = typer.main.get_command(app)
+    group = typer.main.get_command(app)
     words: list[str] = []
     for arg in args:
         if arg.startswith("-"):
             continue
-        sub = group.commands.get(arg) if isinstance(group, click.Group) else None
+        sub = (getattr(group, "commands", None) or {}).get(arg)
         if sub is None:
             break
         words.append(arg)
@@ -124,8 +155,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     debug = "--debug" in args or os.environ.get("KVROUTE_DEBUG", "").lower() in ("1", "true", "yes")
     args = [a for a in args if a != "--debug"]
     command = command_name(args)
-    _args[:] = args
     try:
+        check_needs(command, args)
         app(args=args, prog_name="kvroute")
     except SystemExit:
         raise

@@ -141,6 +141,8 @@ def render_table(result: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from kvroute.plugin.output import fold
+
     table = Table(title="kvroute decision latency (fingerprint + pick, warm index)")
     for col in ("prompt tokens", "backends", "p50 µs", "p99 µs", "xxh3 pass µs", "p50 / hash pass"):
         table.add_column(col, justify="right")
@@ -149,7 +151,7 @@ def render_table(result: dict[str, Any]) -> None:
         table.add_row(str(c["prompt_tokens"]), str(c["backends"]), f"{c['p50_us']:.1f}", f"{c['p99_us']:.1f}",
                       f"{c['hash_pass_us']:.1f}", f"{ratio:.1f}×")
     console = Console()
-    console.print(table)
+    console.print(fold(table))
     if result.get("litellm_acompletion_p50_us"):
         console.print(f"LiteLLM Router.acompletion(mock_response) p50: {result['litellm_acompletion_p50_us']:.0f} µs"
                       f"; kvroute 8k/16 p50 is {100 * result.get('p50_8k_16_share_of_litellm', 0):.2f}% of it")

@@ -13,6 +13,7 @@ from kvroute.policies.errors import KvrouteError
 
 # Import names (top level) each extra of pyproject.toml installs; the first ones are what kvroute itself imports.
 EXTRAS: dict[str, tuple[str, ...]] = {
+    "litellm": ("litellm", "openai"),
     "proxy": ("litellm", "openai", "fastapi", "uvicorn", "starlette", "websockets", "orjson", "backoff",
               "apscheduler", "jwt", "cryptography", "semver", "multipart", "expression", "fastapi_sso", "mcp",
               "soundfile", "litellm_enterprise", "litellm_proxy_extras"),
@@ -24,7 +25,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
 }
 # A module some extras share is reported as the extra that needs it least (the smallest install).
 _MODULE_EXTRA: dict[str, str] = {}
-for _extra in ("engines", "proxy", "billing", "sim", "events", "redis"):
+for _extra in ("engines", "proxy", "billing", "sim", "events", "redis", "litellm"):
     for _module in EXTRAS[_extra]:
         _MODULE_EXTRA[_module] = _extra
 _MODULE_EXTRA.update({"uvloop": "proxy", "nacl": "proxy", "hiredis": "redis", "psycopg_binary": "billing"})

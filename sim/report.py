@@ -74,7 +74,7 @@ def print_table(comp: Comparison, console: Any = None) -> None:
     t = Table(title=f"{comp.workload.name}: {f.replicas} × {f.preset.name}, KV {f.capacity_tokens:,} tokens/replica, "
                     f"{len(comp.workload.requests):,} requests")
     for h in HEADERS:
-        t.add_column(h, justify="left" if h == "policy" else "right")
+        t.add_column(h, justify="left" if h == "policy" else "right", overflow="fold")
     for row in table_rows(comp):
         t.add_row(*row)
     console.print(t)
