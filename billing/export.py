@@ -79,6 +79,8 @@ def render_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], title: 
     for row in rows:
         style = "bold" if row.get("app_id") == "TOTAL" else None
         table.add_row(*[_cell(row.get(c), c) for c in columns], style=style)
+    if width is None and file is None and not sys.stdout.isatty():
+        width = 4096  # piped: the table's natural width, one row per line, nothing cut
     Console(file=file or sys.stdout, width=width).print(table)
 
 

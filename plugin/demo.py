@@ -147,7 +147,7 @@ def demo_command(
     from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from kvroute.plugin.output import resolve_format, write_csv
+    from kvroute.plugin.output import resolve_format, stdout_console, write_csv
 
     fmt = resolve_format(fmt, json_out)
     err = Console(stderr=True)
@@ -184,5 +184,5 @@ def demo_command(
         rows = policy_rows(result)
         write_csv(rows, list(rows[0]))
         return
-    render(result, Console())
+    render(result, stdout_console())
     err.print(f"[dim]done in {time.perf_counter() - started:.0f} s; all processes stopped[/dim]")

@@ -1,7 +1,8 @@
-"""How kvroute commands print figures: ``--format table|json|csv``, and tables that fold instead of cutting.
+"""How kvroute commands print figures: ``--format table|json|csv``, and tables that are never cut.
 
-Rich sizes a table to the terminal (80 columns when piped) and by default cuts long cells with "…";
-``fold(table)`` makes every column wrap its text instead, so nothing printed is lost.
+Rich sizes a table to the terminal (80 columns when piped) and by default cuts long cells with "…".
+``fold(table)`` makes every column wrap its text instead; ``stdout_console()`` gives piped output the table's
+natural width (one row per line, nothing cut) and a terminal its own width.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 from kvroute.policies.errors import InputError
 
 FORMATS = ("table", "json", "csv")
+PIPED_WIDTH = 4096  # wide enough for any kvroute table; rich prints only what a row needs
 FORMAT_HELP = "table | json | csv"
 
 
@@ -45,3 +47,10 @@ def fold(table: Any) -> Any:
         column.overflow = "fold"
         column.no_wrap = False
     return table
+
+
+def stdout_console() -> Any:
+    """A rich ``Console`` on stdout: the terminal's width, or ``PIPED_WIDTH`` when stdout is not a terminal."""
+    from rich.console import Console
+
+    return Console(width=None if sys.stdout.isatty() else PIPED_WIDTH)

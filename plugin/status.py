@@ -106,10 +106,11 @@ def status(
     if fmt == "csv":
         write_csv(status_rows(data), STATUS_COLUMNS)
         return
-    from rich.console import Console
     from rich.markup import escape
 
-    console = Console()
+    from kvroute.plugin.output import stdout_console
+
+    console = stdout_console()
     console.print(render_table(data))
     groups = data.get("groups", {})
     for name, g in sorted(groups.items()):

@@ -290,11 +290,13 @@ def lint_log(path: str | Path, *, excerpts: bool = False, limit: int | None = No
 
 
 def print_report(report: LintReport, console: Any = None) -> None:
+    import sys
+
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
 
-    console = console or Console()
+    console = console or Console(width=None if sys.stdout.isatty() else 4096)  # piped: nothing cut
     t = Table(title=f"prompt lint: {report.requests} requests, ~{report.tokens_lost:,.0f} reusable tokens lost")
     for h in ("app", "kind", "where", "position (tok)", "requests", "values", "tokens lost", "fix"):
         t.add_column(h, overflow="fold")
