@@ -44,8 +44,11 @@ def inspect(
         typer.echo(json.dumps(result, indent=2, sort_keys=True))
         return
     if fmt == "csv":
-        rows = [{"source": name, **s, "index_blocks": result["index_blocks"]} for name, s in result["sources"].items()]
-        write_csv(rows, list(rows[0]) if rows else ["source", "index_blocks"])
+        from kvroute.plugin.kvevents import SourceStats
+
+        sources = result["sources"] or {topic or endpoint: SourceStats().public()}  # silent source: zeros
+        rows = [{"source": name, **s, "index_blocks": result["index_blocks"]} for name, s in sources.items()]
+        write_csv(rows, list(rows[0]))
         return
     for name, s in result["sources"].items():
         typer.echo(f"{name}: " + ", ".join(f"{k}={v}" for k, v in s.items()))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import io
+import json
 import os
 import socket
 import subprocess
@@ -139,6 +140,19 @@ def test_proxy_log_has_kvroute_startup_line(stack):
     assert "hosted (marketplace, approx, 2 hosted)" in line
     assert "llama (cache_aware, approx, 3 self-hosted; metrics scraped)" in line
     assert "billing off" in line and "redis off" in line and "/kvroute/status" in line
+
+
+def test_status_prints_table_csv_and_json(stack):
+    proxy = stack["proxy"]
+    base = [*KVROUTE, "status", "--proxy", proxy.base_url, "--api-key", proxy.master_key or ""]
+    as_csv = subprocess.run([*base, "--format", "csv"], capture_output=True, text=True, timeout=60)
+    assert as_csv.returncode == 0, as_csv.stderr
+    rows = {r["backend"]: r for r in csv.DictReader(io.StringIO(as_csv.stdout))}
+    assert rows["replica-2"]["group"] == "llama" and rows["provider-a"]["kind"] == "hosted"
+    as_json = subprocess.run([*base, "--json"], capture_output=True, text=True, timeout=60)
+    assert set(json.loads(as_json.stdout)["backends"]) == set(rows)
+    table = subprocess.run(base, capture_output=True, text=True, timeout=60)
+    assert "…" not in table.stdout and all(name in table.stdout for name in rows)
 
 
 def test_check_live_reaches_replicas_metrics_redis_and_billing_db(stack, redis_url, tmp_path):
