@@ -190,3 +190,17 @@ def test_reference_page_documents_every_price_file_and_event_field():
               "effective_from", "gpu_hour", "tokens_per_s", "served_model", "route_kind", "endpoint"}
     missing = sorted(f for f in fields if f"`{f}`" not in text)
     assert not missing, missing
+
+
+def test_the_test_run_silences_third_party_warnings(tmp_path):
+    """A test that builds a LiteLLM Router (pydantic's ReadOnly warnings, LiteLLM's deprecations) warns nothing."""
+    probe = tmp_path / "test_probe.py"
+    probe.write_text("import litellm\n\n\ndef test_router():\n"
+                     "    router = litellm.Router(model_list=[{'model_name': 'm', 'litellm_params': "
+                     "{'model': 'openai/m', 'api_key': 'x', 'mock_response': 'hi'}}])\n"
+                     "    assert router.completion(model='m', messages=[{'role': 'user', 'content': 'hi'}])\n")
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-c", str(ROOT / "pyproject.toml"), "--rootdir",
+                          str(tmp_path), str(probe)], capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                         env={**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"})
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert "1 passed" in out.stdout and "warning" not in out.stdout.lower(), out.stdout[-3000:]
