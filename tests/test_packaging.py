@@ -5,12 +5,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import sysconfig
-import venv
 import zipfile
 from pathlib import Path
 
 import pytest
+from wheel_helpers import build_wheel, filtered_site, install_wheel
 
 ROOT = Path(__file__).resolve().parents[1]
 CODE_DIRS = ("policies", "plugin", "billing", "sim")
@@ -18,11 +17,7 @@ CODE_DIRS = ("policies", "plugin", "billing", "sim")
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(out), str(ROOT)], check=True, cwd=out)
-    (whl,) = out.glob("kvroute-*.whl")
-    return whl
+    return build_wheel(tmp_path_factory.mktemp("wheel"))
 
 
 def test_wheel_holds_every_module_under_the_kvroute_namespace(wheel):
@@ -41,12 +36,10 @@ def test_wheel_holds_every_module_under_the_kvroute_namespace(wheel):
 
 def test_wheel_installs_and_imports_in_a_fresh_venv(wheel, tmp_path):
     env_dir = tmp_path / "venv"
-    venv.create(env_dir, with_pip=True)
-    py = env_dir / "bin" / "python"
-    subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)], check=True)
+    py = install_wheel(wheel, env_dir)
     # Dependencies come from the test environment's site-packages (no network needed); kvroute itself
-    # must come from the fresh venv, not from this checkout.
-    deps = sysconfig.get_paths()["purelib"]
+    # must come from the fresh venv, not from this checkout or this environment's own install.
+    deps = str(filtered_site(tmp_path / "site", ()))
     code = ("import kvroute.policies, kvroute.plugin, kvroute.billing, kvroute.sim, importlib.util;"
             "print(kvroute.policies.__file__);"
             "assert importlib.util.find_spec('policies') is None;"
