@@ -26,12 +26,18 @@ KVROUTE = [sys.executable, "-m", "kvroute.plugin.cli"]
 
 
 @pytest.fixture(scope="module")
-def wheel_python(tmp_path_factory) -> Path | None:
-    """The python of a fresh venv holding only the built wheel (None when CI gives a bare venv)."""
-    if os.environ.get("KVROUTE_BARE_PYTHON"):
-        return None
+def farm_python(tmp_path_factory) -> Path:
+    """The python of a fresh venv holding only the built wheel (dependencies: this environment, filtered)."""
     tmp = tmp_path_factory.mktemp("bare")
     return install_wheel(build_wheel(tmp), tmp / "venv")
+
+
+@pytest.fixture(scope="module")
+def wheel_python(request) -> Path | None:
+    """None when CI gives a venv with the bare wheel (``KVROUTE_BARE_PYTHON``), else ``farm_python``."""
+    if os.environ.get("KVROUTE_BARE_PYTHON"):
+        return None
+    return request.getfixturevalue("farm_python")
 
 
 def run_without(wheel_python: Path | None, blocked: list[str], args: list[str], tmp: Path,
@@ -70,10 +76,8 @@ def test_bare_wheel_names_the_missing_extra(wheel_python, tmp_path, args, comman
     assert not (tmp_path / ".kvroute").exists()
 
 
-def test_demo_on_llamacpp_names_the_engines_extra(wheel_python, tmp_path):
-    if wheel_python is None:
-        pytest.skip("the bare CI venv lacks the proxy extra too; covered by the demo case above")
-    out = run_without(wheel_python, list(EXTRAS["engines"]), ["demo", "--engine", "llamacpp"], tmp_path)
+def test_demo_on_llamacpp_names_the_engines_extra(farm_python, tmp_path):
+    out = run_without(farm_python, list(EXTRAS["engines"]), ["demo", "--engine", "llamacpp"], tmp_path)
     assert out.returncode == 2
     assert one_line(out) == ("kvroute demo --engine=llamacpp needs the 'engines' extra: "
                              "pip install 'kvroute[engines]'")
