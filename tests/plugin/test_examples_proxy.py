@@ -192,3 +192,18 @@ def test_control_recorder_sees_litellm_fetch_a_tokenizer_for_a_name_it_knows():
         subprocess.run([sys.executable, "-c", code], env={**os.environ, **recorder.env()}, capture_output=True,
                        timeout=120, check=True)
         assert any("huggingface.co" in r for r in recorder.requests), recorder.requests
+
+
+def test_sdk_example_runs_as_written_against_fake_replicas():
+    opts = ReplicaOptions(capacity_tokens=16384, prefill_tokens_per_s=200000, decode_ms=0.0, slots=4)
+    with NetworkRecorder() as recorder, Fleet(3, engine="fake", options=opts, name_prefix="ex-sdk") as replicas:
+        env = {**os.environ, **recorder.env(), "API_BASES": ",".join(replicas.api_bases)}
+        env = {k: v for k, v in env.items() if not k.startswith("KVROUTE_")}
+        out = subprocess.run([sys.executable, str(EXAMPLES / "sdk_router.py")], capture_output=True, text=True,
+                             env=env, timeout=180, cwd=ROOT)
+        assert out.returncode == 0, out.stderr[-2000:]
+        turns = [ln for ln in out.stdout.splitlines() if ln.startswith("chat ")]
+        assert len(turns) == 12 and all("replica-" in ln for ln in turns)
+        cached = [int(ln.split(" cached ", 1)[1].split("/", 1)[0]) for ln in turns]
+        assert sum(cached[3:]) > 0  # later turns reuse the shared system prompt on the replica that holds it
+        assert recorder.requests == [], recorder.requests
