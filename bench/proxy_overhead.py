@@ -101,7 +101,7 @@ def main() -> None:
     opts = ReplicaOptions(capacity_tokens=65536, prefill_tokens_per_s=1e6, decode_ms=0.0, slots=64)
     with contextlib.ExitStack() as stack:
         fleet = stack.enter_context(Fleet(4, engine="fake", options=opts, name_prefix="bench"))
-        group = ModelGroup("llama", fleet.api_bases, engine="vllm")
+        group = ModelGroup("llama", fleet.api_bases, engine="vllm", id_prefix="replica")
         settings = {"num_retries": 0}
         ours = stack.enter_context(ProxyProcess(build_proxy_config([group], kvroute=True, router_settings=settings),
                                                 env={"LITELLM_LOG": "ERROR"}))

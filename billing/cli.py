@@ -16,10 +16,19 @@ report_app = typer.Typer(no_args_is_help=True, help="Monthly usage, margin and p
 DB_HELP = "SQLAlchemy URL or SQLite path (default: KVROUTE_BILLING_DB, else .kvroute/billing.db)."
 
 
-def _ledger(db: str | None) -> Any:
+def _ledger(db: str | None, must_exist: bool = False) -> Any:
     from kvroute.billing.ledger import Ledger
     from kvroute.billing.settings import BillingSettings
-    return Ledger.open(db or BillingSettings().db)
+    url = db or BillingSettings().db
+    if must_exist:
+        from sqlalchemy.engine import make_url
+
+        from kvroute.billing.db import database_url
+        parsed = make_url(database_url(url))
+        if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:") \
+                and not Path(parsed.database).exists():
+            _fail(f"error: no usage ledger at {parsed.database} (set KVROUTE_BILLING_DB or pass --db)")
+    return Ledger.open(url)
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -157,7 +166,7 @@ def _report(kind: str, period: str, app: str | None, fmt: str, out: Path | None,
     build, columns = {"usage": (reports.usage_report, reports.usage_columns(by)),
                       "margin": (reports.margin_report, reports.margin_columns(by)),
                       "payouts": (reports.payout_report, reports.PAYOUT_COLUMNS)}[kind]
-    ledger = _ledger(db)
+    ledger = _ledger(db, must_exist=True)
     try:
         with ledger.engine.connect() as conn:
             rows = build(conn, ledger.catalog(refresh=True), period, app, by)

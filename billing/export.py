@@ -75,10 +75,12 @@ def render_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], title: 
                     "period", "currency"}
     for c in columns:
         header = c.replace("_amount", "").replace("_tokens", "").replace("_", " ")
-        table.add_column(header, justify="left" if c in text_columns else "right", no_wrap=c in text_columns)
+        table.add_column(header, justify="left" if c in text_columns else "right", overflow="fold")
     for row in rows:
         style = "bold" if row.get("app_id") == "TOTAL" else None
         table.add_row(*[_cell(row.get(c), c) for c in columns], style=style)
+    if width is None and file is None and not sys.stdout.isatty():
+        width = 4096  # piped: the table's natural width, one row per line, nothing cut
     Console(file=file or sys.stdout, width=width).print(table)
 
 

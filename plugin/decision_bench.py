@@ -138,8 +138,9 @@ def run_decision_bench(tokens: Sequence[int], backends: Sequence[int], repeats: 
 
 
 def render_table(result: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from kvroute.plugin.output import fold, stdout_console
 
     table = Table(title="kvroute decision latency (fingerprint + pick, warm index)")
     for col in ("prompt tokens", "backends", "p50 µs", "p99 µs", "xxh3 pass µs", "p50 / hash pass"):
@@ -148,8 +149,8 @@ def render_table(result: dict[str, Any]) -> None:
         ratio = c["p50_us"] / c["hash_pass_us"] if c["hash_pass_us"] else float("nan")
         table.add_row(str(c["prompt_tokens"]), str(c["backends"]), f"{c['p50_us']:.1f}", f"{c['p99_us']:.1f}",
                       f"{c['hash_pass_us']:.1f}", f"{ratio:.1f}×")
-    console = Console()
-    console.print(table)
+    console = stdout_console()
+    console.print(fold(table))
     if result.get("litellm_acompletion_p50_us"):
         console.print(f"LiteLLM Router.acompletion(mock_response) p50: {result['litellm_acompletion_p50_us']:.0f} µs"
                       f"; kvroute 8k/16 p50 is {100 * result.get('p50_8k_16_share_of_litellm', 0):.2f}% of it")

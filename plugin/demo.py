@@ -5,7 +5,6 @@ cache-aware routing and under round robin, side by side. Every process it starts
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import math
 import sys
@@ -15,6 +14,7 @@ from dataclasses import dataclass
 import typer
 
 from kvroute.plugin.demo_workload import PolicyReport, WorkloadSpec, build_sessions, replay, warm_up
+from kvroute.plugin.extras import MissingExtra, require
 from kvroute.policies.errors import KvrouteError
 
 POLICIES = (("kvroute", "demo-kvroute", "cache_aware"), ("round_robin", "demo-round-robin", "round_robin"))
@@ -68,17 +68,14 @@ def run_demo(options: DemoOptions, status=None, progress=None) -> dict:
     from kvroute.plugin.proxy_process import ModelGroup, ProxyProcess, build_proxy_config
 
     say = status or (lambda _msg: None)
-    missing = [name for name in ("litellm", "openai") if importlib.util.find_spec(name) is None]
-    if missing:
-        raise KvrouteError(f"kvroute demo needs {' and '.join(missing)}: pip install 'kvroute[litellm]' "
-                           "together with LiteLLM's proxy requirements")
+    require("proxy", "demo")
     spec = options.spec()
     kind = resolve_engine(options.engine)
     replica_options, capacity = _replica_options(kind, spec, options.replicas, options.cache_dir)
     sessions = build_sessions(spec)
     reports: dict[str, PolicyReport] = {}
-    say(f"starting {len(POLICIES)} × {options.replicas} {ENGINE_LABEL[kind]} replicas "
-        f"(cache room ≈ {capacity} tokens each)")
+    say(f"starting {options.replicas} {ENGINE_LABEL[kind]} replicas per policy, {len(POLICIES) * options.replicas} "
+        f"in all (cache room ≈ {capacity} tokens each)")
     with Fleet(options.replicas, kind, replica_options, name_prefix="kvroute") as kv_fleet, \
             Fleet(options.replicas, kind, replica_options, name_prefix="round-robin") as rr_fleet:
         fleets = {"kvroute": kv_fleet, "round_robin": rr_fleet}
@@ -111,11 +108,13 @@ def render(result: dict, console) -> None:
     """The side-by-side table of the demo's figures."""
     from rich.table import Table
 
+    from kvroute.plugin.output import fold
+
     def secs(x: float | None) -> str:
         return "-" if x is None else f"{x * 1000:.0f} ms"
 
     kv, rr = result["policies"]["kvroute"], result["policies"]["round_robin"]
-    table = Table(title=f"kvroute demo: {result['replicas']} {result['engine']} replicas, "
+    table = Table(title=f"kvroute demo: {result['replicas']} {result['engine']} replicas and "
                         f"{result['requests']} requests per policy")
     table.add_column("metric")
     table.add_column("kvroute (cache_aware)", justify="right")
@@ -125,26 +124,37 @@ def render(result: dict, console) -> None:
     table.add_row("TTFT p90", secs(kv["ttft_p90_s"]), secs(rr["ttft_p90_s"]))
     table.add_row("requests/s", f"{kv['requests_per_s']:.2f}", f"{rr['requests_per_s']:.2f}")
     table.add_row("failed", str(kv["failed"]), str(rr["failed"]))
-    console.print(table)
+    console.print(fold(table))
+
+
+def policy_rows(result: dict) -> list[dict]:
+    """One row per policy of the demo's figures (for ``--format csv``)."""
+    return [{"policy": key, "engine": result["engine"], "replicas": result["replicas"], **figures}
+            for key, figures in result["policies"].items()]
 
 
 def demo_command(
     replicas: int = typer.Option(3, min=2, max=8, help="Replicas per policy (3 or 4 recommended)."),
     requests: int = typer.Option(48, min=4, max=5000, help="Requests replayed per policy."),
     engine: str = typer.Option("auto", help="auto (llama.cpp when xllamacpp is installed), llamacpp or fake."),
-    json_out: bool = typer.Option(False, "--json", help="Print the figures as JSON only."),
+    json_out: bool = typer.Option(False, "--json", help="Print the figures as JSON only (same as --format json)."),
+    fmt: str = typer.Option("table", "--format", help="table | json | csv (one row per policy)"),
     cache_dir: str = typer.Option(None, envvar="KVROUTE_CACHE_DIR",
                                   help="Where the tiny llama.cpp model is cached (default ~/.cache/kvroute)."),
 ) -> None:
     """Run local replicas behind a real LiteLLM proxy and compare kvroute with round robin."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from kvroute.plugin.output import resolve_format, stdout_console, write_csv
+
+    fmt = resolve_format(fmt, json_out)
     err = Console(stderr=True)
     options = DemoOptions(replicas=replicas, requests=requests, engine=engine, cache_dir=cache_dir)
     started = time.perf_counter()
     try:
-        if json_out:
+        if fmt == "json":
             result = run_demo(options)
         else:
             bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -157,15 +167,22 @@ def demo_command(
                 bar.update(tasks[phase], completed=done)
 
             with bar:
-                result = run_demo(options, status=lambda m: bar.console.print(f"[dim]{m}[/dim]"), progress=progress)
+                result = run_demo(options, status=lambda m: bar.console.print(f"[dim]{escape(m)}[/dim]"),
+                                  progress=progress)
     except KeyboardInterrupt:
         err.print("interrupted: every replica and the proxy were stopped")
         raise typer.Exit(130) from None
+    except MissingExtra:
+        raise
     except KvrouteError as exc:
-        err.print(f"[red]demo failed:[/red] {exc}")
+        err.print(f"[red]demo failed:[/red] {escape(str(exc))}")
         raise typer.Exit(1) from None
-    if json_out:
+    if fmt == "json":
         sys.stdout.write(json.dumps(result) + "\n")
         return
-    render(result, Console())
+    if fmt == "csv":
+        rows = policy_rows(result)
+        write_csv(rows, list(rows[0]))
+        return
+    render(result, stdout_console())
     err.print(f"[dim]done in {time.perf_counter() - started:.0f} s; all processes stopped[/dim]")

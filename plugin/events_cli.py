@@ -19,12 +19,15 @@ def inspect(
     topic: str = typer.Option("", "--topic", help="Topic prefix to subscribe to (default: all)."),
     duration: float = typer.Option(10.0, "--duration", min=0.0, help="Seconds to listen."),
     model: str = typer.Option("", "--model", help="Model name used to seed the index keys."),
-    json_out: bool = typer.Option(False, "--json", help="Print the figures as JSON."),
+    json_out: bool = typer.Option(False, "--json", help="Print the figures as JSON (same as --format json)."),
+    fmt: str = typer.Option("table", "--format", help="table | json | csv (one row per source)"),
 ) -> None:
     """Listen for DURATION seconds; print per-source batches, blocks, clears, gaps, replays, decode errors."""
     from kvroute.plugin.kvevents import EventSource, KvEventFeed
+    from kvroute.plugin.output import resolve_format, write_csv
     from kvroute.policies.precise_index import PreciseIndex
 
+    fmt = resolve_format(fmt, json_out)
     index = PreciseIndex()
     feed = KvEventFeed(index, [EventSource(endpoint, topic=topic, replay_endpoint=replay, bind=bind,
                                            model=model)])
@@ -37,8 +40,15 @@ def inspect(
     finally:
         feed.stop()
     result = {"sources": {name: s.public() for name, s in feed.stats.items()}, "index_blocks": index.blocks()}
-    if json_out:
+    if fmt == "json":
         typer.echo(json.dumps(result, indent=2, sort_keys=True))
+        return
+    if fmt == "csv":
+        from kvroute.plugin.kvevents import SourceStats
+
+        sources = result["sources"] or {topic or endpoint: SourceStats().public()}  # silent source: zeros
+        rows = [{"source": name, **s, "index_blocks": result["index_blocks"]} for name, s in sources.items()]
+        write_csv(rows, list(rows[0]))
         return
     for name, s in result["sources"].items():
         typer.echo(f"{name}: " + ", ".join(f"{k}={v}" for k, v in s.items()))

@@ -38,6 +38,7 @@ from kvroute.plugin.signals import (
     request_metadata,
     ttft_of,
 )
+from kvroute.plugin.startup_log import log_startup
 from kvroute.policies import FingerprintConfig, PrefixIndexConfig, Router, RouterConfig
 from kvroute.policies.outcomes import Attribution, FailureKind, classify
 from kvroute.policies.registry import policy_names
@@ -153,6 +154,7 @@ class KvrouteCallback(CustomLogger):
         if self._mount:
             self._mount_on_proxy()
         self._learn_proxy_model_list()
+        log_startup(self)
 
     def _learn_proxy_model_list(self) -> None:
         """Classify the proxy's ``model_list`` up front so status shows every backend before traffic."""

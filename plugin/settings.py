@@ -8,6 +8,7 @@ This is the only module of kvroute that reads environment variables.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -154,7 +155,21 @@ def _read_yaml(path: Path) -> Mapping[str, Any]:
         raise ConfigError(str(path), f"invalid YAML: {exc}") from exc
     if not isinstance(data, Mapping):
         raise ConfigError(str(path), "top level must be a mapping")
-    return data
+    return resolve_env_refs(data)
+
+
+ENV_REF = "os.environ/"
+
+
+def resolve_env_refs(value: Any) -> Any:
+    """Replace ``os.environ/NAME`` strings by the variable's value (None when unset), as LiteLLM's proxy does."""
+    if isinstance(value, str) and value.startswith(ENV_REF):
+        return os.environ.get(value[len(ENV_REF):])
+    if isinstance(value, Mapping):
+        return {k: resolve_env_refs(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [resolve_env_refs(v) for v in value]
+    return value
 
 
 def read_model_list(path: str | Path) -> list[Any]:

@@ -6,7 +6,6 @@ LiteLLM proxy app; the command reads the first one.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import typer
@@ -57,39 +56,63 @@ def fetch_status(proxy: str, path: str = "/kvroute/status", api_key: str | None 
         raise RuntimeError(f"{url} did not return JSON") from exc
 
 
+STATUS_COLUMNS = ("backend", "group", "kind", "provider", "breaker", "inflight", "index_blocks")
+
+
+def status_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per backend of the status JSON (``STATUS_COLUMNS``)."""
+    return [{"backend": name, "group": b.get("group", ""), "kind": b.get("kind", ""),
+             "provider": b.get("provider", ""), "breaker": b.get("breaker", "closed"),
+             "inflight": b.get("inflight", 0), "index_blocks": b.get("index_blocks", 0)}
+            for name, b in sorted(data.get("backends", {}).items())]
+
+
 def render_table(data: dict[str, Any]) -> Any:
     from rich.table import Table
+    from rich.text import Text
+
+    from kvroute.plugin.output import fold
 
     table = Table(title="kvroute backends")
     for col in ("backend", "group", "kind", "provider", "breaker", "in flight", "index blocks"):
         table.add_column(col)
-    for name, b in sorted(data.get("backends", {}).items()):
-        breaker = b.get("breaker", "closed")
-        colour = {"closed": "green", "half_open": "yellow", "open": "red"}.get(breaker, "white")
-        table.add_row(name, str(b.get("group", "")), str(b.get("kind", "")), str(b.get("provider", "")),
-                      f"[{colour}]{breaker}[/{colour}]", str(b.get("inflight", 0)), str(b.get("index_blocks", 0)))
-    return table
+    for row in status_rows(data):
+        colour = {"closed": "green", "half_open": "yellow", "open": "red"}.get(str(row["breaker"]), "white")
+        table.add_row(Text(str(row["backend"])), Text(str(row["group"])), Text(str(row["kind"])),
+                      Text(str(row["provider"])), Text(str(row["breaker"]), style=colour), str(row["inflight"]),
+                      str(row["index_blocks"]))
+    return fold(table)
 
 
 def status(
     proxy: str = typer.Option("http://127.0.0.1:4000", "--proxy", help="Base URL of the LiteLLM proxy."),
-    as_json: bool = typer.Option(False, "--json", help="Print the raw JSON."),
+    as_json: bool = typer.Option(False, "--json", help="Print the raw JSON (same as --format json)."),
+    fmt: str = typer.Option("table", "--format", help="table | json | csv (one row per backend)"),
     api_key: str | None = typer.Option(None, "--api-key", help="Proxy key, if the route is protected."),
     path: str = typer.Option("/kvroute/status", "--path", help="Status route the plugin mounted."),
 ) -> None:
     """Breaker state, in-flight requests and index size per backend, from the running proxy."""
+    from kvroute.plugin.output import resolve_format, write_csv, write_json
+
+    fmt = resolve_format(fmt, as_json)
     try:
         data = fetch_status(proxy, path, api_key)
     except RuntimeError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
-    if as_json:
-        typer.echo(json.dumps(data, indent=2, sort_keys=True))
+    if fmt == "json":
+        write_json(data)
         return
-    from rich.console import Console
+    if fmt == "csv":
+        write_csv(status_rows(data), STATUS_COLUMNS)
+        return
+    from rich.markup import escape
 
-    console = Console()
+    from kvroute.plugin.output import stdout_console
+
+    console = stdout_console()
     console.print(render_table(data))
     groups = data.get("groups", {})
     for name, g in sorted(groups.items()):
-        console.print(f"group [bold]{name}[/bold]: policy {g.get('policy')}, internal errors {g.get('errors', 0)}")
+        console.print(f"group [bold]{escape(str(name))}[/bold]: policy {escape(str(g.get('policy')))}, "
+                      f"internal errors {g.get('errors', 0)}")

@@ -99,7 +99,9 @@ def simulate_command(
     max_concurrency: int | None = typer.Option(None, "--max-concurrency", min=1,
                                                help="Client-side cap on in-flight requests."),
     no_metrics: bool = typer.Option(False, "--no-metrics", help="Do not feed scraped engine metrics to routers."),
-    json_out: bool = typer.Option(False, "--json", help="Print the JSON summary instead of the table."),
+    json_out: bool = typer.Option(False, "--json", help="Print the JSON summary instead of the table "
+                                  "(same as --format json)."),
+    fmt: str = typer.Option("table", "--format", help="table | json | csv (printed on stdout)"),
     csv_path: Path | None = typer.Option(None, "--csv", help="Write all figures as CSV."),
     html_path: Path | None = typer.Option(None, "--html", help="Write a self-contained HTML report."),
     plots_dir: Path | None = typer.Option(None, "--plots", help="Write PNG plots into this folder."),
@@ -116,6 +118,10 @@ def simulate_command(
     from kvroute.sim.runner import compare
 
     err = Console(stderr=True)
+    if fmt not in ("table", "json", "csv"):
+        typer.echo(f"error: --format: must be one of table, json, csv, not {fmt!r}", err=True)
+        raise typer.Exit(2)
+    fmt = "json" if json_out else fmt
     try:
         pr = get_preset(preset)
         if gpu_hour is not None:
@@ -132,8 +138,10 @@ def simulate_command(
     except KvrouteError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-    if json_out:
+    if fmt == "json":
         sys.stdout.write(dumps_json(comp) + "\n")
+    elif fmt == "csv":
+        sys.stdout.write(to_csv(comp))
     else:
         print_table(comp)
     if csv_path is not None:
@@ -157,7 +165,8 @@ def simulate_command(
 
 def lint_command(
     log: Path = typer.Argument(..., help="JSONL request log (OpenAI-style bodies or LiteLLM spend logs)."),
-    json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    json_out: bool = typer.Option(False, "--json", help="Machine-readable output (same as --format json)."),
+    fmt: str = typer.Option("table", "--format", help="table | json | csv (one row per finding)"),
     excerpts: bool = typer.Option(False, "--excerpts", help="Show one short excerpt per finding, volatile value "
                                   "masked (off by default: no prompt text is printed)."),
     limit: int | None = typer.Option(None, "--limit", min=1),
@@ -167,12 +176,25 @@ def lint_command(
 
     from kvroute.sim.lint import lint_log, print_report
 
+    if fmt not in ("table", "json", "csv"):
+        typer.echo(f"error: --format: must be one of table, json, csv, not {fmt!r}", err=True)
+        raise typer.Exit(2)
+    fmt = "json" if json_out else fmt
     try:
         report = lint_log(log, excerpts=excerpts, limit=limit)
     except KvrouteError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-    if json_out:
+    if fmt == "json":
         sys.stdout.write(json.dumps(report.as_dict(), indent=2) + "\n")
+    elif fmt == "csv":
+        import csv
+
+        columns = ["app", "kind", "where", "position_tokens", "requests", "distinct_values", "tokens_lost", "fix"]
+        writer = csv.DictWriter(sys.stdout, fieldnames=columns + (["excerpt"] if excerpts else []),
+                                extrasaction="ignore", lineterminator="\n")
+        writer.writeheader()
+        for finding in report.findings:
+            writer.writerow(finding.as_dict())
     else:
         print_report(report)

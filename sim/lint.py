@@ -290,10 +290,13 @@ def lint_log(path: str | Path, *, excerpts: bool = False, limit: int | None = No
 
 
 def print_report(report: LintReport, console: Any = None) -> None:
+    import sys
+
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
-    console = console or Console()
+    console = console or Console(width=None if sys.stdout.isatty() else 4096)  # piped: nothing cut
     t = Table(title=f"prompt lint: {report.requests} requests, ~{report.tokens_lost:,.0f} reusable tokens lost")
     for h in ("app", "kind", "where", "position (tok)", "requests", "values", "tokens lost", "fix"):
         t.add_column(h, overflow="fold")
@@ -303,7 +306,7 @@ def print_report(report: LintReport, console: Any = None) -> None:
     console.print(t)
     a = Table(title="per app")
     for h in ("app", "requests", "prompt tokens", "reused", "reusable", "lost"):
-        a.add_column(h, justify="right")
+        a.add_column(h, justify="right", overflow="fold")
     for s in report.apps:
         a.add_row(s.app, str(s.requests), f"{s.prompt_tokens:,.0f}", f"{s.reused_tokens:,.0f}",
                   f"{s.reusable_tokens:,.0f}", f"{s.tokens_lost:,.0f}")
@@ -311,4 +314,4 @@ def print_report(report: LintReport, console: Any = None) -> None:
     if any(f.excerpt for f in report.findings):
         for f in report.findings:
             if f.excerpt:
-                console.print(f"[dim]{f.app} {f.kind} {f.where}:[/dim] {f.excerpt}", markup=False)
+                console.print(Text.assemble((f"{f.app} {f.kind} {f.where}:", "dim"), " ", f.excerpt))

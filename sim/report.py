@@ -66,15 +66,17 @@ HEADERS = ["policy", "hit rate", "TTFT p50", "TTFT p90", "TTFT p99", "TTFT mean"
 
 
 def print_table(comp: Comparison, console: Any = None) -> None:
+    import sys
+
     from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    console = console or Console(width=None if sys.stdout.isatty() else 4096)  # piped: nothing cut
     f = comp.fleet
     t = Table(title=f"{comp.workload.name}: {f.replicas} × {f.preset.name}, KV {f.capacity_tokens:,} tokens/replica, "
                     f"{len(comp.workload.requests):,} requests")
     for h in HEADERS:
-        t.add_column(h, justify="left" if h == "policy" else "right")
+        t.add_column(h, justify="left" if h == "policy" else "right", overflow="fold")
     for row in table_rows(comp):
         t.add_row(*row)
     console.print(t)

@@ -38,7 +38,7 @@ def example_config(replica_bases: list[str], hosted_bases: list[str]) -> dict:
     for i, base in enumerate(replica_bases):
         dep = copy.deepcopy(template)
         dep["litellm_params"]["api_base"] = base
-        dep["model_info"].update(id=f"llama-{i}", metrics_url=base.removesuffix("/v1") + "/metrics",
+        dep["model_info"].update(id=f"replica-{i}", metrics_url=base.removesuffix("/v1") + "/metrics",
                                  kv_capacity_tokens=12000)
         model_list.append(dep)
     for i, (dep, base) in enumerate(zip(hosted, hosted_bases, strict=True)):
@@ -68,7 +68,7 @@ def stack():
             llamacpp = stack.enter_context(Fleet(4, engine="llamacpp", options=llama_opts, name_prefix="lcpp",
                                                  start_timeout_s=120))
         cfg = example_config(replicas.api_bases, hosted.api_bases)
-        groups = [ModelGroup("llama", replicas.api_bases, engine="vllm")]
+        groups = [ModelGroup("llama", replicas.api_bases, engine="vllm", id_prefix="replica")]
         if llamacpp is not None:
             tiny = ModelGroup("tiny", llamacpp.api_bases, model=llamacpp.model, engine="llamacpp")
             groups.append(tiny)
@@ -126,8 +126,8 @@ async def test_status_route_and_cli_show_backends(stack):
     async with httpx.AsyncClient(trust_env=False) as c:
         status = (await c.get(proxy.base_url + "/kvroute/status")).json()
         metrics = (await c.get(proxy.base_url + "/kvroute/metrics")).text
-    assert {"llama-0", "llama-1", "llama-2", "llama-3"} <= set(status["backends"])
-    assert status["backends"]["llama-0"]["kind"] == "self_hosted"
+    assert {"replica-0", "replica-1", "replica-2", "replica-3"} <= set(status["backends"])
+    assert status["backends"]["replica-0"]["kind"] == "self_hosted"
     assert status["groups"]["llama"]["policy"] == "cache_aware"
     assert status["rules"] == ["batch-jobs", "agents"]  # the kvroute: block of the proxy's own config was read
     assert all(b["breaker"] in ("closed", "half_open", "open") for b in status["backends"].values())
