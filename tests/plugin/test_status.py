@@ -36,8 +36,8 @@ def served():
         return PlainTextResponse("proxy route", status_code=404)
 
     app = Starlette(routes=[Route("/{path:path}", catch_all)])
-    assert mount_routes(app, cb) == ["/kvroute/status", "/kvroute/metrics"]
-    assert mount_routes(app, cb) == []  # idempotent
+    assert mount_routes(app, cb, auth="open") == ["/kvroute/status", "/kvroute/metrics"]
+    assert mount_routes(app, cb, auth="open") == []  # idempotent
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="error"))
@@ -81,3 +81,13 @@ def test_unreachable_proxy_exits_2():
         port = s.getsockname()[1]
     result = CliRunner().invoke(cli_app, ["status", "--proxy", f"http://127.0.0.1:{port}"])
     assert result.exit_code == 2 and "cannot reach" in result.output
+
+
+def test_status_hides_api_base_unless_asked(served):
+    import httpx
+
+    plain = httpx.get(served + "/kvroute/status", trust_env=False).json()
+    assert all("api_base" not in b for b in plain["backends"].values())
+    asked = httpx.get(served + "/kvroute/status?api_base=true", trust_env=False).json()
+    assert asked["backends"]["r0"]["api_base"] == "http://h0/v1"
+    assert plain["hash_key"] == {"keyed": True, "source": "file"} and plain["workers"] == 1
