@@ -19,13 +19,14 @@ def mount_routes(app: Any, callback: Any, path: str = "/kvroute/status", auth: s
 
     ``auth``: ``admin`` (the proxy's own auth must accept the key and give it an admin role; the master key
     does), ``key`` (any key the proxy's auth accepts), ``open`` (no check; for tests and private networks).
-    Status hides ``api_base`` unless the query asks for it (``?api_base=true``).
+    Status hides ``api_base`` unless the query asks for it (``?show=api_base``; LiteLLM's auth rejects a
+    parameter named ``api_base`` itself).
     """
     from starlette.responses import JSONResponse, Response
 
     async def status_view(request: Any) -> Any:
         try:
-            show = str(request.query_params.get("api_base", "")).lower() in ("1", "true", "yes")
+            show = "api_base" in str(request.query_params.get("show", "")).split(",")
             return JSONResponse(callback.status(show_api_base=show))
         except Exception as exc:
             return JSONResponse({"error": type(exc).__name__}, status_code=500)
@@ -111,7 +112,7 @@ def status(
     """Breaker state, in-flight requests and index size per backend, from the running proxy (needs the master
     key or an admin key: ``--api-key`` or ``LITELLM_MASTER_KEY``)."""
     try:
-        data = fetch_status(proxy, path + ("?api_base=true" if show_api_base else ""), api_key)
+        data = fetch_status(proxy, path + ("?show=api_base" if show_api_base else ""), api_key)
     except RuntimeError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc

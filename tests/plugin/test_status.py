@@ -88,6 +88,6 @@ def test_status_hides_api_base_unless_asked(served):
 
     plain = httpx.get(served + "/kvroute/status", trust_env=False).json()
     assert all("api_base" not in b for b in plain["backends"].values())
-    asked = httpx.get(served + "/kvroute/status?api_base=true", trust_env=False).json()
+    asked = httpx.get(served + "/kvroute/status?show=api_base", trust_env=False).json()
     assert asked["backends"]["r0"]["api_base"] == "http://h0/v1"
     assert plain["hash_key"] == {"keyed": True, "source": "file"} and plain["workers"] == 1
