@@ -805,7 +805,6 @@ def get_callback() -> KvrouteCallback:
         try:
             instance._setup()  # validate config (ConfigError names the key) and mount routes at startup
         except ConfigError as exc:
-            log.error("kvroute: configuration error: %s", exc)
             print(f"kvroute: configuration error: {exc}", file=sys.stderr, flush=True)
             raise
         _instance = instance

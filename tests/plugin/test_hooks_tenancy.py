@@ -110,3 +110,27 @@ def test_engine_salt_replaces_or_strips_the_client_value():
     assert _set_engine_salt({"cache_salt": "theirs"}, None) == {}
     assert _set_engine_salt({"extra_body": {"cache_salt": "theirs", "x": 1}}, "kvr-1") == {
         "extra_body": {"cache_salt": "kvr-1", "x": 1}}
+
+
+def test_forwarded_prompt_cache_key_is_keyed_and_matches_no_unkeyed_recomputation():
+    """What a hosted provider sees (``prompt_cache_key``) cannot be recomputed from the prompt without the
+    secret: neither the unkeyed prefix key nor the unkeyed session digest equals it; another worker with the
+    same secret forwards the same key."""
+    from kvroute.policies import Fingerprinter
+
+    deps = [{"model_name": "hosted", "litellm_params": {"model": "openai/gpt-4o-mini", "api_base": "http://h/v1",
+                                                        "input_cost_per_token": 1e-6, "output_cost_per_token": 2e-6},
+             "model_info": {"id": "h0"}}]
+    messages = [{"role": "system", "content": DOC}, {"role": "user", "content": "q"}]
+
+    def forwarded(cb: KvrouteCallback, extra: dict) -> str:
+        request_kwargs = {"metadata": {}, **extra, "messages": messages, "model": "hosted"}
+        cb.filter("hosted", deps, messages, request_kwargs)
+        return (cb.pre_call({**request_kwargs, "model_info": {"id": "h0"}}) or {}).get("prompt_cache_key")
+
+    for extra in ({}, {"user": "alice"}):
+        key = forwarded(callback("none"), extra)
+        assert key and key.startswith("kvr-")
+        public = Fingerprinter().from_kwargs({"model": "hosted", "messages": messages, **extra})
+        assert key not in {f"kvr-{public.session_key}", f"kvr-{format(public.prefix_key(1024) or 0, 'x')}"}
+        assert forwarded(callback("none"), extra) == key
