@@ -697,7 +697,7 @@ class KvrouteCallback(CustomLogger):
     def worker_status(self) -> dict[str, Any]:
         """This worker's own counters (the shared state publishes them so any worker can answer for all)."""
         return {"pending": len(self.tickets),
-                "errors": {name: router.errors for name, router in self.routers.items()}}
+                "errors": {name: router.errors for name, router in list(self.routers.items())}}
 
     def status(self, show_api_base: bool = False) -> dict[str, Any]:
         """Breaker and routing state for ``kvroute status`` (ids, numbers and states only; ``api_base`` only
