@@ -41,12 +41,12 @@ def mount_routes(app: Any, callback: Any, path: str = "/kvroute/status", auth: s
     for route_path, view in ((path, status_view), (metrics_path, metrics_view)):
         if route_path in existing:
             continue
-        app.router.routes.insert(0, _route(route_path, view, auth))
+        app.router.routes.insert(0, _route(app, route_path, view, auth))
         added.append(route_path)
     return added
 
 
-def _route(path: str, view: Any, auth: str) -> Any:
+def _route(app: Any, path: str, view: Any, auth: str) -> Any:
     """A GET route for ``view``; unless ``auth == "open"`` it first runs LiteLLM's ``user_api_key_auth``."""
     from starlette.routing import Route
 
@@ -65,7 +65,7 @@ def _route(path: str, view: Any, auth: str) -> Any:
         return await view(request)
 
     guarded.__annotations__["request"] = Request  # resolved here: the module uses postponed annotations
-    return APIRoute(path, guarded, methods=["GET"], include_in_schema=False)
+    return APIRoute(path, guarded, methods=["GET"], include_in_schema=False, dependency_overrides_provider=app)
 
 
 def fetch_status(proxy: str, path: str = "/kvroute/status", api_key: str | None = None,
