@@ -130,6 +130,13 @@ class KvrouteSettings(BaseSettings):
             raise ValueError("must start with '/'")
         return v
 
+    @field_validator("prometheus_multiproc_dir")
+    @classmethod
+    def _multiproc_dir(cls, v: Path | None) -> Path | None:
+        if v is not None and not v.is_dir():
+            raise ValueError(f"{v} is not a directory (create it, empty, before the proxy starts)")
+        return v
+
     @field_validator("billing_db")
     @classmethod
     def _billing_db(cls, v: str | None) -> str | None:

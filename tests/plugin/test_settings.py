@@ -160,3 +160,12 @@ kvroute:
       precise: {sources: [{endpoint: "tcp://127.0.0.1:5557", backend: a}], block_size: 16}
 """))
     assert s.group("llama").isolation == "key" and s.group("other").isolation == "none"
+
+
+def test_multiproc_dir_must_exist(monkeypatch, tmp_path):
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path / "absent"))
+    with pytest.raises(ConfigError) as err:
+        load_settings()
+    assert "not a directory" in err.value.message
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    assert load_settings().prometheus_multiproc_dir == tmp_path
