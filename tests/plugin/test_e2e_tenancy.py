@@ -153,9 +153,8 @@ async def test_endpoints_need_the_master_key_or_an_admin_role(tenancy_stack):
     assert "litellm_" not in metrics and "hashed_api_key" not in metrics and "api_key_alias" not in metrics
 
 
-async def test_the_secret_file_is_private_and_no_key_or_metric_holds_the_unkeyed_chain(tenancy_stack):
-    """The chain keys the router uses differ from the public (unkeyed) ones, so a reader of metrics/status
-    or of a forwarded cache key cannot recompute them; the secret sits in the data dir with mode 0600."""
+async def test_the_proxy_created_its_secret_file_private(tenancy_stack):
+    """Without a configured secret or Redis the proxy generated one in its data dir, mode 0600."""
     _, _, workdir = tenancy_stack
     secret = workdir / "data" / "hash_secret"
     assert secret.stat().st_mode & 0o777 == 0o600 and len(secret.read_bytes()) == 32
