@@ -16,7 +16,7 @@ from typing import Any
 
 import xxhash
 
-from kvroute.policies import Router
+from kvroute.policies import ChainKey, FingerprintConfig, Router, RouterConfig
 from kvroute.policies.render import render_request
 
 _WORDS = (
@@ -60,8 +60,9 @@ def _percentile(values: Sequence[float], q: float) -> float:
 
 
 def bench_case(tokens: int, nbackends: int, repeats: int) -> dict[str, Any]:
-    """Time fingerprint + pick for one prompt size and backend count on a warm index."""
-    router = Router()
+    """Time fingerprint + pick for one prompt size and backend count on a warm index, with keyed chains (a
+    random server secret, as the plugin runs)."""
+    router = Router(RouterConfig(fingerprint=FingerprintConfig(chain=ChainKey(os.urandom(32)))))
     backends = [f"replica-{i}" for i in range(nbackends)]
     # Warm the index: every backend holds other conversations; one holds this one's prefix.
     for i in range(nbackends * 2):

@@ -20,15 +20,16 @@ def token_count(text: str) -> int:
     return -(-len(text.encode("utf-8")) // BYTES_PER_TOKEN)
 
 
-def block_keys(text: str, block_tokens: int, max_tokens: int | None = None) -> list[int]:
-    """Chained XXH3-64 keys of the full blocks of ``text`` (optionally of its first ``max_tokens`` tokens)."""
+def block_keys(text: str, block_tokens: int, max_tokens: int | None = None, salt: str | None = None) -> list[int]:
+    """Chained XXH3-64 keys of the full blocks of ``text`` (optionally of its first ``max_tokens`` tokens);
+    a ``cache_salt`` seeds the chain, as vLLM mixes it into block 0, so differently salted prompts share none."""
     data = text.encode("utf-8")
     usable = len(data) // BYTES_PER_TOKEN
     if max_tokens is not None:
         usable = min(usable, max_tokens)
     step = block_tokens * BYTES_PER_TOKEN
     keys: list[int] = []
-    parent = 0
+    parent = xxhash.xxh3_64_intdigest(salt.encode("utf-8")) if salt else 0
     for start in range(0, (usable // block_tokens) * step, step):
         parent = xxhash.xxh3_64_intdigest(data[start:start + step], seed=parent)
         keys.append(parent)
@@ -76,20 +77,20 @@ class PrefixCache:
             n += 1
         return n
 
-    def lookup(self, prompt: str) -> int:
+    def lookup(self, prompt: str, salt: str | None = None) -> int:
         """Cached tokens for ``prompt``: leading cached blocks of all but its last token; counts the query."""
         total = token_count(prompt)
-        matched = self.match(block_keys(prompt, self.block_tokens, max(total - 1, 0))) * self.block_tokens
+        matched = self.match(block_keys(prompt, self.block_tokens, max(total - 1, 0), salt)) * self.block_tokens
         self.queries += 1
         self.query_tokens += total
         self.hit_tokens += matched
         return matched
 
-    def insert(self, text: str) -> None:
+    def insert(self, text: str, salt: str | None = None) -> None:
         """Store the full blocks of ``text`` as most recent (block 0 last, so deeper blocks are evicted first)."""
         if not self.capacity_blocks:
             return
-        keys = block_keys(text, self.block_tokens)[: self.capacity_blocks]
+        keys = block_keys(text, self.block_tokens, salt=salt)[: self.capacity_blocks]
         for key in reversed(keys):
             self._blocks[key] = None
             self._blocks.move_to_end(key)

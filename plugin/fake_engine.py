@@ -269,9 +269,10 @@ class FakeEngine:
                    ex: Exchange) -> None:
         cfg = self.config
         prompt_tokens = token_count(prompt)
-        cached = self.cache.lookup(prompt)
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None  # vLLM's field
+        cached = self.cache.lookup(prompt, salt)
         output = generate_text(prompt, max_tokens)
-        self.cache.insert(prompt + output)
+        self.cache.insert(prompt + output, salt)
         prefill_s = self.prefill_seconds(prompt_tokens - cached, cached)
         self.stats.prompt_tokens += prompt_tokens
         self.stats.cached_tokens += cached

@@ -352,7 +352,7 @@ class KvEventFeed:
                 if seed is None:
                     if len(self._seeds) > 4096:
                         self._seeds.clear()
-                    seed = self._seeds[seed_key] = chain_seed(seed_key[0], seed_key[1])
+                    seed = self._seeds[seed_key] = chain_seed(seed_key[0], seed_key[1], index.chain)
                 copy = (ev.medium, ev.group_idx, ev.locality, ev.ownership)
                 index.stored(key, ev.hashes, ev.parent, ev.token_ids, ev.block_size, seed, copy)
                 stored += len(ev.hashes)

@@ -22,11 +22,12 @@ from litellm.integrations.custom_logger import CustomLogger
 
 from kvroute.plugin.billing_feed import BillingFeed
 from kvroute.plugin.deployments import Backend, Deployments, litellm_cost_map
+from kvroute.plugin.hash_secret import resolve_chain_key
 from kvroute.plugin.hosted import forward_cache_key, provider_quote
 from kvroute.plugin.metrics import Metrics
 from kvroute.plugin.request_ids import ATTEMPT_KEY, TICKET_KEY, RequestIds
 from kvroute.plugin.rules import RuleBook, request_tags
-from kvroute.plugin.settings import KvrouteSettings, load_settings, read_model_list
+from kvroute.plugin.settings import GroupSettings, KvrouteSettings, load_settings, read_model_list
 from kvroute.plugin.signals import (
     HealthAdapter,
     breaker_config,
@@ -39,7 +40,8 @@ from kvroute.plugin.signals import (
     ttft_of,
 )
 from kvroute.plugin.startup_log import log_startup
-from kvroute.policies import FingerprintConfig, PrefixIndexConfig, Router, RouterConfig
+from kvroute.policies import ChainKey, FingerprintConfig, PrefixIndexConfig, Router, RouterConfig
+from kvroute.policies.errors import ConfigError
 from kvroute.policies.outcomes import Attribution, FailureKind, classify
 from kvroute.policies.registry import policy_names
 
@@ -50,6 +52,9 @@ __all__ = ["ATTEMPT_KEY", "RID_KEY", "KvrouteCallback", "get_callback"]
 MAX_TICKETS = 100_000
 MAX_REQUEST_STATES = 100_000  # requests whose attempts kvroute remembers (~0.3 KB each)
 MAX_SEEN_FAILURES = 1024
+SALT_ENGINES = frozenset({"vllm"})  # engines that take a per-request ``cache_salt`` into their prefix cache
+KEY_SALT_FLAG = "kvroute_cache_salt"  # key metadata: this key may send its own cache_salt
+KEY_APP = "kvroute_app"  # key metadata: the app a key belongs to (isolation: app)
 
 
 @dataclass(slots=True)
@@ -69,6 +74,7 @@ class Ticket:
     outcome: str | None = None
     request: Any = None
     policy: Any = None
+    salt: str | None = None
 
 
 class KvrouteCallback(CustomLogger):
@@ -101,6 +107,8 @@ class KvrouteCallback(CustomLogger):
         self.recorder: Any = None
         self._shared: Any = None
         self.mounted: list[str] = []
+        self.chain: ChainKey | None = None
+        self.chain_source = ""
 
     # --- lazy set-up (the proxy imports the module before its config and router exist) -----------
     @property
@@ -140,10 +148,17 @@ class KvrouteCallback(CustomLogger):
         if self._metrics is None:
             from prometheus_client import REGISTRY
 
-            self._metrics = Metrics(REGISTRY, max_app_labels=s.max_app_labels)
+            self._metrics = Metrics(REGISTRY, max_app_labels=s.max_app_labels,
+                                    multiproc_dir=s.prometheus_multiproc_dir, shared_load=bool(s.redis_url))
         if self._health is None:
             self._health = HealthAdapter.build(self._metrics, breaker_config(s.breaker),
                                                redis=self._shared_state())
+        if self.chain is None:
+            self.chain, self.chain_source = resolve_chain_key(
+                s.hash_secret.get_secret_value() if s.hash_secret else None, s.redis_url, s.data_dir,
+                share=self._share_secret)
+        if self._shared is not None and hasattr(self._shared, "status_source"):
+            self._shared.status_source = self.worker_status
         self.rules = RuleBook.from_settings(s.rules)
         if s.metrics_port is not None:
             try:
@@ -165,6 +180,10 @@ class KvrouteCallback(CustomLogger):
             entries = read_model_list(path)
         except Exception:
             return
+        names = {str(e.get("model_name")) for e in entries if isinstance(e, Mapping) and e.get("model_name")}
+        for group in self.settings.groups:
+            if names and group not in names:
+                raise ConfigError(f"kvroute.groups.{group}", f"no model group {group!r} in the proxy's model_list")
         for i, entry in enumerate(entries):
             if not isinstance(entry, Mapping) or not (entry.get("model_info") or {}).get("id"):
                 continue  # LiteLLM assigns an id itself; the backend is learned on its first request
@@ -174,6 +193,13 @@ class KvrouteCallback(CustomLogger):
                 log.warning("kvroute: model_list.%d not classified at startup: %s", i, exc)
         for group, backends in self.fleet.groups().items():
             self.router_for(group, backends)
+
+    def _share_secret(self, url: str, candidate: bytes) -> bytes:
+        from kvroute.plugin import shared_state
+
+        assert self._settings is not None
+        return shared_state.shared_secret(url, candidate,
+                                          shared_state.SharedStateConfig(namespace=self._settings.redis_namespace))
 
     def _shared_state(self) -> Any:
         s = self._settings
@@ -212,7 +238,7 @@ class KvrouteCallback(CustomLogger):
         try:
             from kvroute.plugin.status import mount_routes
 
-            self.mounted = mount_routes(app, self, self.settings.status_path)
+            self.mounted = mount_routes(app, self, self.settings.status_path, auth=self.settings.endpoint_auth)
         except Exception as exc:
             log.warning("kvroute: could not mount status routes: %s", exc)
 
@@ -234,8 +260,9 @@ class KvrouteCallback(CustomLogger):
                                           ttl_s=s.index_ttl_s if not hosted else (s.index_ttl_s or 600.0))
         index: Any = None
         load = None
+        chain = self.chain or ChainKey()
         if gs.mode == "precise":
-            index = _precise_index(index_config)
+            index = _precise_index(index_config, chain)
         elif self._shared is not None:
             try:
                 index = self._shared.index(group, index_config)
@@ -246,7 +273,7 @@ class KvrouteCallback(CustomLogger):
         config = RouterConfig(
             default_policy=s.default_policy,
             default_knobs=s.default_knobs,
-            fingerprint=FingerprintConfig(block_bytes=s.block_bytes),
+            fingerprint=FingerprintConfig(block_bytes=s.block_bytes, chain=chain),
             index=index_config,
             max_request_age_s=s.max_request_age_s,
         )
@@ -275,6 +302,8 @@ class KvrouteCallback(CustomLogger):
 
             self.precise[group] = group_from_config(group, block, index, router=router,
                                                     where=f"kvroute.groups.{group}.precise").start()
+        except ConfigError:
+            raise  # a bad precise: block stops startup (settings validated its shape already)
         except Exception as exc:
             log.warning("kvroute: precise mode for %s unavailable: %s", group, exc)
             self._count_error("precise_setup")
@@ -311,7 +340,10 @@ class KvrouteCallback(CustomLogger):
             group = self.precise.get(str(model))
             if group is not None and healthy_deployments:
                 kwargs = request_kwargs if isinstance(request_kwargs, dict) else {}
-                precise = await group.afingerprint(_prompt_source(kwargs, messages), model=str(model))
+                tenant, salt = self.tenant_salt(self.settings.group(str(model)), request_metadata(kwargs) or {},
+                                                kwargs)
+                precise = await group.afingerprint(_prompt_source(kwargs, messages), model=str(model),
+                                                   tenant=tenant, salt=salt)
             return self.filter(model, healthy_deployments, messages, request_kwargs, precise=precise)
         except Exception:
             log.debug("kvroute filter failed", exc_info=True)
@@ -349,12 +381,13 @@ class KvrouteCallback(CustomLogger):
         tags = request_tags(meta, s.tag_metadata_keys, kwargs.get("tags") if isinstance(kwargs.get("tags"), list)
                             else None)
         headers = meta.get("headers") if isinstance(meta.get("headers"), Mapping) else None
+        tenant, salt = self.tenant_salt(s.group(group), meta, kwargs)
         if precise is not None:
             request = precise
             request.request_id, request.app, request.tags = rid, app, tags
         else:
             request = router.fingerprint(_prompt_source(kwargs, messages), model=group, app=app, request_id=rid,
-                                         tags=tags, headers=headers)
+                                         tags=tags, headers=headers, tenant=tenant, salt=salt, client_salt=False)
         rule = self.rules.resolve(group, app, tags) if len(self.rules) else None
         policy = rule.policy if rule is not None else router.policy_for(group)
         if self._attached.get(id(policy)) != len(backends):
@@ -374,9 +407,33 @@ class KvrouteCallback(CustomLogger):
             cache_key = f"kvr-{request.session_key or format(request.prefix_key(1024) or 0, 'x')}"
         self._remember(Ticket(rid, group, router, decision.backend, app, decision.matched_tokens,
                               request.prompt_tokens, cache_key, now, request=request,
-                              policy=policy if hasattr(policy, "record_success") else None))
+                              policy=policy if hasattr(policy, "record_success") else None, salt=salt))
         chosen = [d for d, b in allowed if b.id == decision.backend]
         return chosen or [d for d, _ in allowed]
+
+    def tenant_salt(self, gs: GroupSettings, meta: Mapping[str, Any],
+                    kwargs: Mapping[str, Any]) -> tuple[str | None, str | None]:
+        """The request's tenant under the group's ``isolation`` and the chain/engine salt, from the proxy's
+        authenticated key data only (LiteLLM strips client-sent ``user_api_key_*`` metadata). A client's own
+        ``cache_salt`` counts only when the key's metadata sets ``kvroute_cache_salt: true``; the salt sent to
+        engines is a keyed digest, so one tenant cannot name another's."""
+        key_meta = meta.get("user_api_key_metadata")
+        key_meta = key_meta if isinstance(key_meta, Mapping) else {}
+        parts: list[str] = []
+        tenant = None
+        if gs.isolation != "none":
+            key = meta.get("user_api_key_hash")
+            value = {"team": meta.get("user_api_key_team_id"), "key": key,
+                     "app": key_meta.get(KEY_APP)}[gs.isolation]
+            tenant = (f"{gs.isolation}:{value}" if value else f"key:{key}" if key else "anonymous")
+            parts.append(tenant)
+        if key_meta.get(KEY_SALT_FLAG) is True:
+            client = _client_salt(kwargs)
+            if client:
+                parts.append("client:" + client)
+        if not parts:
+            return tenant, None
+        return tenant, "kvr-" + (self.chain or ChainKey()).digest("\x00".join(parts))
 
     def _app(self, meta: Mapping[str, Any], kwargs: Mapping[str, Any]) -> str | None:
         """The app behind metrics and rules: billing's rule (``litellm_events.resolve_app``): from the key; a
@@ -468,9 +525,15 @@ class KvrouteCallback(CustomLogger):
             ticket.backend = backend_id
         ticket.started = self.clock()
         backend = self.fleet.backends.get(backend_id)
-        if backend is None or backend.self_hosted or not self.settings.forward_cache_key or not ticket.cache_key:
+        if backend is None:
             return None
-        return forward_cache_key(kwargs, backend, ticket.cache_key)
+        if backend.self_hosted:
+            return _set_engine_salt(kwargs, ticket.salt if backend.engine in SALT_ENGINES else None)
+        if not self.settings.forward_cache_key or not ticket.cache_key:
+            return _set_engine_salt(kwargs, None)
+        forwarded = forward_cache_key(kwargs, backend, ticket.cache_key)
+        stripped = _set_engine_salt(kwargs, None)
+        return forwarded or stripped
 
     async def async_post_call_streaming_deployment_hook(self, request_data: dict, response_chunk: Any,
                                                         call_type: Any) -> Any:
@@ -684,8 +747,15 @@ class KvrouteCallback(CustomLogger):
             self.metrics.error(hook)
 
     # --- introspection -----------------------------------------------------------------------------
-    def status(self) -> dict[str, Any]:
-        """Breaker and routing state for ``kvroute status`` (ids, numbers and states only)."""
+    def worker_status(self) -> dict[str, Any]:
+        """This worker's own counters (the shared state publishes them so any worker can answer for all)."""
+        return {"pending": len(self.tickets),
+                "errors": {name: router.errors for name, router in list(self.routers.items())}}
+
+    def status(self, show_api_base: bool = False) -> dict[str, Any]:
+        """Breaker and routing state for ``kvroute status`` (ids, numbers and states only; ``api_base`` only
+        when asked). Breakers, in-flight and index are shared through Redis; pending and errors are summed over
+        the workers that published theirs within the last heartbeat TTL."""
         now = self.clock()
         backends = {}
         for b in self.fleet.backends.values():
@@ -694,16 +764,22 @@ class KvrouteCallback(CustomLogger):
                 "group": b.group,
                 "kind": b.kind,
                 "provider": b.provider,
-                "api_base": b.api_base,
                 "breaker": self.health.state(b.id, now),
                 "inflight": router.load.inflight(b.id) if router else 0,
                 "index_blocks": router.index.blocks(b.id) if router else 0,
             }
+            if show_api_base:
+                backends[b.id]["api_base"] = b.api_base
+        mine = self.worker_status()
+        peers = dict(getattr(self._shared, "peer_status", None) or {}) if self._shared is not None else {}
+        pending = mine["pending"] + sum(int(p.get("pending", 0)) for p in peers.values())
         groups = {}
         for name, router in self.routers.items():
-            groups[name] = {"policy": router.policy_for(name).name, "errors": router.errors}
+            errors = router.errors + sum(int((p.get("errors") or {}).get(name, 0)) for p in peers.values())
+            groups[name] = {"policy": router.policy_for(name).name, "errors": errors}
         return {"groups": groups, "backends": backends, "rules": [r.name for r in self.rules.rules],
-                "pending": len(self.tickets)}
+                "pending": pending, "workers": 1 + len(peers),
+                "hash_key": {"keyed": bool(self.chain and self.chain.keyed), "source": self.chain_source}}
 
     async def aclose(self) -> None:
         if self.billing is not None:
@@ -724,11 +800,37 @@ class KvrouteCallback(CustomLogger):
                 self._shared.close()
 
 
-def _precise_index(fallback: PrefixIndexConfig) -> Any:
+def _precise_index(fallback: PrefixIndexConfig, chain: ChainKey) -> Any:
     """An event-fed index that answers from its approximate fallback for backends without events."""
     from kvroute.policies.precise_index import PreciseIndex, PreciseIndexConfig
 
-    return PreciseIndex(PreciseIndexConfig(fallback=fallback))
+    return PreciseIndex(PreciseIndexConfig(fallback=fallback, chain=chain))
+
+
+def _client_salt(kwargs: Mapping[str, Any]) -> str | None:
+    """The ``cache_salt`` a client sent (top level or ``extra_body``), if any."""
+    extra = kwargs.get("extra_body")
+    value = kwargs.get("cache_salt") or (extra.get("cache_salt") if isinstance(extra, Mapping) else None)
+    return str(value) if isinstance(value, str | int) and value != "" else None
+
+
+def _set_engine_salt(kwargs: dict, salt: str | None) -> dict | None:
+    """Make the upstream request carry exactly ``salt`` as ``cache_salt`` (none when None): a client's own
+    value never reaches an engine unchanged. Returns ``kwargs`` when it changed, else None."""
+    extra = kwargs.get("extra_body")
+    had = "cache_salt" in kwargs or (isinstance(extra, Mapping) and "cache_salt" in extra)
+    if not had and salt is None:
+        return None
+    kwargs.pop("cache_salt", None)
+    extra = dict(extra) if isinstance(extra, Mapping) else {}
+    extra.pop("cache_salt", None)
+    if salt is not None:
+        extra["cache_salt"] = salt
+    if extra:
+        kwargs["extra_body"] = extra
+    else:
+        kwargs.pop("extra_body", None)
+    return kwargs
 
 
 def _prompt_source(kwargs: Mapping[str, Any], messages: Any) -> Mapping[str, Any]:
@@ -751,6 +853,10 @@ def get_callback() -> KvrouteCallback:
     global _instance
     if _instance is None:
         instance = KvrouteCallback()
-        instance._setup()  # validate config (ConfigError names the key) and mount routes at startup
+        try:
+            instance._setup()  # validate config (ConfigError names the key) and mount routes at startup
+        except ConfigError as exc:
+            print(f"kvroute: configuration error: {exc}", file=sys.stderr, flush=True)
+            raise
         _instance = instance
     return _instance

@@ -1,16 +1,28 @@
 """Prometheus metrics of the plugin (prometheus-client), with bounded per-app label cardinality.
 
-Served on ``KVROUTE_METRICS_PORT`` (``serve``) and/or through the registry the proxy's ``/metrics`` exposes.
+Served on ``KVROUTE_METRICS_PORT`` (``serve``, 127.0.0.1 unless configured) and on ``/kvroute/metrics``; both
+expose only ``kvroute_*`` families. With several proxy workers and ``PROMETHEUS_MULTIPROC_DIR`` set (before the
+proxy starts), prometheus-client's multiprocess mode sums every worker's series, so any worker speaks for all.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    start_http_server,
+)
+from prometheus_client.metrics_core import Metric
 
 OTHER = "other"
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -37,12 +49,41 @@ class LabelLimiter:
         return OTHER
 
 
-class Metrics:
-    """All kvroute series in one registry (pass a fresh one per test)."""
+PREFIX = "kvroute_"
 
-    def __init__(self, registry: CollectorRegistry | None = None, max_app_labels: int = 50) -> None:
+
+class KvrouteOnly:
+    """A collector that passes on only the ``kvroute_*`` families of another collector or registry."""
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.source.collect():
+            if family.name.startswith(PREFIX):
+                yield family
+
+
+class Metrics:
+    """All kvroute series in one registry (pass a fresh one per test).
+
+    ``multiproc_dir`` (prometheus-client's ``PROMETHEUS_MULTIPROC_DIR``) makes the exposition read every
+    worker's files; ``shared_load`` says the in-flight gauge already counts every worker (Redis-shared load),
+    so workers' values are not summed again.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None, max_app_labels: int = 50,
+                 multiproc_dir: Path | None = None, shared_load: bool = False) -> None:
         r = registry if registry is not None else CollectorRegistry()
         self.registry = r
+        self.multiproc_dir = multiproc_dir
+        self._exposed = CollectorRegistry(auto_describe=False)
+        if multiproc_dir is not None:
+            from prometheus_client.multiprocess import MultiProcessCollector
+
+            self._exposed.register(KvrouteOnly(MultiProcessCollector(None, path=str(multiproc_dir))))
+        else:
+            self._exposed.register(KvrouteOnly(r))
         self.app_label = LabelLimiter(max_app_labels)
         self.backend_label = LabelLimiter(1024)
         self.decisions = Counter("kvroute_decisions_total", "Routing decisions", ["group", "policy", "reason"],
@@ -56,11 +97,11 @@ class Metrics:
         self.ttft = Histogram("kvroute_ttft_seconds", "Time to first token per backend", ["backend"],
                               buckets=TTFT_BUCKETS, registry=r)
         self.inflight = Gauge("kvroute_inflight_requests", "Requests in flight per backend", ["backend"],
-                              registry=r)
+                              registry=r, multiprocess_mode="livemax" if shared_load else "livesum")
         self.outcomes = Counter("kvroute_attempts_total", "Upstream attempts by outcome", ["backend", "outcome"],
                                 registry=r)
         self.breaker_state = Gauge("kvroute_breaker_state", "1 for the breaker's current state",
-                                   ["backend", "state"], registry=r)
+                                   ["backend", "state"], registry=r, multiprocess_mode="livemostrecent")
         self.breaker_transitions = Counter("kvroute_breaker_transitions_total", "Breaker state changes",
                                            ["backend", "to"], registry=r)
         self.fallbacks = Counter("kvroute_fallbacks_total", "Requests handed to LiteLLM fallbacks",
@@ -131,10 +172,14 @@ class Metrics:
         self.errors.labels(hook).inc()
 
     # --- exposition ------------------------------------------------------------------------------
+    def exposition(self) -> tuple[bytes, str]:
+        """The Prometheus text of kvroute's own series (every worker's in multiprocess mode) and its type."""
+        return generate_latest(self._exposed), CONTENT_TYPE_LATEST
+
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Serve ``/metrics`` on ``host:port`` (0 = any free port); returns the bound port. Idempotent."""
         if self._server is None:
-            server, thread = start_http_server(port, addr=host, registry=self.registry)
+            server, thread = start_http_server(port, addr=host, registry=self._exposed)
             self._server = (server, thread)
         server = self._server[0]
         return int(server.server_address[1])  # type: ignore[attr-defined]

@@ -9,8 +9,9 @@ Wiring (plugin side)::
     group.start()
     request = group.fingerprint(kwargs, request_id=rid) or router.fingerprint(kwargs, ...)  # None → approximate
 
-Request keys are ``token_keys(ids, engine_block_size, chain_seed(model or LoRA, cache_salt))``: exactly the
-keys the index computes from ``BlockStored`` token ids, so matches are engine-confirmed.
+Request keys are ``token_keys(ids, engine_block_size, chain_seed(model or LoRA, salt, index.chain), step)``:
+exactly the keys the index computes from ``BlockStored`` token ids (whose block 0 carries the ``cache_salt``
+the plugin sent), so matches are engine-confirmed.
 """
 
 from __future__ import annotations
@@ -122,15 +123,17 @@ class PreciseGroup:
     def _request(self, ids: Sequence[int], kwargs: Mapping[str, Any], model: str | None, lora_name: str | None,
                  fields: dict[str, Any]) -> RoutingRequest:
         bs = int(self.block_size or 0)
-        salt = kwargs.get("cache_salt")
+        # the plugin decides the salt (tenant isolation, a trusted client's salt); bare callers pass cache_salt
+        salt = fields.get("salt") if "salt" in fields else kwargs.get("cache_salt")
         salt = str(salt) if salt else None
+        chain = self.index.chain
         seed_key = (lora_name or self.model, salt)
         seed = self._seeds.get(seed_key)
         if seed is None:
             if len(self._seeds) > 4096:
                 self._seeds.clear()
-            seed = self._seeds[seed_key] = chain_seed(*seed_key)
-        keys = token_keys(ids, bs, seed, max(1, self.max_prefix_tokens // bs))
+            seed = self._seeds[seed_key] = chain_seed(*seed_key, chain)
+        keys = token_keys(ids, bs, seed, max(1, self.max_prefix_tokens // bs), chain.step)
         tenant = fields.get("tenant")
         self.decisions["precise"] += 1
         pm.PRECISE_DECISIONS.labels(self.model, "precise", "ok").inc()
@@ -139,7 +142,7 @@ class PreciseGroup:
             keys=keys,
             block_tokens=bs,
             prompt_tokens=len(ids),
-            session_key=session_key(kwargs, fields.get("headers"), tenant),
+            session_key=session_key(kwargs, fields.get("headers"), tenant, chain),
             tenant=tenant,
             app=fields.get("app"),
             tags=dict(fields.get("tags") or {}),

@@ -127,8 +127,10 @@ class ProxyProcess(ChildOwner):
 
     def __init__(self, config: Mapping[str, Any], *, kvroute_settings: Mapping[str, Any] | None = None,
                  env: Mapping[str, str] | None = None, workdir: str | Path | None = None,
-                 start_timeout_s: float = 180.0, port: int | None = None, inherit_kvroute_env: bool = True) -> None:
+                 start_timeout_s: float = 180.0, port: int | None = None, inherit_kvroute_env: bool = True,
+                 extra_args: Sequence[str] = ()) -> None:
         self.config = dict(config)
+        self.extra_args = list(extra_args)  # more ``litellm`` CLI arguments, e.g. ["--num_workers", "4"]
         self.kvroute_settings = dict(kvroute_settings) if kvroute_settings is not None else None
         self.extra_env = dict(env or {})
         self.inherit_kvroute_env = inherit_kvroute_env
@@ -182,7 +184,7 @@ class ProxyProcess(ChildOwner):
             if not self._fixed_port:
                 self.port = free_port()
             self.process = spawn([*litellm_command(), "--config", str(self.config_path), "--host", "127.0.0.1",
-                                  "--port", str(self.port)], self.log_path, env=env, cwd=self.workdir)
+                                  "--port", str(self.port), *self.extra_args], self.log_path, env=env, cwd=self.workdir)
             try:
                 self._wait_ready()
                 return self

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from kvroute.policies.errors import ConfigError
@@ -32,8 +32,12 @@ def _check_policy(name: str, knobs: Mapping[str, Any], where: str) -> None:
     build_config(name, knobs, where)
 
 
+Isolation = Literal["none", "team", "key", "app"]
+
+
 class GroupSettings(BaseModel):
-    """Per model group: policy and knobs, approximate or precise index, hosted or self-hosted."""
+    """Per model group: policy and knobs, approximate or precise index, hosted or self-hosted, and whose
+    prefixes may be shared (``isolation``: none, or one key space per team / API key / app of the key)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -42,6 +46,7 @@ class GroupSettings(BaseModel):
     mode: Literal["approx", "precise"] = "approx"
     kind: Literal["auto", "self_hosted", "hosted"] = "auto"
     precise: dict[str, Any] = Field(default_factory=dict)
+    isolation: Isolation = "none"
 
 
 class RuleMatch(BaseModel):
@@ -97,6 +102,11 @@ class KvrouteSettings(BaseSettings):
     expire_every_s: float = Field(default=30.0, gt=0)
     max_request_age_s: float = Field(default=600.0, gt=0)
     metrics_scrape_interval_s: float = Field(default=1.0, gt=0)
+    hash_secret: SecretStr | None = Field(default=None, min_length=16)
+    data_dir: Path = Path(".kvroute")
+    endpoint_auth: Literal["admin", "key", "open"] = "admin"
+    prometheus_multiproc_dir: Path | None = Field(
+        default=None, validation_alias=AliasChoices("prometheus_multiproc_dir", "PROMETHEUS_MULTIPROC_DIR"))
 
     @classmethod
     def settings_customise_sources(
@@ -123,14 +133,39 @@ class KvrouteSettings(BaseSettings):
             raise ValueError("must start with '/'")
         return v
 
+    @field_validator("prometheus_multiproc_dir")
+    @classmethod
+    def _multiproc_dir(cls, v: Path | None) -> Path | None:
+        if v is not None and not v.is_dir():
+            raise ValueError(f"{v} is not a directory (create it, empty, before the proxy starts)")
+        return v
+
+    @field_validator("billing_db")
+    @classmethod
+    def _billing_db(cls, v: str | None) -> str | None:
+        if v is not None:
+            _check_database_url(v)
+        return v
+
     def check_policies(self) -> KvrouteSettings:
-        """Every named policy exists and its knobs are valid; raises ``ConfigError`` naming the key."""
+        """Every named policy exists and its knobs are valid, every group's block fits its mode, the breaker
+        knobs are known; raises ``ConfigError`` naming the key."""
         _check_policy(self.default_policy, self.default_knobs, "kvroute.default_policy")
         for group, gs in self.groups.items():
+            where = f"kvroute.groups.{group}"
             if gs.policy is not None:
-                _check_policy(gs.policy, gs.knobs, f"kvroute.groups.{group}.policy")
+                _check_policy(gs.policy, gs.knobs, f"{where}.policy")
+            elif gs.knobs:
+                raise ConfigError(f"{where}.knobs", "knobs given without a policy (name the policy they are for)")
+            if gs.mode == "precise":
+                _check_precise(group, gs.precise, f"{where}.precise")
+            elif gs.precise:
+                raise ConfigError(f"{where}.precise", "only read with mode: precise")
         for i, rule in enumerate(self.rules):
             _check_policy(rule.policy, rule.knobs, f"kvroute.rules.{i}.policy")
+        from kvroute.plugin.signals import breaker_config
+
+        breaker_config(self.breaker)
         return self
 
     @property
@@ -140,6 +175,69 @@ class KvrouteSettings(BaseSettings):
 
     def group(self, name: str) -> GroupSettings:
         return self.groups.get(name) or GroupSettings()
+
+
+def _check_database_url(value: str) -> None:
+    """The billing database URL names a backend and a driver that are installed."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    from kvroute.billing.db import database_url
+
+    try:
+        url = make_url(database_url(value))
+        dialect = url.get_dialect()
+    except (ArgumentError, NoSuchModuleError, ValueError) as exc:
+        raise ValueError(f"not a usable database URL ({type(exc).__name__}: {exc})") from None
+    if url.get_backend_name() not in ("sqlite", "postgresql"):
+        raise ValueError(f"unsupported database {url.get_backend_name()!r} (sqlite or postgresql)")
+    try:
+        dialect.import_dbapi()
+    except ImportError as exc:
+        raise ValueError(f"database driver {url.get_driver_name()!r} is not installed ({exc})") from None
+
+
+def _check_precise(group: str, block: Mapping[str, Any], where: str) -> None:
+    """Build (and discard) the group's precise feed: unknown keys, bad sources or a missing tokenizer stop here."""
+    from kvroute.plugin.precise import group_from_config
+    from kvroute.policies.precise_index import PreciseIndex
+
+    try:
+        built = group_from_config(group, block, PreciseIndex(), where=where)
+    except ConfigError as exc:
+        if exc.key.startswith("kvroute."):
+            raise
+        raise ConfigError(f"{where}.{exc.key}", exc.message) from None
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(where, str(exc)) from None
+    if not (built.feed is not None or built.tokenizer is not None or block.get("metrics")):
+        raise ConfigError(where, "needs sources, a tokenizer/tokenize_url or metrics")
+    with contextlib.suppress(Exception):
+        built.stop()
+
+
+_NESTED_ENV = ("groups", "rules", "breaker", "default_knobs")
+# KVROUTE_* variables read elsewhere: the CLI's cache folder and the test suite's own service URLs.
+_OTHER_ENV = ("KVROUTE_CACHE_DIR", "KVROUTE_BILLING_PROPERTY_EVENTS")
+_OTHER_ENV_PREFIXES = ("KVROUTE_TEST_",)
+
+
+def check_env(environ: Mapping[str, str]) -> None:
+    """Every ``KVROUTE_*`` variable names a setting (here or billing's ``KVROUTE_BILLING_*``): a typo stops
+    startup instead of being ignored."""
+    from kvroute.billing.settings import BillingSettings
+
+    fields = set(KvrouteSettings.model_fields) - {"prometheus_multiproc_dir"}
+    billing = {"KVROUTE_BILLING_" + name.upper() for name in BillingSettings.model_fields}
+    for name in sorted(environ):
+        if not name.startswith("KVROUTE_") or name in _OTHER_ENV or name in billing:
+            continue
+        if name.startswith(_OTHER_ENV_PREFIXES):
+            continue
+        field = name[len("KVROUTE_"):].lower()
+        top = field.split("__", 1)[0]
+        if top not in fields or ("__" in field and top not in _NESTED_ENV):
+            raise ConfigError(name, "unknown kvroute setting")
 
 
 def _key_of(loc: tuple[Any, ...]) -> str:
@@ -189,6 +287,7 @@ def read_block(path: Path) -> dict[str, Any]:
 
 def load_settings(proxy_config: str | Path | None = None, **overrides: Any) -> KvrouteSettings:
     """Settings from env, the YAML named by ``KVROUTE_CONFIG`` (else ``proxy_config``), then ``overrides``."""
+    check_env(os.environ)
     try:
         first = KvrouteSettings(**overrides)
         block: dict[str, Any] = {}

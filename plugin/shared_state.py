@@ -304,7 +304,9 @@ class SharedState:
         self._client_factory = client_factory or _redis_client
         ns = cfg.namespace
         self._k_prefix, self._k_health, self._k_breakers = f"{ns}:prefix", f"{ns}:health", f"{ns}:breakers"
-        self._k_workers, self._k_load = f"{ns}:workers", f"{ns}:load:"
+        self._k_workers, self._k_load, self._k_status = f"{ns}:workers", f"{ns}:load:", f"{ns}:status:"
+        self.status_source: Callable[[], dict[str, Any]] | None = None  # this worker's counters for status
+        self.peer_status: dict[str, dict[str, Any]] = {}  # the other live workers' counters, per heartbeat
         self._indexes: dict[str, SharedPrefixIndex] = {}
         self._loads: dict[str, SharedLoadTracker] = {}
         self._pending: dict[str, deque[Sequence[Any]]] = {}
@@ -342,6 +344,7 @@ class SharedState:
             self._health.board._lock = threading.RLock()
         self._outbox.clear()
         self._health_out.clear()
+        self.peer_status = {}
         self._last_sync = -math.inf
         if running:
             self.start()
@@ -538,6 +541,11 @@ class SharedState:
         ttl_ms = int(cfg.worker_ttl_s * 1000)
         pipe = self._client.pipeline(transaction=False)
         pipe.set(self._k_load + self.worker_id, _encode(mine), px=ttl_ms)
+        if self.status_source is not None:
+            try:
+                pipe.set(self._k_status + self.worker_id, _encode(self.status_source()), px=ttl_ms)
+            except Exception as exc:  # the worker's own view must never stop the heartbeat
+                log.debug("status source failed: %s", exc)
         pipe.zadd(self._k_workers, {self.worker_id: wall})
         pipe.zremrangebyscore(self._k_workers, "-inf", wall - cfg.worker_ttl_s)
         pipe.xtrim(self._k_prefix, maxlen=cfg.stream_maxlen, approximate=True)
@@ -546,6 +554,9 @@ class SharedState:
         others = [w.decode() if isinstance(w, bytes) else str(w) for w in workers]
         others = [w for w in others if w != self.worker_id]
         blobs = self._client.mget([self._k_load + w for w in others]) if others else []
+        if self.status_source is not None:
+            statuses = self._client.mget([self._k_status + w for w in others]) if others else []
+            self.peer_status = {w: _decode(b) for w, b in zip(others, statuses, strict=True) if b}
         sums: dict[str, dict[str, list[float]]] = {}
         for blob in blobs:
             if not blob:
@@ -634,3 +645,26 @@ def _redis_client(url: str, config: SharedStateConfig) -> Any:
 def connect(url: str, config: SharedStateConfig | None = None, **kwargs: Any) -> SharedState:
     """Start sharing through the Redis at ``url``; never raises for an unreachable Redis (it retries)."""
     return SharedState(url, config, **kwargs)
+
+
+def shared_secret(url: str, candidate: bytes, config: SharedStateConfig | None = None,
+                  client: Any = None) -> bytes:
+    """The deployment's hash secret in ``<ns>:hash_secret``: ``candidate`` if no worker stored one yet (SET NX),
+    else the stored one, so every worker and restart agrees. Raises ``OSError`` when Redis cannot answer."""
+    import redis
+
+    cfg = config or SharedStateConfig()
+    r = client if client is not None else _redis_client(url, cfg)
+    key = f"{cfg.namespace}:hash_secret"
+    try:
+        r.set(key, candidate, nx=True)
+        stored = r.get(key)
+    except redis.RedisError as exc:
+        raise OSError(f"redis: {exc}") from exc
+    finally:
+        if client is None:
+            with contextlib.suppress(Exception):
+                r.close()
+    if not isinstance(stored, bytes) or len(stored) < 16:
+        raise OSError(f"redis key {key} holds no usable secret")
+    return stored

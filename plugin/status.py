@@ -1,7 +1,7 @@
 """``kvroute status``: breaker and routing state read from a running proxy, and the routes that serve it.
 
-The plugin mounts ``GET /kvroute/status`` (JSON) and ``GET /kvroute/metrics`` (Prometheus text) on the
-LiteLLM proxy app; the command reads the first one.
+The plugin mounts ``GET /kvroute/status`` (JSON) and ``GET /kvroute/metrics`` (Prometheus text, kvroute's
+own series only) on the LiteLLM proxy app behind the proxy's own auth; the command reads the first one.
 """
 
 from __future__ import annotations
@@ -10,31 +10,61 @@ from typing import Any
 
 import typer
 
+ADMIN_ROLES = frozenset({"proxy_admin", "proxy_admin_viewer"})
 
-def mount_routes(app: Any, callback: Any, path: str = "/kvroute/status") -> list[str]:
-    """Add the status and metrics routes to a FastAPI/Starlette app, ahead of catch-all routes."""
-    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+def mount_routes(app: Any, callback: Any, path: str = "/kvroute/status", auth: str = "admin") -> list[str]:
+    """Add the status and metrics routes to a FastAPI/Starlette app, ahead of catch-all routes.
+
+    ``auth``: ``admin`` (the proxy's own auth must accept the key and give it an admin role; the master key
+    does), ``key`` (any key the proxy's auth accepts), ``open`` (no check; for tests and private networks).
+    Status hides ``api_base`` unless the query asks for it (``?show=api_base``; LiteLLM's auth rejects a
+    parameter named ``api_base`` itself).
+    """
     from starlette.responses import JSONResponse, Response
-    from starlette.routing import Route
 
-    async def status_endpoint(_request: Any) -> Any:
+    async def status_view(request: Any) -> Any:
         try:
-            return JSONResponse(callback.status())
+            show = "api_base" in str(request.query_params.get("show", "")).split(",")
+            return JSONResponse(callback.status(show_api_base=show))
         except Exception as exc:
             return JSONResponse({"error": type(exc).__name__}, status_code=500)
 
-    async def metrics_endpoint(_request: Any) -> Any:
-        return Response(generate_latest(callback.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    async def metrics_view(_request: Any) -> Any:
+        body, content_type = callback.metrics.exposition()
+        return Response(body, media_type=content_type)
 
     metrics_path = path.rsplit("/", 1)[0] + "/metrics" if path.count("/") > 1 else "/kvroute-metrics"
     existing = {getattr(r, "path", None) for r in app.router.routes}
     added = []
-    for route_path, endpoint in ((path, status_endpoint), (metrics_path, metrics_endpoint)):
+    for route_path, view in ((path, status_view), (metrics_path, metrics_view)):
         if route_path in existing:
             continue
-        app.router.routes.insert(0, Route(route_path, endpoint, methods=["GET"]))
+        app.router.routes.insert(0, _route(app, route_path, view, auth))
         added.append(route_path)
     return added
+
+
+def _route(app: Any, path: str, view: Any, auth: str) -> Any:
+    """A GET route for ``view``; unless ``auth == "open"`` it first runs LiteLLM's ``user_api_key_auth``."""
+    from starlette.routing import Route
+
+    if auth == "open":
+        return Route(path, view, methods=["GET"])
+    from fastapi import Depends, Request
+    from fastapi.routing import APIRoute
+    from litellm.proxy.auth.user_api_key_auth import user_api_key_auth
+    from starlette.responses import JSONResponse
+
+    async def guarded(request: Request, key: Any = Depends(user_api_key_auth)) -> Any:
+        role = getattr(getattr(key, "user_role", None), "value", getattr(key, "user_role", None))
+        if auth == "admin" and str(role) not in ADMIN_ROLES:
+            return JSONResponse({"error": "kvroute endpoints need the master key or an admin role"},
+                                status_code=403)
+        return await view(request)
+
+    guarded.__annotations__["request"] = Request  # resolved here: the module uses postponed annotations
+    return APIRoute(path, guarded, methods=["GET"], include_in_schema=False, dependency_overrides_provider=app)
 
 
 def fetch_status(proxy: str, path: str = "/kvroute/status", api_key: str | None = None,
@@ -88,15 +118,18 @@ def status(
     proxy: str = typer.Option("http://127.0.0.1:4000", "--proxy", help="Base URL of the LiteLLM proxy."),
     as_json: bool = typer.Option(False, "--json", help="Print the raw JSON (same as --format json)."),
     fmt: str = typer.Option("table", "--format", help="table | json | csv (one row per backend)"),
-    api_key: str | None = typer.Option(None, "--api-key", help="Proxy key, if the route is protected."),
+    api_key: str | None = typer.Option(None, "--api-key", envvar="LITELLM_MASTER_KEY",
+                                       help="Master key or an admin key of the proxy."),
     path: str = typer.Option("/kvroute/status", "--path", help="Status route the plugin mounted."),
+    show_api_base: bool = typer.Option(False, "--api-base", help="Also show each backend's api_base."),
 ) -> None:
-    """Breaker state, in-flight requests and index size per backend, from the running proxy."""
+    """Breaker state, in-flight requests and index size per backend, from the running proxy (needs the master
+    key or an admin key: ``--api-key`` or ``LITELLM_MASTER_KEY``)."""
     from kvroute.plugin.output import resolve_format, write_csv, write_json
 
     fmt = resolve_format(fmt, as_json)
     try:
-        data = fetch_status(proxy, path, api_key)
+        data = fetch_status(proxy, path + ("?show=api_base" if show_api_base else ""), api_key)
     except RuntimeError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc

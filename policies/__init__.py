@@ -7,7 +7,14 @@ from kvroute.policies.base import Policy, RoutingState
 from kvroute.policies.cache_aware import CacheAware, CacheAwareConfig
 from kvroute.policies.decision import Decision
 from kvroute.policies.errors import ConfigError, InputError, KvrouteError
-from kvroute.policies.fingerprint import FingerprintConfig, Fingerprinter, chain_seed, session_key, token_keys
+from kvroute.policies.fingerprint import (
+    ChainKey,
+    FingerprintConfig,
+    Fingerprinter,
+    chain_seed,
+    session_key,
+    token_keys,
+)
 from kvroute.policies.health import BreakerConfig, BreakerState, CircuitBreaker, HealthBoard, Outcome, classify
 from kvroute.policies.least_load import LeastLoad
 from kvroute.policies.load import BackendLoad, ExternalSignal, LoadTracker
@@ -27,6 +34,7 @@ __all__ = [
     "BreakerState",
     "CacheAware",
     "CacheAwareConfig",
+    "ChainKey",
     "CircuitBreaker",
     "ConfigError",
     "Decision",

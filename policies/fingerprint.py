@@ -1,17 +1,22 @@
 """Request fingerprinting: canonical prompt bytes (or token ids) cut into blocks and chain-hashed.
 
-Keys are XXH3-64 chains seeded by the model name and an optional tenant salt:
-``k0 = xxh3(block0, seed=xxh3(model ‖ 0 ‖ salt))``, ``k_i = xxh3(block_i, seed=k_{i-1})``. They are equal
-across processes and machines (no Python ``hash()``), and tenants with different salts never share keys.
+Keys are XXH3-64 chains keyed by a server secret (``ChainKey``) and seeded by the model name and an optional
+tenant salt: ``k0 = xxh3(block0, seed=S(model ‖ 0 ‖ salt) ^ step)``, ``k_i = xxh3(block_i, seed=k_{i-1} ^ step)``,
+where ``S`` is BLAKE2b keyed with the secret and ``step`` a 64-bit subkey of it. Whoever sees keys (Redis, a
+forwarded ``prompt_cache_key``) but not the secret cannot recompute a key to confirm a guessed prompt; keys
+are equal across processes and machines that share the secret (no Python ``hash()``), and tenants with
+different salts never share keys. ``ChainKey()`` without a secret gives the public, unkeyed chains (the
+simulator and traces use those).
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import os
 from array import array
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import xxhash
@@ -32,14 +37,62 @@ SESSION_METADATA_KEYS = ("session_id", "conversation_id", "thread_id")
 SESSION_HEADERS = ("x-session-id", "x-session-affinity", "x-conversation-id")
 
 
+MIN_SECRET_BYTES = 16
+
+
+@dataclass(frozen=True, slots=True)
+class ChainKey:
+    """The server secret every key chain is keyed with (>= 16 bytes); empty means public, unkeyed chains.
+
+    ``seed(model, salt)`` starts a chain, ``step`` is XORed into every link's seed, ``digest(text)`` is a keyed
+    hex digest for values that leave the process (session keys, forwarded cache keys, engine salts).
+    """
+
+    secret: bytes = field(default=b"", repr=False)
+    step: int = field(default=0, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.secret, bytes):
+            raise TypeError("secret must be bytes")
+        if self.secret and len(self.secret) < MIN_SECRET_BYTES:
+            raise ValueError(f"secret must be at least {MIN_SECRET_BYTES} bytes")
+        if self.secret:
+            object.__setattr__(self, "step", int.from_bytes(self._mac(b"kvroute-chain-step"), "little"))
+
+    @property
+    def keyed(self) -> bool:
+        return bool(self.secret)
+
+    def _mac(self, data: bytes, size: int = 8) -> bytes:
+        return hashlib.blake2b(data, key=self.secret[:64], digest_size=size).digest()
+
+    def seed(self, model: str, salt: str | None = None) -> int:
+        """Seed of a chain for ``model`` and tenant ``salt`` (``xxh3(model ‖ 0 ‖ salt)`` when unkeyed)."""
+        data = to_bytes(model) + b"\x00" + to_bytes(salt or "")
+        if not self.secret:
+            return _xxh3(data)
+        return int.from_bytes(self._mac(b"seed\x00" + data), "little")
+
+    def digest(self, text: str) -> str:
+        """A 16-hex-digit digest of ``text``: keyed BLAKE2b, or XXH3 when unkeyed."""
+        if not self.secret:
+            return xxhash.xxh3_64_hexdigest(to_bytes(text))
+        return self._mac(b"digest\x00" + to_bytes(text)).hex()
+
+
+UNKEYED = ChainKey()
+
+
 @dataclass(frozen=True, slots=True)
 class FingerprintConfig:
-    """How prompts are cut: ``block_bytes`` per block (about 64 tokens at 4 bytes/token by default)."""
+    """How prompts are cut: ``block_bytes`` per block (about 64 tokens at 4 bytes/token by default), and the
+    ``chain`` key every chain is keyed with."""
 
     block_bytes: int = 256
     bytes_per_token: float = 4.0
     max_prefix_tokens: int = 131_072
     token_block_size: int = 64
+    chain: ChainKey = UNKEYED
 
     def __post_init__(self) -> None:
         if self.block_bytes < 16:
@@ -50,26 +103,34 @@ class FingerprintConfig:
             raise ValueError("token_block_size must be at least 1")
 
 
-def chain_seed(model: str, salt: str | None = None) -> int:
+def chain_seed(model: str, salt: str | None = None, key: ChainKey = UNKEYED) -> int:
     """Seed of a key chain: the model name and the tenant salt, so isolated tenants never share keys."""
-    return _xxh3(to_bytes(model) + b"\x00" + to_bytes(salt or ""))
+    return key.seed(model, salt)
 
 
-def chain_keys(data: bytes | memoryview, block_bytes: int, seed: int, max_blocks: int) -> list[int]:
-    """Chain-hash the full blocks of ``data`` without copying it; a trailing partial block is skipped."""
+def chain_keys(data: bytes | memoryview, block_bytes: int, seed: int, max_blocks: int, step: int = 0) -> list[int]:
+    """Chain-hash the full blocks of ``data`` without copying it; a trailing partial block is skipped.
+
+    ``step`` (``ChainKey.step``) is XORed into every link's seed, so a visible key does not let anyone
+    without the secret hash the next block."""
     view = memoryview(data)
     nblocks = min(len(view) // block_bytes, max_blocks)
     keys: list[int] = []
     append = keys.append
     h = seed
     end = nblocks * block_bytes
+    if step:
+        for start in range(0, end, block_bytes):
+            h = _xxh3(view[start : start + block_bytes], h ^ step)
+            append(h)
+        return keys
     for start in range(0, end, block_bytes):
         h = _xxh3(view[start : start + block_bytes], h)
         append(h)
     return keys
 
 
-def token_keys(token_ids: Sequence[int], block_size: int, seed: int, max_blocks: int) -> list[int]:
+def token_keys(token_ids: Sequence[int], block_size: int, seed: int, max_blocks: int, step: int = 0) -> list[int]:
     """Chain keys over token ids packed as little-endian uint32, ``block_size`` tokens per block."""
     try:
         packed = array("I", token_ids)
@@ -77,7 +138,7 @@ def token_keys(token_ids: Sequence[int], block_size: int, seed: int, max_blocks:
         packed = array("I", (int(t) & 0xFFFFFFFF for t in token_ids))
     if packed.itemsize != 4:  # pragma: no cover - platforms where 'I' is not 32-bit
         packed = array("L", packed)
-    return chain_keys(packed.tobytes(), block_size * packed.itemsize, seed, max_blocks)
+    return chain_keys(packed.tobytes(), block_size * packed.itemsize, seed, max_blocks, step)
 
 
 def _session_value(kwargs: Mapping[str, Any], headers: Mapping[str, str] | None) -> str | None:
@@ -99,12 +160,12 @@ def _session_value(kwargs: Mapping[str, Any], headers: Mapping[str, str] | None)
 
 
 def session_key(kwargs: Mapping[str, Any], headers: Mapping[str, str] | None = None,
-                tenant: str | None = None) -> str | None:
-    """Salted hash of the request's session id (metadata, header or ``user``), scoped by tenant; None if absent."""
+                tenant: str | None = None, key: ChainKey = UNKEYED) -> str | None:
+    """Keyed hash of the request's session id (metadata, header or ``user``), scoped by tenant; None if absent."""
     session = _session_value(kwargs, headers)
     if session is None:
         return None
-    return xxhash.xxh3_64_hexdigest(to_bytes((tenant or "") + "\x00" + session))
+    return key.digest((tenant or "") + "\x00" + session)
 
 
 class Fingerprinter:
@@ -116,6 +177,8 @@ class Fingerprinter:
             1, int(self.config.max_prefix_tokens * self.config.bytes_per_token) // self.config.block_bytes
         )
         self._block_tokens = self.config.block_bytes / self.config.bytes_per_token
+        self.chain = self.config.chain
+        self._step = self.chain.step
         self._seeds: dict[tuple[str, str | None], int] = {}
 
     def seed(self, model: str, salt: str | None) -> int:
@@ -123,7 +186,7 @@ class Fingerprinter:
         if cached is None:
             if len(self._seeds) > 4096:
                 self._seeds.clear()
-            cached = self._seeds[(model, salt)] = chain_seed(model, salt)
+            cached = self._seeds[(model, salt)] = self.chain.seed(model, salt)
         return cached
 
     def from_kwargs(
@@ -137,28 +200,35 @@ class Fingerprinter:
         headers: Mapping[str, str] | None = None,
         request_id: str | None = None,
         tags: Mapping[str, str] | None = None,
+        salt: str | None = None,
+        client_salt: bool = True,
     ) -> RoutingRequest:
-        """Fingerprint one request; the prompt is rendered exactly once and joined exactly once."""
+        """Fingerprint one request; the prompt is rendered exactly once and joined exactly once.
+
+        The chain salt is ``salt`` if given, else the tenant (with ``isolate_tenant``) plus the request's own
+        ``cache_salt`` when ``client_salt`` (the plugin passes the salt it decided and ``client_salt=False``)."""
         notes: list[str] = []
         try:
             kw: Mapping[str, Any] = kwargs if isinstance(kwargs, Mapping) else {}
             model_name = str(model if model is not None else kw.get("model") or "")
-            salt_parts = [tenant] if (isolate_tenant and tenant) else []
-            if kw.get("cache_salt"):
-                salt_parts.append(str(kw.get("cache_salt")))
-            seed = self.seed(model_name, "\x00".join(salt_parts) or None)
+            if salt is None:
+                salt_parts = [tenant] if (isolate_tenant and tenant) else []
+                if client_salt and kw.get("cache_salt"):
+                    salt_parts.append(str(kw.get("cache_salt")))
+                salt = "\x00".join(salt_parts) or None
+            seed = self.seed(model_name, salt)
             rendered = render_request(kw)
             notes.extend(rendered.notes)
             if rendered.token_ids is not None:
                 bs = self.config.token_block_size
                 max_blocks = max(1, self.config.max_prefix_tokens // bs)
-                keys = token_keys(rendered.token_ids, bs, seed, max_blocks)
+                keys = token_keys(rendered.token_ids, bs, seed, max_blocks, self._step)
                 prompt_tokens = len(rendered.token_ids)
                 block_tokens: float = bs
                 key_space = "tokens"
             else:
                 data = b"".join(rendered.segments)
-                keys = chain_keys(data, self.config.block_bytes, seed, self._max_blocks_bytes)
+                keys = chain_keys(data, self.config.block_bytes, seed, self._max_blocks_bytes, self._step)
                 prompt_tokens = int(len(data) / self.config.bytes_per_token)
                 block_tokens = self._block_tokens
                 key_space = "bytes"
@@ -167,7 +237,7 @@ class Fingerprinter:
                 keys=keys,
                 block_tokens=block_tokens,
                 prompt_tokens=prompt_tokens,
-                session_key=session_key(kw, headers, tenant),
+                session_key=session_key(kw, headers, tenant, self.chain),
                 tenant=tenant,
                 app=app,
                 tags=dict(tags or {}),
@@ -201,7 +271,8 @@ class Fingerprinter:
     ) -> RoutingRequest:
         """Fingerprint a prompt that is already tokenized (precise mode and token-id traces)."""
         bs = block_size or self.config.token_block_size
-        keys = token_keys(token_ids, bs, self.seed(model, salt), max(1, self.config.max_prefix_tokens // bs))
+        max_blocks = max(1, self.config.max_prefix_tokens // bs)
+        keys = token_keys(token_ids, bs, self.seed(model, salt), max_blocks, self._step)
         return RoutingRequest(
             model=model,
             keys=keys,

@@ -20,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kvroute.policies.fingerprint import token_keys
+from kvroute.policies.fingerprint import UNKEYED, ChainKey, token_keys
 from kvroute.policies.prefix_index import PrefixIndex, PrefixIndexConfig
 
 CopyTag = Hashable
@@ -35,6 +35,7 @@ class PreciseIndexConfig:
     max_blocks_per_source: int = 4_000_000
     max_blocks_per_event: int = 1 << 16
     fallback: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
+    chain: ChainKey = UNKEYED
 
     def __post_init__(self) -> None:
         if self.speculative_ttl_s < 0:
@@ -79,6 +80,11 @@ class PreciseIndex:
         self._lock = threading.Lock()
 
     # --- sources --------------------------------------------------------------------------------
+    @property
+    def chain(self) -> ChainKey:
+        """The key chains are keyed with: event keys and request keys must both come from it."""
+        return self.config.chain
+
     def attach(self, source: Hashable, backend: str) -> None:
         """Declare that events from ``source`` describe ``backend``'s cache (it becomes precise)."""
         with self._lock:
@@ -134,7 +140,7 @@ class PreciseIndex:
                 return 0
             start = parent[0]
         full = len(token_ids) // block_size
-        own: Sequence[int] = token_keys(token_ids, block_size, start, n) if full else ()
+        own: Sequence[int] = token_keys(token_ids, block_size, start, n, self.config.chain.step) if full else ()
         return self._store(state, engine_hashes, own, n, copy)
 
     def stored_keys(self, source: Hashable, engine_hashes: Sequence[int], keys: Sequence[int],

@@ -124,15 +124,16 @@ async def test_kvroute_gets_twice_the_cached_tokens_of_simple_shuffle(stack):
 async def test_status_route_and_cli_show_backends(stack):
     proxy = stack["ours"]
     async with httpx.AsyncClient(trust_env=False) as c:
-        status = (await c.get(proxy.base_url + "/kvroute/status")).json()
-        metrics = (await c.get(proxy.base_url + "/kvroute/metrics")).text
+        status = (await c.get(proxy.base_url + "/kvroute/status", headers=proxy.headers)).json()
+        metrics = (await c.get(proxy.base_url + "/kvroute/metrics", headers=proxy.headers)).text
     assert {"replica-0", "replica-1", "replica-2", "replica-3"} <= set(status["backends"])
     assert status["backends"]["replica-0"]["kind"] == "self_hosted"
     assert status["groups"]["llama"]["policy"] == "cache_aware"
     assert status["rules"] == ["batch-jobs", "agents"]  # the kvroute: block of the proxy's own config was read
     assert all(b["breaker"] in ("closed", "half_open", "open") for b in status["backends"].values())
     assert "kvroute_decisions_total" in metrics and "kvroute_confirmed_cached_tokens_total" in metrics
-    out = subprocess.run([sys.executable, "-m", "kvroute.plugin.cli", "status", "--proxy", proxy.base_url, "--json"],
+    out = subprocess.run([sys.executable, "-m", "kvroute.plugin.cli", "status", "--proxy", proxy.base_url, "--json",
+                          "--api-key", proxy.master_key],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["backends"].keys() == status["backends"].keys()
@@ -183,12 +184,12 @@ async def test_client_disconnect_mid_stream_releases_the_pick(stack):
             deadline = time.monotonic() + 20
             status = {}
             while time.monotonic() < deadline:
-                status = (await c.get(proxy.base_url + "/kvroute/status")).json()
+                status = (await c.get(proxy.base_url + "/kvroute/status", headers=proxy.headers)).json()
                 if status["pending"] == 0 and all(b["inflight"] == 0 for b in status["backends"].values()):
                     break
                 await asyncio.sleep(0.25)
             assert status["pending"] == 0, status
-            metrics = (await c.get(proxy.base_url + "/kvroute/metrics")).text
+            metrics = (await c.get(proxy.base_url + "/kvroute/metrics", headers=proxy.headers)).text
             assert 'outcome="cancelled"' in metrics
         finally:
             for url in urls:

@@ -124,6 +124,19 @@ async def test_repeated_prefix_reports_cached_tokens(engine):
     assert "quick brown fox" not in json.dumps(stats)  # never prompt text
 
 
+async def test_cache_salt_separates_prefixes_like_vllm(engine):
+    _, client = engine
+
+    async def cached(**extra) -> int:
+        body = (await client.post("/v1/chat/completions", json=chat("same question", **extra))).json()
+        return body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert await cached(cache_salt="tenant-a") == 0
+    assert await cached(cache_salt="tenant-a") > 0  # same salt: shared
+    assert await cached(cache_salt="tenant-b") == 0  # another salt reaches nothing of tenant-a's
+    assert await cached() == 0  # nor does the unsalted prompt
+
+
 async def test_prefill_time_scales_with_uncached_tokens():
     config = FakeEngineConfig(capacity_tokens=8192, prefill_tokens_per_s=1_000_000)
     async with FakeEngineServer(config) as server, httpx.AsyncClient(base_url=server.base_url) as client:

@@ -241,7 +241,8 @@ async def test_billing_records_one_event_per_request(tmp_path):
 
 
 async def test_precise_group_without_events_routes_on_approximate_keys():
-    cb = make_callback(groups={"llama": {"mode": "precise", "precise": {}}})
+    # an engine tokenizer nobody answers at (an empty precise: block is a config error now)
+    cb = make_callback(groups={"llama": {"mode": "precise", "precise": {"tokenize_url": "http://127.0.0.1:9"}}})
     deps = [{"model_name": "llama", "litellm_params": {"model": "openai/m", "api_base": f"http://h{i}/v1"},
              "model_info": {"id": f"r{i}", "engine": "vllm"}} for i in range(3)]
     msgs = [{"role": "system", "content": "precise prefix " * 200}, {"role": "user", "content": "q"}]

@@ -64,3 +64,58 @@ def test_grafana_dashboard_uses_only_existing_series():
     dash = json.loads((Path(__file__).resolve().parents[2] / "examples" / "grafana-dashboard.json").read_text())
     used = {n for p in dash["panels"] for t in p["targets"] for n in re.findall(r"kvroute_[a-z_]+", t["expr"])}
     assert used and used <= names | {n + "_total" for n in names}, used - names
+
+
+def test_exposition_serves_only_kvroute_families():
+    from prometheus_client import Counter
+
+    registry = CollectorRegistry()
+    m = Metrics(registry)
+    Counter("litellm_requests", "someone else's series", ["hashed_api_key"], registry=registry).labels("abc").inc()
+    m.decision("llama", "cache_aware", "cold", 0)
+    body, content_type = m.exposition()
+    text = body.decode()
+    assert "kvroute_decisions_total" in text and "litellm_" not in text and "hashed_api_key" not in text
+    assert content_type.startswith("text/plain")
+    port = m.serve(0)
+    try:
+        served = httpx.get(f"http://127.0.0.1:{port}/metrics", trust_env=False).text
+    finally:
+        m.close()
+    assert "kvroute_decisions_total" in served and "litellm_" not in served
+
+
+_WORKER = """
+import sys
+from prometheus_client import REGISTRY, Counter
+from kvroute.plugin.metrics import Metrics
+m = Metrics(REGISTRY, multiproc_dir=sys.argv[1])
+Counter("litellm_other", "not ours", registry=REGISTRY).inc()
+for _ in range(int(sys.argv[2])):
+    m.decision("llama", "cache_aware", "prefix_match", 10)
+m.set_inflight([("r0", int(sys.argv[2]))])
+if sys.argv[3] == "read":
+    sys.stdout.write(m.exposition()[0].decode())
+"""
+
+
+def test_multiprocess_mode_sums_every_worker(tmp_path):
+    """Three worker processes write to one PROMETHEUS_MULTIPROC_DIR; any one of them exposes the sum."""
+    import os
+    import subprocess
+    import sys
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    for n in (2, 3):
+        subprocess.run([sys.executable, "-c", _WORKER, str(tmp_path), str(n), "write"], env=env, check=True,
+                       timeout=60)
+    out = subprocess.run([sys.executable, "-c", _WORKER, str(tmp_path), "4", "read"], env=env, check=True,
+                         capture_output=True, text=True, timeout=60).stdout
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(out) for s in fam.samples}
+    assert samples[("kvroute_decisions_total", (("group", "llama"), ("policy", "cache_aware"),
+                                                ("reason", "prefix_match")))] == 9
+    assert samples[("kvroute_predicted_cached_tokens_total", (("group", "llama"),))] == 90
+    assert "litellm_other" not in out

@@ -96,3 +96,76 @@ def test_invalid_yaml_and_missing_file(tmp_path, monkeypatch):
     with pytest.raises(ConfigError) as err:
         load_settings()
     assert err.value.key == "KVROUTE_CONFIG"
+
+
+# --- strict config (issue 10 item 7): every unknown, misplaced or invalid key stops startup, named ----------
+@pytest.mark.parametrize(("text", "key"), [
+    ("kvroute: {groups: {llama: {knobs: {block_tokens: 64}}}}", "kvroute.groups.llama.knobs"),
+    ("kvroute: {groups: {llama: {precise: {sources: []}}}}", "kvroute.groups.llama.precise"),
+    ("kvroute: {groups: {llama: {mode: precise, precise: {socket: x}}}}", "kvroute.groups.llama.precise.socket"),
+    ("kvroute: {groups: {llama: {mode: precise, precise: {}}}}", "kvroute.groups.llama.precise"),
+    ("kvroute: {groups: {llama: {mode: precise, precise: {tokenizer: /nonexistent/tok}}}}",
+     "kvroute.groups.llama.precise.tokenizer"),
+    ("kvroute: {groups: {llama: {mode: precise, precise: {sources: [{endpoint: 'tcp://x:1', bnd: true}]}}}}",
+     "kvroute.groups.llama.precise.sources[0].bnd"),
+    ("kvroute: {groups: {llama: {mode: precise, precise: {block_size: -4, metrics: {a: 'http://a'}}}}}",
+     "kvroute.groups.llama.precise.block_size"),
+    ("kvroute: {groups: {llama: {isolation: tenant}}}", "kvroute.groups.llama.isolation"),
+    ("kvroute: {billing_db: 'mysql://u@h/db'}", "kvroute.billing_db"),
+    ("kvroute: {billing_db: 'postgresql+nodriver://u@h/db'}", "kvroute.billing_db"),
+    ("kvroute: {billing_db: 'oracle://u@h/db'}", "kvroute.billing_db"),
+    ("kvroute: {breaker: {consecutive_fails: 3}}", "kvroute.breaker.consecutive_fails"),
+    ("kvroute: {hash_secret: short}", "kvroute.hash_secret"),
+    ("kvroute: {endpoint_auth: none}", "kvroute.endpoint_auth"),
+    ("kvroute: {rules: [{policy: least_load, knobs: {nope: 1}}]}", "kvroute.rules.0.policy.nope"),
+    ("kvroute: {default_knobs: {nope: 1}}", "kvroute.default_policy.nope"),
+])
+def test_strict_config_names_the_key(tmp_path, text, key):
+    with pytest.raises(ConfigError) as err:
+        load_settings(write(tmp_path, text))
+    assert err.value.key == key
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(("name", "value", "key"), [
+    ("KVROUTE_METRICS_PROT", "9100", "KVROUTE_METRICS_PROT"),
+    ("KVROUTE_REDIS", "redis://x", "KVROUTE_REDIS"),
+    ("KVROUTE_METRICS_PORT__X", "1", "KVROUTE_METRICS_PORT__X"),
+    ("KVROUTE_BILLING_DB", "mysql://u@h/db", "kvroute.billing_db"),
+    ("KVROUTE_GROUPS", '{"llama": {"knobs": {"a": 1}}}', "kvroute.groups.llama.knobs"),
+    ("KVROUTE_ENDPOINT_AUTH", "nobody", "kvroute.endpoint_auth"),
+])
+def test_strict_env_names_the_variable(monkeypatch, name, value, key):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError) as err:
+        load_settings()
+    assert err.value.key == key
+
+
+def test_known_env_of_other_parts_is_accepted(monkeypatch, tmp_path):
+    for name, value in (("KVROUTE_BILLING_SPOOL", str(tmp_path)), ("KVROUTE_BILLING_GRACE_HOURS", "1"),
+                        ("KVROUTE_CACHE_DIR", str(tmp_path)), ("KVROUTE_TEST_REDIS_URL", "redis://x"),
+                        ("KVROUTE_GROUPS__LLAMA__ISOLATION", "team")):
+        monkeypatch.setenv(name, value)
+    assert load_settings().group("llama").isolation == "team"
+
+
+def test_valid_precise_block_and_isolation_load(tmp_path):
+    s = load_settings(write(tmp_path, """
+kvroute:
+  groups:
+    llama:
+      mode: precise
+      isolation: key
+      precise: {sources: [{endpoint: "tcp://127.0.0.1:5557", backend: a}], block_size: 16}
+"""))
+    assert s.group("llama").isolation == "key" and s.group("other").isolation == "none"
+
+
+def test_multiproc_dir_must_exist(monkeypatch, tmp_path):
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path / "absent"))
+    with pytest.raises(ConfigError) as err:
+        load_settings()
+    assert "not a directory" in err.value.message
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    assert load_settings().prometheus_multiproc_dir == tmp_path

@@ -36,8 +36,8 @@ def served():
         return PlainTextResponse("proxy route", status_code=404)
 
     app = Starlette(routes=[Route("/{path:path}", catch_all)])
-    assert mount_routes(app, cb) == ["/kvroute/status", "/kvroute/metrics"]
-    assert mount_routes(app, cb) == []  # idempotent
+    assert mount_routes(app, cb, auth="open") == ["/kvroute/status", "/kvroute/metrics"]
+    assert mount_routes(app, cb, auth="open") == []  # idempotent
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="error"))
@@ -81,3 +81,42 @@ def test_unreachable_proxy_exits_2():
         port = s.getsockname()[1]
     result = CliRunner().invoke(cli_app, ["status", "--proxy", f"http://127.0.0.1:{port}"])
     assert result.exit_code == 2 and "cannot reach" in result.output
+
+
+def test_status_hides_api_base_unless_asked(served):
+    import httpx
+
+    plain = httpx.get(served + "/kvroute/status", trust_env=False).json()
+    assert all("api_base" not in b for b in plain["backends"].values())
+    asked = httpx.get(served + "/kvroute/status?show=api_base", trust_env=False).json()
+    assert asked["backends"]["r0"]["api_base"] == "http://h0/v1"
+    assert plain["hash_key"] == {"keyed": True, "source": "file"} and plain["workers"] == 1
+
+
+@pytest.mark.parametrize(("auth", "role", "code"), [
+    ("admin", "internal_user", 403), ("admin", "proxy_admin", 200), ("admin", "proxy_admin_viewer", 200),
+    ("key", "internal_user", 200), ("key", "proxy_admin", 200),
+])
+def test_endpoint_auth_modes_on_a_fastapi_app(auth, role, code):
+    """The guarded routes run LiteLLM's ``user_api_key_auth`` (overridden here with the key it would return)."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+    from litellm.proxy._types import UserAPIKeyAuth
+    from litellm.proxy.auth.user_api_key_auth import user_api_key_auth
+
+    cb = KvrouteCallback(KvrouteSettings(), metrics=Metrics(CollectorRegistry()), mount=False)
+    app = FastAPI()
+    assert mount_routes(app, cb, auth=auth) == ["/kvroute/status", "/kvroute/metrics"]
+    app.dependency_overrides[user_api_key_auth] = lambda: UserAPIKeyAuth(api_key="sk-x", user_role=role)
+    with TestClient(app) as client:
+        assert client.get("/kvroute/status").status_code == code
+        assert client.get("/kvroute/metrics").status_code == code
+
+
+def test_metrics_port_binds_loopback_by_default():
+    m = Metrics(CollectorRegistry())
+    m.serve(0)
+    try:
+        assert m._server[0].server_address[0] == "127.0.0.1"
+    finally:
+        m.close()

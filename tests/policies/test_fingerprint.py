@@ -6,10 +6,12 @@ import json
 import subprocess
 import sys
 
+import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvroute.policies import FingerprintConfig, Fingerprinter
+from kvroute.policies import ChainKey, FingerprintConfig, Fingerprinter
+from kvroute.policies.render import render_request
 
 FP = Fingerprinter()
 SYSTEM = "You are a careful assistant. " * 60
@@ -162,3 +164,63 @@ def test_deeply_nested_tool_json_and_bad_shapes():
         req = FP.from_kwargs(kwargs)
         assert req.request_id
     assert FP.from_kwargs("garbage").kind in {"invalid", "empty"}  # type: ignore[arg-type]
+
+
+# --- keyed chains (issue 10 item 5) -------------------------------------------------------------------------
+SECRET = bytes(range(32))
+KEYED = Fingerprinter(FingerprintConfig(chain=ChainKey(SECRET)))
+TEMPLATE = "Bank assistant. Verify the customer before answering. " * 8
+
+
+def pin_request(pin: str) -> dict:
+    return {"model": "m", "messages": [{"role": "system", "content": TEMPLATE},
+                                       {"role": "user", "content": f"My PIN is {pin}. " + "Balance please. " * 30}]}
+
+
+def test_secret_keys_every_chain_and_agrees_across_processes():
+    kwargs = chat("hello " * 300)
+    public, keyed = FP.from_kwargs(kwargs).keys, KEYED.from_kwargs(kwargs).keys
+    other = Fingerprinter(FingerprintConfig(chain=ChainKey(b"another secret, 32 bytes long!!!"))).from_kwargs(kwargs)
+    assert len(public) == len(keyed) > 4
+    assert not set(public) & set(keyed) and not set(keyed) & set(other.keys)
+    code = ("import json,sys; from kvroute.policies import ChainKey, FingerprintConfig, Fingerprinter;"
+            "fp = Fingerprinter(FingerprintConfig(chain=ChainKey(bytes(range(32)))));"
+            "print(json.dumps(fp.from_kwargs(json.loads(sys.stdin.read())).keys))")
+    out = subprocess.run([sys.executable, "-c", code], input=json.dumps(kwargs), capture_output=True,
+                         text=True, check=True, env={"PYTHONHASHSEED": "99", "PATH": "/usr/bin"})
+    assert json.loads(out.stdout) == list(keyed)
+    alice = {**kwargs, "user": "alice"}
+    assert KEYED.from_kwargs(alice).session_key != FP.from_kwargs(alice).session_key
+
+
+def test_short_or_missing_secret_is_refused_and_empty_means_unkeyed():
+    import pytest
+
+    with pytest.raises(ValueError):
+        ChainKey(b"short")
+    assert not ChainKey().keyed and ChainKey().step == 0 and ChainKey(SECRET).step != 0
+
+
+def _confirm_pin(leaked_keys: list[int]) -> list[str]:
+    """The attack: the template is known, the keys leaked (Redis, a forwarded cache key); try every PIN both
+    by recomputing the public chain and by extending the chain from the leaked key before the PIN's block."""
+    data = b"".join(render_request(pin_request("0000")).segments)
+    j = data.index(b"My PIN is ") // 256
+    assert (data.index(b"My PIN is ") + 20) // 256 == j  # the PIN sits inside block j
+    leaked = set(leaked_keys)
+    hits = []
+    for n in range(10_000):
+        pin = f"{n:04d}"
+        guess = pin_request(pin)
+        block = b"".join(render_request(guess).segments)[j * 256:(j + 1) * 256]
+        if xxhash.xxh3_64_intdigest(block, leaked_keys[j - 1]) in leaked or FP.from_kwargs(guess).keys[j] in leaked:
+            hits.append(pin)
+    return hits
+
+
+def test_a_guessed_pin_is_confirmed_from_unkeyed_keys_but_not_from_keyed_ones():
+    assert _confirm_pin(list(FP.from_kwargs(pin_request("4711")).keys)) == ["4711"]  # the attack works unkeyed
+    victim = list(KEYED.from_kwargs(pin_request("4711")).keys)
+    assert _confirm_pin(victim) == []
+    # whoever holds the secret (every kvroute worker) still matches the prefix exactly
+    assert KEYED.from_kwargs(pin_request("4711")).keys == victim

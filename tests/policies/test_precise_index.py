@@ -209,3 +209,19 @@ def test_refcounts_agree_with_a_model(ops):
         key = token_keys(blocks[i], BS, SEED, 1)[0]
         assert (idx.holders(key) != {}) == (i in held)
     assert idx.blocks("A") == len(held)
+
+
+def test_keyed_chain_event_keys_match_keyed_request_keys_and_removals_use_engine_hashes():
+    from kvroute.policies.fingerprint import ChainKey, FingerprintConfig
+
+    key = ChainKey(b"k" * 32)
+    idx = PreciseIndex(PreciseIndexConfig(chain=key))
+    idx.attach("s1", "A")
+    seed = chain_seed("m", "t-1", idx.chain)
+    idx.stored("s1", [11, 12, 13], None, TOKENS[: 3 * BS], BS, seed)
+    fp = Fingerprinter(FingerprintConfig(token_block_size=BS, chain=key))
+    keyed = fp.from_token_ids(TOKENS, model="m", salt="t-1").keys
+    assert idx.match(keyed, ["A"], 0.0) == {"A": 3}
+    assert idx.match(request_keys(salt="t-1"), ["A"], 0.0) == {}  # the unkeyed chain of the same tokens misses
+    idx.removed("s1", [13])  # the engine's own hash still finds the block to remove
+    assert idx.match(keyed, ["A"], 0.0) == {"A": 2}
