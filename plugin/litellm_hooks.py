@@ -687,11 +687,14 @@ class KvrouteCallback(CustomLogger):
             self._failed.move_to_end(base)
             while len(self._failed) > 10_000:
                 self._failed.popitem(last=False)
-        # a neutral verdict still reaches the breaker: it hands a half-open probe token back without a verdict
-        self.health.record(backend_id, verdict.outcome.value, self.clock(), status=verdict.status,
-                           retry_after_s=verdict.retry_after_s, started_at=ticket.started if ticket else None)
-        self.metrics.failed(backend_id, verdict.outcome.value)
+        self._judge(backend_id, verdict, ticket.started if ticket else None)
         return verdict
+
+    def _judge(self, backend_id: str, verdict: Attribution, started: float | None) -> None:
+        """Give the breaker and the metrics one attempt's verdict (a neutral one hands a half-open probe back)."""
+        self.health.record(backend_id, verdict.outcome.value, self.clock(), status=verdict.status,
+                           retry_after_s=verdict.retry_after_s, started_at=started)
+        self.metrics.failed(backend_id, verdict.outcome.value)
 
     def _remember_failure(self, exception: BaseException) -> None:
         self._seen_failures[id(exception)] = exception  # held, so the id is not reused while remembered
@@ -728,7 +731,13 @@ class KvrouteCallback(CustomLogger):
         ticket = self._ticket(kwargs)
         backend = deployment_id(kwargs)
         if ticket is not None and backend and ticket.backend != backend:
-            ticket = None  # a ticket of another attempt of the request (a retry already picked) is not this one's
+            # the metadata already names a newer attempt (a retry or a mid-stream continuation picked elsewhere):
+            # judge the backend that failed, and leave the other attempt's ticket alone
+            verdict = classify(exc, backend_called=True)
+            if verdict.blames_backend:
+                self._remember_failure(exc)
+                self._judge(backend, verdict, None)
+            return verdict
         verdict = classify(exc, backend_called=ticket is not None and ticket.backend is not None,
                            first_token=bool(ticket and ticket.first_token))
         if ticket is not None and (verdict.blames_backend or verdict.kind is FailureKind.CANCELLED):

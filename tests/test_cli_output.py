@@ -31,7 +31,7 @@ def ledger(tmp_path_factory) -> str:
     out = kvroute("billing", "load-prices", str(EXAMPLES / "prices.yaml"), "--db", db)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "backends +5, rate cards +5, price books +2 (0 unchanged)"
-    out = kvroute("billing", "ingest", str(EXAMPLES / "usage.jsonl"), "--db", db)
+    out = kvroute("billing", "ingest", str(EXAMPLES / "usage.jsonl"), "--db", db, "--late-days", "3650")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "15 valid events, 15 inserted, 0 already present, 0 skipped"
     return db

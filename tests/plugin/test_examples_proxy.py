@@ -125,7 +125,8 @@ def test_example_config_serves_both_groups_streamed_and_not_without_touching_the
         for group in ("llama", "hosted"):
             assert "data:" in _chat(proxy, group, True, i)
             assert '"choices"' in _chat(proxy, group, False, i)
-    status = httpx.get(proxy.base_url + "/kvroute/status", headers=proxy.headers, timeout=10, trust_env=False).json()
+    status = httpx.get(proxy.base_url + "/kvroute/status?show=api_base", headers=proxy.headers, timeout=10,
+                       trust_env=False).json()
     backends = status["backends"]
     assert {"replica-1", "replica-2", "replica-3", "provider-a", "provider-b"} <= set(backends)
     assert backends["replica-1"]["api_base"] == stack["env"]["EXAMPLE_REPLICA_1_API_BASE"]

