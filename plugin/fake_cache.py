@@ -17,19 +17,19 @@ BYTES_PER_TOKEN = 4
 
 def token_count(text: str) -> int:
     """Tokens of ``text`` under the fake tokenizer: one per 4 UTF-8 bytes, rounded up."""
-    return -(-len(text.encode("utf-8")) // BYTES_PER_TOKEN)
+    return -(-len(text.encode("utf-8", "surrogatepass")) // BYTES_PER_TOKEN)
 
 
 def block_keys(text: str, block_tokens: int, max_tokens: int | None = None, salt: str | None = None) -> list[int]:
     """Chained XXH3-64 keys of the full blocks of ``text`` (optionally of its first ``max_tokens`` tokens);
     a ``cache_salt`` seeds the chain, as vLLM mixes it into block 0, so differently salted prompts share none."""
-    data = text.encode("utf-8")
+    data = text.encode("utf-8", "surrogatepass")
     usable = len(data) // BYTES_PER_TOKEN
     if max_tokens is not None:
         usable = min(usable, max_tokens)
     step = block_tokens * BYTES_PER_TOKEN
     keys: list[int] = []
-    parent = xxhash.xxh3_64_intdigest(salt.encode("utf-8")) if salt else 0
+    parent = xxhash.xxh3_64_intdigest(salt.encode("utf-8", "surrogatepass")) if salt else 0
     for start in range(0, (usable // block_tokens) * step, step):
         parent = xxhash.xxh3_64_intdigest(data[start:start + step], seed=parent)
         keys.append(parent)

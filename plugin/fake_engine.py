@@ -110,7 +110,12 @@ def render_chat(messages: object) -> str:
             raise BadRequest(f"messages[{i}] must be an object with a role")
         content = message.get("content") or ""
         if isinstance(content, list):
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            texts = [p.get("text", "") for p in content if isinstance(p, dict)]
+            if not all(isinstance(t, str) for t in texts):
+                raise BadRequest(f"messages[{i}].content: a text part's text must be a string")
+            content = "".join(texts)
+        elif not isinstance(content, str):
+            raise BadRequest(f"messages[{i}].content must be a string or a list of parts")
         parts.append(f"<|{message['role']}|>\n{content}\n")
     return "".join(parts) + "<|assistant|>\n"
 
@@ -125,7 +130,7 @@ def _prompt_text(prompt: object) -> str:
 
 def generate_text(prompt: str, n_tokens: int) -> str:
     """Deterministic output of exactly ``n_tokens`` fake tokens, chosen by a hash of the prompt."""
-    seed = xxhash.xxh3_64_intdigest(prompt.encode("utf-8"))
+    seed = xxhash.xxh3_64_intdigest(prompt.encode("utf-8", "surrogatepass"))
     return "".join(_WORDS[((seed >> (i % 56)) ^ i) % len(_WORDS)] for i in range(n_tokens))
 
 
@@ -226,7 +231,7 @@ class FakeEngine:
                 raise BadRequest("max_tokens must be a positive integer")
             if max_tokens > self.config.max_tokens_limit:
                 raise BadRequest(f"max_tokens must be <= {self.config.max_tokens_limit}")
-        except (ValueError, BadRequest) as exc:
+        except (ValueError, RecursionError, BadRequest) as exc:  # JSON nested too deep is a bad request too
             await ex.send_json(400, {"error": {"message": str(exc), "type": "invalid_request_error"}})
             return
         headers = {k: ("<redacted>" if k in _REDACTED_HEADERS else v) for k, v in request.headers.items()}
@@ -296,7 +301,8 @@ class FakeEngine:
         self.decoding += 1
         try:
             if body.get("stream"):
-                include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+                stream_options = body.get("stream_options")
+                include_usage = isinstance(stream_options, dict) and bool(stream_options.get("include_usage"))
                 if not await self._stream(ex, rid, model, chat, pieces, usage if include_usage else None, fault,
                                           extra):
                     return

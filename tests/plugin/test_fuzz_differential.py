@@ -107,6 +107,23 @@ async def test_kvroute_changes_no_status_class_of_odd_requests():
           f"differ: {len(differ)}; kvroute plugin errors (swallowed): {plugin_errors}")
     for i, (a, b) in list(differ.items())[:10]:
         print(f"  case {i}: kvroute {a} vs plain {b}: {cases[i].content()[:200]!r} headers={cases[i].headers}")
+    if differ:  # what opened: kvroute's attempt outcomes other than success, and breaker transitions
+        print("\n".join(ln for ln in metrics.splitlines() if ln.startswith(("kvroute_attempts_total",
+              "kvroute_breaker_transitions_total")) and 'outcome="success"' not in ln))
     assert len(results) == CASES
     assert differ == {}, f"{len(differ)} cases differ"
     assert kvroute_tracebacks(log) == [], kvroute_tracebacks(log)[:3]
+
+
+async def test_fake_engine_answers_odd_bodies_with_4xx_not_5xx():
+    """An engine's 5xx blames it: the fake engine must not answer a malformed request with one (vLLM gives 400)."""
+    config = FakeEngineConfig(prefill_tokens_per_s=1e6, decode_s_per_token=0)
+    odd = [b'{"messages": [{"role": "user", "content": [{"type": "text", "text": {"x": 1}}]}]}',
+           b'{"messages": [{"role": "user", "content": 2.5}]}',
+           b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}"]
+    async with FakeEngineServer(config) as server, httpx.AsyncClient(base_url=server.base_url) as c:
+        statuses = [(await c.post("/v1/chat/completions", content=body)).status_code for body in odd]
+        lone = await c.post("/v1/chat/completions", content=b'{"messages": [{"role": "user", "content": "a\\ud800b"}],'
+                                                             b' "stream": true, "stream_options": "yes"}')
+    assert statuses == [400, 400, 400]
+    assert lone.status_code == 200 and "[DONE]" in lone.text
