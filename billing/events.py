@@ -44,6 +44,8 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
+import msgspec
+
 from kvroute.billing.money import MAX_AMOUNT, check_currency, to_decimal
 from kvroute.billing.usage import TokenBuckets, normalize_usage, reported_cost
 from kvroute.policies.errors import InputError
@@ -69,6 +71,9 @@ def event_id_for(app_id: str, request_id: str, attempt: int | str) -> str:
     A LiteLLM trace id, ``x-session-id`` or ``litellm_call_id`` (all client-settable) is never part of it.
     """
     return hashlib.sha256(f"{app_id}|{request_id}|{attempt}".encode()).hexdigest()[:32]
+
+
+_LINE_ENCODER = msgspec.json.Encoder(order="sorted")
 
 
 def period_of(moment: datetime) -> str:
@@ -164,7 +169,17 @@ class UsageEvent:
         return out
 
     def to_line(self) -> str:
-        return json.dumps(self.to_json(), separators=(",", ":"), sort_keys=True)
+        """The JSON form as one compact line with sorted keys."""
+        return self.to_bytes().decode()
+
+    def to_bytes(self) -> bytes:
+        """``to_line`` encoded (msgspec: ~10x faster than ``json.dumps`` on the request path); values msgspec
+        cannot encode (a lone surrogate in a client string) go through ``json.dumps``, which escapes them."""
+        data = self.to_json()
+        try:
+            return _LINE_ENCODER.encode(data)
+        except (TypeError, ValueError, UnicodeEncodeError):
+            return json.dumps(data, separators=(",", ":"), sort_keys=True).encode()
 
 
 _TEXT_LIMITS = tuple((n, limit) for n, limit in FIELD_LIMITS.items() if isinstance(limit, int))

@@ -103,7 +103,7 @@ class UsageRecorder:
     # -- request path -------------------------------------------------------------------------------------
     def record(self, event: UsageEvent) -> None:
         """Journal one event (one ``write(2)``, no fsync, no database); durable against a process crash on return."""
-        line = (event.to_line() + "\n").encode()
+        line = event.to_bytes() + b"\n"
         try:
             self.journal.append(line, event)
         except OSError:  # disk full or gone: keep it in memory for the writer, never drop it

@@ -120,7 +120,11 @@ class Journal:
         with self._lock:
             if self.from_disk:
                 return [], 0
-            items = [self.queue.popleft() for _ in range(min(limit, len(self.queue)))]
+            if len(self.queue) <= limit:  # swap the whole queue out: O(1) under the lock record() waits on
+                items: deque[tuple[int, object]] | list[tuple[int, object]] = self.queue
+                self.queue = deque()
+            else:
+                items = [self.queue.popleft() for _ in range(limit)]
         return [i for _, i in items], (items[-1][0] if items else 0)
 
     def caught_up(self) -> None:
