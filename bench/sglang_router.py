@@ -12,13 +12,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
 
-from kvroute.plugin.child_processes import ChildOwner, ChildStartError, log_tail, spawn, terminate
+from kvroute.plugin.child_processes import ChildOwner, ChildStartError, log_tail, spawn, terminate, wait_until_ready
 from kvroute.plugin.proxy_process import free_port
 
 SGLANG_ROUTER_PIN = "sglang-router==0.3.2"
@@ -84,23 +83,14 @@ class SglangRouter(ChildOwner):
         return self
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.start_timeout_s
+        def registered() -> bool:
+            workers = client.get(self.base_url + "/workers").json().get("workers") or []
+            return len(workers) == len(self.worker_urls) and all(w.get("is_healthy") for w in workers)
+
         with httpx.Client(timeout=2.0, trust_env=False) as client:
-            while True:
-                if self.process.poll() is not None:
-                    raise ChildStartError(f"sglang-router ({self.policy}) exited with code "
-                                          f"{self.process.returncode}:\n{log_tail(self.log_path)}")
-                if time.monotonic() > deadline:
-                    raise ChildStartError(f"sglang-router ({self.policy}) had not registered all "
-                                          f"{len(self.worker_urls)} workers after {self.start_timeout_s:g}s:\n"
-                                          f"{log_tail(self.log_path)}")
-                try:
-                    workers = client.get(self.base_url + "/workers").json().get("workers") or []
-                    if len(workers) == len(self.worker_urls) and all(w.get("is_healthy") for w in workers):
-                        return
-                except (httpx.HTTPError, ValueError):
-                    pass
-                time.sleep(0.2)
+            wait_until_ready(self.process, self.log_path, registered, what=f"sglang-router ({self.policy})",
+                             timeout_s=self.start_timeout_s,
+                             not_ready=f"had not registered all {len(self.worker_urls)} workers", poll_s=0.2, tail=30)
 
     def stop(self) -> None:
         if self.process is not None:

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from kvroute.policies.errors import KvrouteError
@@ -133,6 +133,24 @@ def exit_on_signals() -> Iterator[None]:
         for sig, old in previous.items():
             with contextlib.suppress(Exception):
                 signal.signal(sig, old)
+
+
+def wait_until_ready(proc: subprocess.Popen, log_path: Path, ready: Callable[[], bool], *, what: str,
+                     timeout_s: float, not_ready: str = "not ready", poll_s: float = 0.25, tail: int = 40) -> None:
+    """Poll ``ready()`` until it is true; raise ``ChildStartError`` with the log's tail when the process exits or
+    ``timeout_s`` passes (``not_ready`` says what was missing). An exception from ``ready`` counts as not yet."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise ChildStartError(f"{what} exited with code {proc.returncode}:\n{log_tail(log_path, tail)}")
+        if time.monotonic() > deadline:
+            raise ChildStartError(f"{what} {not_ready} after {timeout_s:g}s:\n{log_tail(log_path, tail)}")
+        try:
+            if ready():
+                return
+        except Exception:
+            pass
+        time.sleep(poll_s)
 
 
 def write_ready_file(path: str | Path, port: int, name: str) -> None:

@@ -12,7 +12,6 @@ import shutil
 import socket
 import sys
 import tempfile
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +20,13 @@ from typing import Any
 import httpx
 import yaml
 
-from kvroute.plugin.child_processes import ChildOwner, ChildStartError, log_tail, spawn, terminate
+from kvroute.plugin.child_processes import (
+    ChildOwner,
+    ChildStartError,
+    spawn,
+    terminate,
+    wait_until_ready,
+)
 from kvroute.policies.errors import ConfigError
 
 KVROUTE_CALLBACK = "kvroute.plugin.kvroute_callback"
@@ -196,21 +201,10 @@ class ProxyProcess(ChildOwner):
         return self
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.start_timeout_s
         with httpx.Client(timeout=2.0, trust_env=False) as client:
-            while True:
-                if self.process.poll() is not None:
-                    raise ChildStartError(f"litellm proxy exited with code {self.process.returncode}:\n"
-                                          f"{log_tail(self.log_path, 40)}")
-                if time.monotonic() > deadline:
-                    raise ChildStartError(f"litellm proxy not ready after {self.start_timeout_s:g}s:\n"
-                                          f"{log_tail(self.log_path, 40)}")
-                try:
-                    if client.get(self.base_url + "/health/readiness").status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.25)
+            wait_until_ready(self.process, self.log_path,
+                             lambda: client.get(self.base_url + "/health/readiness").status_code == 200,
+                             what="litellm proxy", timeout_s=self.start_timeout_s)
 
     def stop(self) -> None:
         """Stop the proxy (SIGTERM, then SIGKILL); remove the work directory if this object created it."""

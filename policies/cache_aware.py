@@ -24,6 +24,8 @@ from kvroute.policies.request import RoutingRequest
 from kvroute.policies.scorers import FLEET_SCORERS, SCORERS, Candidate, own_prefill, slot_wait
 from kvroute.policies.speed import EngineSpeed
 
+_PRIOR = EngineSpeed()
+
 
 @dataclass(frozen=True, slots=True)
 class CacheAwareConfig:
@@ -43,12 +45,13 @@ class CacheAwareConfig:
     tie_fraction: float = 0.05
     max_scores: int = 8
     max_scored: int = 8
-    prefill_tok_s: float = 18_900.0
-    attn_s: float = 2.0e-9
-    step_s: float = 0.014
-    decode_s_per_seq: float = 1.0e-4
-    chunk_tokens: int = 8192
-    slots: int = 256
+    # the engine-speed prior; defaults are EngineSpeed's (policies/speed.py), repeated nowhere
+    prefill_tok_s: float = _PRIOR.prefill_tok_s
+    attn_s: float = _PRIOR.attn_s
+    step_s: float = _PRIOR.step_s
+    decode_s_per_seq: float = _PRIOR.decode_s_per_seq
+    chunk_tokens: int = _PRIOR.chunk_tokens
+    slots: int = _PRIOR.slots
 
     def __post_init__(self) -> None:
         for name in ("min_prefix_tokens", "queue_weight", "slot_weight", "prefill_weight", "kv_weight",
