@@ -36,7 +36,7 @@ SPEND_WINDOW_S = 600.0
 CAPPED_BUDGET = Decimal("0.02")  # hosted spend the capped group may have in one window (~5 requests)
 BURST, BURST_RATE = 32, 8.0  # 8 requests/s for 4 s: 2.4x the fleet's capacity
 AFTER, AFTER_RATE = 12, 1.0
-ROUNDS = 2
+ROUNDS = 3
 
 
 def _prompt() -> str:

@@ -54,3 +54,25 @@ def test_bad_hybrid_blocks_name_the_key(tmp_path, text, key):
     with pytest.raises(ConfigError) as err:
         load_settings(write(tmp_path, f"kvroute:\n  groups:\n    {text}\n"))
     assert err.value.key == key or err.value.key.startswith(key), err.value
+
+
+def test_the_fleet_tells_the_policy_which_backends_are_hosted_and_what_a_replica_token_costs():
+    from kvroute.plugin import hybrid
+    from kvroute.plugin.deployments import Backend
+
+    policy = Router().set_policy("chat", "hybrid", {})
+    fleet = [Backend("gpu-1", "chat", "m", "self_hosted", "vllm", input_price=Decimal("2e-7"),
+                     output_price=Decimal("8e-7")),
+             Backend("gpu-2", "chat", "m", "self_hosted", "vllm"),
+             Backend("prov", "chat", "m", "hosted", "openai_compatible", input_price=Decimal("2e-6"),
+                     output_price=Decimal("8e-6"))]
+    hybrid.attach_fleet(policy, fleet)
+    assert policy.is_hosted("prov") and not policy.is_hosted("gpu-1")
+    rate = policy.self_rate("gpu-1")
+    assert rate is not None and rate.price(1000, 10) == Decimal("2e-7") * 1000 + Decimal("8e-7") * 10
+    assert policy.self_rate("gpu-2") is None  # unpriced replica, no default rate configured
+    rule_policy = Router().set_policy("chat", "hybrid", {"ttft_target_s": 0.2})
+    hybrid.share_group_state(rule_policy, policy)
+    assert rule_policy.guard is policy.guard and rule_policy.market is policy.market
+    assert hybrid.status_of(policy, 0.0)["hybrid"]["mode"] == "normal"
+    assert hybrid.status_of(object(), 0.0) == {}
