@@ -27,8 +27,8 @@ import asyncio
 import json
 import math
 import os
-import sys
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from functools import cache

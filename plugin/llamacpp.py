@@ -2,7 +2,9 @@
 
 ``python -m kvroute.plugin.llamacpp --preset small --port 0 --cache-ram-mib 64 --ready-file F`` generates (or reuses)
 the tiny random Llama, listens on 127.0.0.1, writes ``{"port", "pid", "name"}`` to ``F`` once healthy and ends on
-SIGTERM/SIGINT. ``--cache-ram-mib`` bounds llama.cpp's host prompt cache, i.e. how many prefixes a replica keeps.
+SIGTERM/SIGINT. ``--cache-ram-mib`` bounds llama.cpp's host prompt cache, i.e. how many prefixes a replica keeps
+(whole prompts: a prefix shared by several entries is stored once per entry); ``--slot-prompt-similarity`` is 0
+by default here so the cache is used for every request (see ``LlamaCppOptions``).
 """
 
 from __future__ import annotations
@@ -42,7 +44,11 @@ class LlamaCppOptions:
     ctx: int = 8192
     parallel: int = 1
     cache_ram_mib: int = 64
-    slot_prompt_similarity: float = 0.1  # llama.cpp's default; 0 = always pick the LRU slot and use the cache
+    # 0 (kvroute's preset; llama.cpp's default is 0.1): every request saves the slot's prompt to the host cache
+    # and restores its own best entry. With 0.1 a slot whose last prompt shares >= half of the new one (a
+    # fleet-wide system/tools prefix) is reused in place: the old prompt is dropped and the cache not consulted,
+    # so a replica keeps one session's context per slot and cache-aware routing cannot help.
+    slot_prompt_similarity: float = 0.0
     verbosity: int = 1
 
     def __post_init__(self) -> None:
@@ -115,9 +121,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ctx", type=int, default=8192)
     p.add_argument("--parallel", type=int, default=1, help="slots (continuous batching); ctx is split across them")
     p.add_argument("--cache-ram-mib", type=int, default=64, help="host prompt-cache size; 0 = off")
-    p.add_argument("--slot-prompt-similarity", type=float, default=0.1,
-                   help="reuse an idle slot whose prompt shares this fraction of the new one (llama.cpp default "
-                        "0.1); 0 = always the LRU slot, saving its prompt to the host cache and restoring the best")
+    p.add_argument("--slot-prompt-similarity", type=float, default=0.0,
+                   help="0 (default here) = save the slot's prompt to the host cache and restore the request's best "
+                        "entry every time; llama.cpp's own default 0.1 reuses a slot sharing that fraction in place")
     p.add_argument("--verbosity", type=int, default=1)
     p.add_argument("--ready-file", default=None, help="write {port, pid, name} here once listening")
     args = p.parse_args(argv)
