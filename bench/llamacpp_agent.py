@@ -16,8 +16,9 @@ tokens kvroute predicted at pick time next to those the engines confirmed; then 
 
 Token counts are the tiny model's tokenizer's (not characters / 4), so "two final contexts" is what the
 replicas' caches really hold. ``--slot-prompt-similarity`` is llama.cpp's option (its default 0.1 bypasses
-the host prompt cache whenever the slot's last prompt shares half of the new one, e.g. a fleet-wide tools
-prefix: see ``bench/llamacpp_cache_probe.py`` and the README's llama.cpp notes); 0 is kvroute's preset.
+the host prompt cache whenever the part a new prompt shares with the slot's last one, e.g. a fleet-wide tools
+prefix, is half of that last prompt: see ``bench/llamacpp_cache_probe.py`` and the README's llama.cpp notes);
+0 is kvroute's preset.
 """
 
 from __future__ import annotations

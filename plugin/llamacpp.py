@@ -45,9 +45,9 @@ class LlamaCppOptions:
     parallel: int = 1
     cache_ram_mib: int = 64
     # 0 (kvroute's preset; llama.cpp's default is 0.1): every request saves the slot's prompt to the host cache
-    # and restores its own best entry. With 0.1 a slot whose last prompt shares >= half of the new one (a
-    # fleet-wide system/tools prefix) is reused in place: the old prompt is dropped and the cache not consulted,
-    # so a replica keeps one session's context per slot and cache-aware routing cannot help.
+    # and restores its own best entry. With 0.1 an idle slot sharing > 10 % of the new prompt is reused in
+    # place, and when that shared part (a fleet-wide system/tools prefix) is >= half of the slot's last prompt,
+    # the old prompt is dropped unsaved and the cache not consulted: a replica keeps one context per slot.
     slot_prompt_similarity: float = 0.0
     verbosity: int = 1
 
