@@ -48,6 +48,8 @@ class AgentShape:
     tool_output_tokens: int = 350
     max_tokens: int = 8
     concurrency: int = 4
+    engine: str = "llamacpp"  # whose token counts: the tiny model's tokenizer, or the fake engine's
+
 
     def final_context(self) -> int:
         """Longest final prompt of any session, in the served model's tokens (chat template included)."""
@@ -67,7 +69,12 @@ def _tokenizer():
     return Tokenizer.from_file(str(ensure_tiny_model().tokenizer_json))
 
 
-def token_count(text: str) -> int:
+def token_count(text: str, engine: str = "llamacpp") -> int:
+    """Tokens of one message as the engine counts them (chat-template markers included)."""
+    if engine == "fake":
+        from kvroute.plugin.fake_cache import token_count as fake_count
+
+        return fake_count(text) + TEMPLATE_TOKENS
     return len(_tokenizer().encode(text).ids) + TEMPLATE_TOKENS
 
 
@@ -75,15 +82,15 @@ def token_count(text: str) -> int:
 def session_segments(shape: AgentShape) -> list[list[list[tuple[str, int]]]]:
     """Per turn, per session: the prompt as (segment id, tokens) pieces; the last turn's are the final contexts."""
     sessions = build_sessions(shape)
-    tools_n = token_count(sessions[0][0])
+    tools_n = token_count(sessions[0][0], shape.engine)
     answer_n = shape.max_tokens + TEMPLATE_TOKENS
     turns: list[list[list[tuple[str, int]]]] = [[] for _ in range(shape.turns)]
     for s, (_tools, task, outputs) in enumerate(sessions):
-        segs = [("tools", tools_n), (f"task{s}", token_count(task))]
+        segs = [("tools", tools_n), (f"task{s}", token_count(task, shape.engine))]
         for t in range(shape.turns):
             turns[t].append(list(segs))
             if t < len(outputs):
-                segs += [(f"a{s}.{t}", answer_n), (f"o{s}.{t}", token_count(outputs[t]))]
+                segs += [(f"a{s}.{t}", answer_n), (f"o{s}.{t}", token_count(outputs[t], shape.engine))]
     return turns
 
 
@@ -236,7 +243,7 @@ def main() -> int:
     ap.add_argument("--json", dest="json_out", default=None, help="Write the figures to this file.")
     a = ap.parse_args()
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-    shape = AgentShape(sessions=a.sessions, turns=a.turns, concurrency=a.concurrency)
+    shape = AgentShape(sessions=a.sessions, turns=a.turns, concurrency=a.concurrency, engine=a.engine)
     ranking = simulate_ranking(shape, a.replicas)
     second = next(r["policy"] for r in ranking if r["policy"] not in ("cache_aware", "round_robin"))
     print(f"simulator ranking (TTFT p90): {ranking}; second-ranked deployable policy: {second}", flush=True)
