@@ -2,7 +2,9 @@
 
 ``python -m kvroute.plugin.llamacpp --preset small --port 0 --cache-ram-mib 64 --ready-file F`` generates (or reuses)
 the tiny random Llama, listens on 127.0.0.1, writes ``{"port", "pid", "name"}`` to ``F`` once healthy and ends on
-SIGTERM/SIGINT. ``--cache-ram-mib`` bounds llama.cpp's host prompt cache, i.e. how many prefixes a replica keeps.
+SIGTERM/SIGINT. ``--cache-ram-mib`` bounds llama.cpp's host prompt cache, i.e. how many prefixes a replica keeps
+(whole prompts: a prefix shared by several entries is stored once per entry); ``--slot-prompt-similarity`` is 0
+by default here so the cache is used for every request (see ``LlamaCppOptions``).
 """
 
 from __future__ import annotations
@@ -42,6 +44,11 @@ class LlamaCppOptions:
     ctx: int = 8192
     parallel: int = 1
     cache_ram_mib: int = 64
+    # 0 (kvroute's preset; llama.cpp's default is 0.1): every request saves the slot's prompt to the host cache
+    # and restores its own best entry. With 0.1 an idle slot sharing > 10 % of the new prompt is reused in
+    # place, and when that shared part (a fleet-wide system/tools prefix) is >= half of the slot's last prompt,
+    # the old prompt is dropped unsaved and the cache not consulted: a replica keeps one context per slot.
+    slot_prompt_similarity: float = 0.0
     verbosity: int = 1
 
     def __post_init__(self) -> None:
@@ -52,6 +59,8 @@ class LlamaCppOptions:
                 raise ConfigError(key, "must be a positive integer")
         if self.cache_ram_mib < 0:
             raise ConfigError("cache_ram_mib", "must be >= 0 (0 turns the host prompt cache off)")
+        if not 0.0 <= self.slot_prompt_similarity <= 1.0:
+            raise ConfigError("slot_prompt_similarity", "must be in 0..1")
         if not 0 <= self.port < 65536:
             raise ConfigError("port", "must be in 0..65535")
 
@@ -71,6 +80,7 @@ def build_params(options: LlamaCppOptions):
     p.cpuparams_batch.n_threads = options.threads
     p.cache_prompt = True
     p.cache_ram_mib = options.cache_ram_mib
+    p.slot_prompt_similarity = options.slot_prompt_similarity
     p.endpoint_metrics = True
     p.endpoint_slots = True
     p.verbosity = options.verbosity
@@ -111,6 +121,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ctx", type=int, default=8192)
     p.add_argument("--parallel", type=int, default=1, help="slots (continuous batching); ctx is split across them")
     p.add_argument("--cache-ram-mib", type=int, default=64, help="host prompt-cache size; 0 = off")
+    p.add_argument("--slot-prompt-similarity", type=float, default=0.0,
+                   help="0 (default here) = save the slot's prompt to the host cache and restore the request's best "
+                        "entry every time; llama.cpp's own default 0.1 reuses a slot sharing that fraction in place")
     p.add_argument("--verbosity", type=int, default=1)
     p.add_argument("--ready-file", default=None, help="write {port, pid, name} here once listening")
     args = p.parse_args(argv)
@@ -121,7 +134,8 @@ def main(argv: list[str] | None = None) -> None:
         model_path = args.model or str(ensure_tiny_model(PRESETS[args.preset], args.cache_dir).gguf)
         options = LlamaCppOptions(model_path=model_path, alias=args.alias, host=args.host, port=args.port,
                                   threads=args.threads, ctx=args.ctx, parallel=args.parallel,
-                                  cache_ram_mib=args.cache_ram_mib, verbosity=args.verbosity)
+                                  cache_ram_mib=args.cache_ram_mib,
+                                  slot_prompt_similarity=args.slot_prompt_similarity, verbosity=args.verbosity)
     except ConfigError as exc:
         p.error(str(exc))
     serve(options, args.ready_file)

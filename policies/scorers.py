@@ -11,7 +11,7 @@ are multiplied by the backend's learned factor (observed / predicted time to fir
 | ``own_prefill`` | this request's uncached prefill, decode steps sharing it | index match, running decoders |
 | ``kv_pressure`` | admission delay when the new blocks do not fit the free KV | engine KV usage (scraped) |
 | ``eviction`` | what the copy costs others: cache it evicts, recomputed later | index residency vs capacity |
-| ``duplicate_work`` | recomputing a prefix held elsewhere, for the fleet and the queue behind | extra × (1 + queue) |
+| ``duplicate_work`` | recomputing a prefix held elsewhere, for the queue behind (none if idle) | extra × (1 + queue) |
 """
 
 from __future__ import annotations
@@ -97,15 +97,19 @@ def eviction(c: Candidate, speed: EngineSpeed) -> float:
 
 def duplicate_work(c: Candidate, speed: EngineSpeed) -> float:
     """Prefill work this pick adds over the best holder's (recomputing a prefix the fleet already has),
-    once for the fleet's capacity and once more per request that queues behind it on this backend
-    (about as many as wait there now): duplicating a prefix is cheap only onto an idle backend."""
+    priced by who waits for it: on a busy backend once for the capacity it takes from the next arrival and
+    once more per request queued there now; on an idle backend nobody (its capacity was unused, and this
+    request's own longer prefill is ``own_prefill``'s)."""
     if c.matched >= c.best_matched:
+        return 0.0
+    waiting = c.queued + (1 if c.view.inflight > 0 or c.queued > 0 else 0)
+    if not waiting:
         return 0.0
     if c.own_s >= 0:
         extra = c.own_s - c.best_own_s
     else:
         extra = speed.prefill_s(c.uncached, c.matched) - speed.prefill_s(c.prompt - c.best_matched, c.best_matched)
-    return c.factor * (1 + c.queued) * max(0.0, extra)
+    return c.factor * waiting * max(0.0, extra)
 
 
 #: scorers that price what a pick does to other requests (the rest predict this request's TTFT)

@@ -93,3 +93,46 @@ def test_replica_reports_cached_tokens_on_a_repeated_prefix(model_cache):
         cached_total = next(float(line.split()[-1]) for line in metrics.splitlines()
                             if line.startswith("llamacpp:prompt_tokens_cached_total"))
         assert cached_total >= 2 * cached * 0.9
+
+
+def test_slot_prompt_similarity_is_validated(model_cache):
+    gguf = str(ensure_tiny_model(PRESETS["small"], model_cache).gguf)
+    assert LlamaCppOptions(model_path=gguf).slot_prompt_similarity == 0.0  # kvroute's preset
+    with pytest.raises(ConfigError, match="slot_prompt_similarity"):
+        LlamaCppOptions(model_path=gguf, slot_prompt_similarity=1.5)
+
+
+@pytest.mark.e2e
+def test_interleaved_sessions_keep_their_context_only_with_kvroutes_preset(model_cache):
+    """Two sessions sharing a system prompt alternate on one 1-slot replica. With kvroute's preset the replica
+    saves the outgoing session to its host cache and restores the incoming one; with llama.cpp's default
+    (similarity 0.1) the slot is reused in place and the second turn finds only the shared prefix."""
+    from kvroute.plugin.fleet import Fleet, ReplicaOptions
+
+    doc = "".join(p.read_text(errors="ignore") for p in stdlib_sources()[:3])[:3000]
+    own = {s: "".join(p.read_text(errors="ignore") for p in stdlib_sources()[5 + s:6 + s])[:1200] for s in (0, 1)}
+
+    def turn(client: httpx.Client, url: str, s: int, follow_up: str | None) -> dict:
+        messages = [{"role": "system", "content": doc}, {"role": "user", "content": own[s]}]
+        if follow_up:
+            messages += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": follow_up}]
+        r = client.post(url + "/chat/completions", json={"model": "tiny", "max_tokens": 1, "temperature": 0,
+                                                         "messages": messages})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    cached_second_turn = {}
+    for label, extra in (("preset", ()), ("llamacpp-default", ("--slot-prompt-similarity", "0.1"))):
+        opts = ReplicaOptions(cache_dir=str(model_cache), cache_ram_mib=32, extra_args=extra)
+        with Fleet(1, engine="llamacpp", options=opts) as fleet, httpx.Client(timeout=60, trust_env=False) as c:
+            url = fleet.api_bases[0]
+            a1 = turn(c, url, 0, None)
+            b1 = turn(c, url, 1, None)
+            a2 = turn(c, url, 0, "and now the tests")
+            shared = b1["timings"]["cache_n"]  # the system prompt both sessions share
+            assert 0 < shared < a1["usage"]["prompt_tokens"] - 100
+            cached_second_turn[label] = (a2["timings"]["cache_n"], shared, a1["usage"]["prompt_tokens"])
+    got, shared, first = cached_second_turn["preset"]
+    assert got >= first - 16  # the whole first turn came back from the host cache
+    got, shared, first = cached_second_turn["llamacpp-default"]
+    assert got == shared  # only the shared prefix: the slot was reused in place, the cache bypassed

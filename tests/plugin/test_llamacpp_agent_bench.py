@@ -39,12 +39,15 @@ def test_live_run_on_fake_engines_through_real_proxies(tmp_path):
     out = tmp_path / "agent.json"
     env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "llamacpp_agent.py"), "--engine", "fake",
-                          "--replicas", "2", "--sessions", "4", "--turns", "3", "--json", str(out)],
+                          "--replicas", "2", "--sessions", "4", "--turns", "3", "--repeats", "1", "--json", str(out)],
                          capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(out.read_text())
-    policies = result["policies"]
-    assert len(policies) == 3 and {"cache_aware", "round_robin"} <= set(policies)
-    for fig in policies.values():
-        assert fig["failed"] == 0 and fig["ttft_p90_s"] is not None
-    assert policies["cache_aware"]["cached_token_share"] > 0.3
+    runs = result["runs"]
+    assert len(runs) == 3 and {"cache_aware", "round_robin"} <= set(runs)
+    for rows in runs.values():
+        assert len(rows) == 1 and rows[0]["failed"] == 0 and rows[0]["ttft_p90_s"] is not None
+        assert rows[0]["engine_confirmed_cached"] > 0
+    assert runs["cache_aware"][0]["kvroute_predicted_cached"] > 0  # kvroute's index predicted hits at pick time
+    assert runs["round_robin"][0]["kvroute_predicted_cached"] == 0  # round robin does not consult it
+    assert result["medians"]["cache_aware"]["cached_token_share"] > 0.3

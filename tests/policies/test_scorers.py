@@ -65,13 +65,15 @@ def test_eviction_prices_only_what_does_not_fit_the_free_cache():
     assert eviction(full, SPEED) == pytest.approx(SPEED.prefill_s(6_000))
 
 
-def test_duplicate_work_grows_with_the_queue_behind_and_is_zero_for_the_holder():
+def test_duplicate_work_grows_with_the_queue_behind_and_is_zero_for_the_holder_and_onto_an_idle_backend():
     holder = cand(matched=8_000, best_matched=8_000)
     assert duplicate_work(holder, SPEED) == 0.0
-    idle = cand(best_matched=8_000)
     extra = SPEED.prefill_s(10_000) - SPEED.prefill_s(2_000, 8_000)
-    assert duplicate_work(idle, SPEED) == pytest.approx(extra)
-    assert duplicate_work(cand(best_matched=8_000, queued=3), SPEED) == pytest.approx(4 * extra)
+    # an idle backend: nobody waits behind the recompute (this request's own prefill is own_prefill's)
+    assert duplicate_work(cand(best_matched=8_000), SPEED) == 0.0
+    # busy: once for the capacity the next arrival loses, once more per request queued there
+    assert duplicate_work(cand(best_matched=8_000, inflight=1), SPEED) == pytest.approx(extra)
+    assert duplicate_work(cand(best_matched=8_000, inflight=4, queued=3), SPEED) == pytest.approx(4 * extra)
 
 
 def test_tracker_learns_speed_factor_decode_time_and_busy_seconds():
