@@ -16,6 +16,7 @@ from kvroute.policies.fingerprint import (
     token_keys,
 )
 from kvroute.policies.health import BreakerConfig, BreakerState, CircuitBreaker, HealthBoard, Outcome, classify
+from kvroute.policies.hybrid import HostedQuote, Hybrid, HybridConfig, OverflowGuard, SelfHostedRate
 from kvroute.policies.least_load import LeastLoad
 from kvroute.policies.load import BackendLoad, ExternalSignal, LoadTracker
 from kvroute.policies.marketplace import Marketplace, MarketplaceConfig, ProviderQuote
@@ -42,6 +43,9 @@ __all__ = [
     "FingerprintConfig",
     "Fingerprinter",
     "HealthBoard",
+    "HostedQuote",
+    "Hybrid",
+    "HybridConfig",
     "InputError",
     "KvrouteError",
     "LeastLoad",
@@ -49,6 +53,7 @@ __all__ = [
     "Marketplace",
     "MarketplaceConfig",
     "Outcome",
+    "OverflowGuard",
     "Policy",
     "PrefixHash",
     "PrefixHashConfig",
@@ -61,6 +66,7 @@ __all__ = [
     "RouterConfig",
     "RoutingRequest",
     "RoutingState",
+    "SelfHostedRate",
     "SessionAffinity",
     "SessionAffinityConfig",
     "build_policy",

@@ -28,6 +28,7 @@ class Decision:
     work_s: float = 0.0  # own prefill on the chosen backend, prior seconds (the load tracker scales them)
     predicted_ttft_s: float = 0.0  # the prediction's part in prior seconds (learned factor applies)
     fixed_wait_s: float = 0.0  # the prediction's part already in real seconds (decode-slot wait)
+    why: dict[str, object] | None = None  # a policy's own account (hybrid: predicted vs target, route prices)
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -41,4 +42,5 @@ class Decision:
             "skipped": self.skipped,
             "fallback": self.fallback,
             "request_id": self.request_id,
+            **({"why": dict(self.why)} if self.why is not None else {}),
         }

@@ -327,6 +327,17 @@ class Marketplace:
         s = self._stats.get(backend)
         return self.config.prior_hit if s is None else s.hit
 
+    @property
+    def expected_output_tokens(self) -> float:
+        """Completion tokens expected per request (learned, EWMA over successes)."""
+        return self._output_tokens
+
+    def observed_ttft(self, backend: str, now: float, q: float = 0.5) -> float | None:
+        """The ``q`` quantile of the backend's TTFT samples in the recent window (None without samples)."""
+        s = self._stats.get(backend)
+        samples = s.ttft.recent(now) if s is not None else []
+        return percentile(samples, q) if samples else None
+
     def effective_price(self, backend: str) -> Decimal | None:
         """Cache-adjusted price per prompt token (None for a backend without a quote)."""
         q = self._quotes.get(backend)
@@ -346,11 +357,14 @@ class Marketplace:
 
     def record_success(self, request: RoutingRequest, backend: str, now: float, *,
                        cached_tokens: int | None = None, ttft_s: float | None = None,
-                       output_tokens: int | None = None, duration_s: float | None = None) -> None:
+                       output_tokens: int | None = None, duration_s: float | None = None,
+                       prompt_tokens: int | None = None) -> None:
         """A response came back from ``backend``: learn from it and (re)pin the conversation there.
 
-        Failures are never reported here, so an error never moves a pin; the next success re-pins."""
-        self.observe(backend, now, prompt_tokens=request.prompt_tokens, cached_tokens=cached_tokens,
+        ``prompt_tokens``: the response's own count (default: the request's estimate). Failures are never
+        reported here, so an error never moves a pin; the next success re-pins."""
+        prompt = prompt_tokens if prompt_tokens is not None and prompt_tokens > 0 else request.prompt_tokens
+        self.observe(backend, now, prompt_tokens=prompt, cached_tokens=cached_tokens,
                      ttft_s=ttft_s, output_tokens=output_tokens, duration_s=duration_s)
         key = self.sticky_key(request)
         quote = self._quotes.get(backend)

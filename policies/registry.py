@@ -9,6 +9,7 @@ from typing import Any
 from kvroute.policies.base import Policy
 from kvroute.policies.cache_aware import CacheAware, CacheAwareConfig
 from kvroute.policies.errors import ConfigError
+from kvroute.policies.hybrid import Hybrid, HybridConfig
 from kvroute.policies.least_load import LeastLoad, LeastLoadConfig
 from kvroute.policies.marketplace import Marketplace, MarketplaceConfig
 from kvroute.policies.prefix_hash import PrefixHash, PrefixHashConfig
@@ -24,6 +25,7 @@ _REGISTRY: dict[str, tuple[type, type]] = {
     "prefix_hash": (PrefixHash, PrefixHashConfig),
     "cache_aware": (CacheAware, CacheAwareConfig),
     "marketplace": (Marketplace, MarketplaceConfig),
+    "hybrid": (Hybrid, HybridConfig),
 }
 
 

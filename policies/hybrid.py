@@ -1,0 +1,395 @@
+"""``hybrid``: self-hosted replicas first, overflow to the cheapest hosted route that meets the latency target.
+
+- routes on: the cache-aware predicted TTFT of the best self-hosted replica (seconds) against a target;
+  each hosted route's observed TTFT (rolling quantile) and cache-adjusted price of this request
+- use it when: one model group mixes self-hosted replicas and priced hosted deployments, and a spike should
+  spill to a provider instead of queueing, within a spend guard
+- cost: one ``cache_aware`` pick plus one price per hosted route
+
+Rule, per request (``ratio`` = predicted self-hosted TTFT / target)::
+
+    self-hosted    while ratio <= enter_ratio (normal mode) or ratio <= leave_ratio (overflow mode)
+    overflow       else, to the cheapest hosted route whose observed TTFT meets the target, if the guard
+                   (overflow share, hosted spend per hour, the marketplace's per-app max_price) allows it
+
+Hysteresis: a ratio above ``enter_ratio`` starts overflow mode; in it requests above ``leave_ratio`` also
+overflow, so the fleet drains below the target; the mode ends at a ratio <= ``leave_ratio`` no sooner than
+``min_dwell_s`` after the last ratio above ``enter_ratio``. Session stickiness: a conversation the marketplace
+pinned to a hosted provider (its cache is there) stays there while that route meets the target, the guard
+allows it and its cache-adjusted price is no more than the self-hosted cost of recomputing it.
+With no self-hosted candidate left (every breaker open) the cheapest acceptable hosted route serves.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Any
+
+from kvroute.policies.base import RoutingState
+from kvroute.policies.cache_aware import CacheAware, CacheAwareConfig
+from kvroute.policies.decision import Decision
+from kvroute.policies.health import HealthBoard
+from kvroute.policies.marketplace import Marketplace, MarketplaceConfig, ProviderQuote, to_price
+from kvroute.policies.overflow_guard import OverflowGuard
+from kvroute.policies.request import RoutingRequest
+from kvroute.policies.speed import EngineSpeed
+
+__all__ = ["HostedQuote", "Hybrid", "HybridConfig", "OverflowGuard", "SelfHostedRate"]
+
+REASONS = ("self_hosted", "overflow_latency", "session_hosted", "guard_share", "guard_spend",
+           "no_hosted_meets_target", "self_hosted_unavailable", "no_acceptable_route")
+
+
+def _target(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{where} must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True, slots=True)
+class HybridConfig:
+    """Latency target (seconds; per app and per request tag ``key:value``), hysteresis, guard and knobs.
+
+    Prices are decimal strings per token in ``currency``; ``max_hosted_spend_per_hour`` is in ``currency``
+    too. ``cache_aware`` holds the self-hosted policy's knobs, ``apps``/``quotes`` the marketplace's (per-app
+    allow/deny/``max_price`` rules, rate cards). ``hosted`` names hosted backends that have no quote.
+    """
+
+    ttft_target_s: float = 1.0
+    app_targets: Mapping[str, float] = field(default_factory=dict)
+    tag_targets: Mapping[str, float] = field(default_factory=dict)
+    enter_ratio: float = 1.0
+    leave_ratio: float = 0.75
+    min_dwell_s: float = 10.0
+    max_overflow_share: float = 1.0
+    share_window_s: float = 60.0
+    share_min_requests: int = 20
+    max_hosted_spend_per_hour: Any = None
+    spend_window_s: float = 3600.0
+    currency: str = "USD"
+    hosted_ttft_quantile: float = 0.9
+    hosted_prior_ttft_s: float | None = None
+    self_hosted_input_price: Any = None
+    self_hosted_output_price: Any = None
+    sticky: bool = True
+    hosted: tuple[str, ...] = ()
+    cache_aware: Mapping[str, Any] = field(default_factory=dict)
+    apps: Mapping[str, Any] = field(default_factory=dict)
+    quotes: Mapping[str, Any] = field(default_factory=dict)
+    max_routes_shown: int = 4
+
+    def __post_init__(self) -> None:
+        _target(self.ttft_target_s, "ttft_target_s")
+        for name in ("app_targets", "tag_targets"):
+            table = getattr(self, name)
+            if not isinstance(table, Mapping):
+                raise ValueError(f"{name} must map names to seconds")
+            for k, v in table.items():
+                _target(v, f"{name}.{k}")
+        if not isinstance(self.tag_targets, Mapping) or any(":" not in str(k) for k in self.tag_targets):
+            raise ValueError("tag_targets keys must be 'tag:value'")
+        if not 0 < self.leave_ratio <= self.enter_ratio:
+            raise ValueError("leave_ratio must be in (0, enter_ratio]")
+        if not 0 <= self.max_overflow_share <= 1:
+            raise ValueError("max_overflow_share must be in [0, 1]")
+        for name in ("min_dwell_s",):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0")
+        for name in ("share_window_s", "spend_window_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive")
+        if not isinstance(self.share_min_requests, int) or self.share_min_requests < 1:
+            raise ValueError("share_min_requests must be an integer >= 1")
+        if not 0 < self.hosted_ttft_quantile <= 1:
+            raise ValueError("hosted_ttft_quantile must be in (0, 1]")
+        if self.hosted_prior_ttft_s is not None and not self.hosted_prior_ttft_s >= 0:
+            raise ValueError("hosted_prior_ttft_s must be >= 0 seconds")
+        if not isinstance(self.currency, str) or not self.currency:
+            raise ValueError("currency must be a currency code such as USD")
+        for name in ("max_hosted_spend_per_hour", "self_hosted_input_price", "self_hosted_output_price"):
+            value = getattr(self, name)
+            if value is not None:
+                try:
+                    object.__setattr__(self, name, to_price(value, name))
+                except Exception as exc:  # ConfigError: the registry names the knob
+                    raise ValueError(f"{name}: {exc}") from None
+        if not isinstance(self.hosted, list | tuple) or not all(isinstance(h, str) for h in self.hosted):
+            raise ValueError("hosted must be a list of backend ids")
+        object.__setattr__(self, "hosted", tuple(self.hosted))
+        if not isinstance(self.max_routes_shown, int) or self.max_routes_shown < 0:
+            raise ValueError("max_routes_shown must be an integer >= 0")
+        try:
+            CacheAwareConfig(**dict(self.cache_aware))  # validates the self-hosted knobs
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"cache_aware: {exc}") from None
+        try:
+            MarketplaceConfig(apps=dict(self.apps), quotes=dict(self.quotes))  # validates rules and rate cards
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"apps/quotes: {exc}") from None
+
+    def target_for(self, request: RoutingRequest) -> float:
+        """The request's target: the first matching ``tag_targets`` entry, else its app's, else the group's."""
+        for key, value in self.tag_targets.items():
+            tag, _, want = str(key).partition(":")
+            if request.tags.get(tag) == want:
+                return float(value)
+        if request.app is not None and request.app in self.app_targets:
+            return float(self.app_targets[request.app])
+        return float(self.ttft_target_s)
+
+
+@dataclass(frozen=True, slots=True)
+class SelfHostedRate:
+    """What one self-hosted token costs (from the rate card or the price book), per token in ``currency``."""
+
+    input_price: Decimal
+    output_price: Decimal
+    currency: str = "USD"
+
+    def price(self, prompt_tokens: int, output_tokens: float) -> Decimal:
+        return self.input_price * max(0, prompt_tokens) + self.output_price * Decimal(str(round(output_tokens, 3)))
+
+
+@dataclass(frozen=True, slots=True)
+class HostedQuote:
+    """One hosted route for one request: its cache-adjusted price (``currency``) and observed TTFT (seconds).
+
+    ``ttft_s`` None: no sample yet (counts as meeting the target unless ``hosted_prior_ttft_s`` is set)."""
+
+    backend: str
+    price: Decimal
+    ttft_s: float | None
+    currency: str = "USD"
+
+    def meets(self, target_s: float) -> bool:
+        return self.ttft_s is None or self.ttft_s <= target_s
+
+
+class Hybrid:
+    """The ``hybrid`` policy. Feed it rate cards (``add_quotes``), self-hosted rates, health and outcomes
+    (``record_success``); read ``snapshot`` for its state. One instance per model group."""
+
+    name = "hybrid"
+
+    def __init__(self, config: HybridConfig | None = None, *, health: HealthBoard | None = None,
+                 guard: OverflowGuard | None = None) -> None:
+        self.config = cfg = config or HybridConfig()
+        self.self_policy = CacheAware(CacheAwareConfig(**dict(cfg.cache_aware)))
+        self.market = Marketplace(MarketplaceConfig(apps=dict(cfg.apps), quotes=dict(cfg.quotes)), health=health)
+        self.guard = guard or OverflowGuard(
+            cfg.max_overflow_share, cfg.share_window_s, min_requests=cfg.share_min_requests,
+            max_spend_per_hour=cfg.max_hosted_spend_per_hour, spend_window_s=cfg.spend_window_s,
+            currency=cfg.currency)
+        self._hosted: set[str] = set(cfg.hosted) | {q.backend for q in self.market.config.parsed_quotes()}
+        self._rates: dict[str, SelfHostedRate] = {}
+        self._default_rate = None
+        if cfg.self_hosted_input_price is not None or cfg.self_hosted_output_price is not None:
+            self._default_rate = SelfHostedRate(cfg.self_hosted_input_price or Decimal(0),
+                                                cfg.self_hosted_output_price or Decimal(0), cfg.currency)
+        self.overflowing = False
+        self._last_over = -math.inf
+        self.reasons: Counter[str] = Counter()
+        self.last_why: dict[str, Any] | None = None
+
+    # --- inputs ---------------------------------------------------------------------------------
+    @property
+    def health(self) -> HealthBoard | None:
+        return self.market.health
+
+    def attach_health(self, health: HealthBoard | None) -> None:
+        self.market.attach_health(health)
+
+    def add_quotes(self, quotes: Iterable[ProviderQuote]) -> None:
+        """Rate cards of hosted backends (quotes given in config win); a quoted backend is a hosted route."""
+        quotes = list(quotes)
+        self.market.add_quotes(quotes)
+        self._hosted.update(q.backend for q in quotes)
+
+    def mark_hosted(self, backends: Iterable[str]) -> None:
+        """Backends that are hosted routes even without a quote (they never overflow: unpriced)."""
+        self._hosted.update(backends)
+
+    def set_self_hosted_rate(self, backend: str, rate: SelfHostedRate) -> None:
+        """The cost per token of one self-hosted replica (the same unit as the hosted prices)."""
+        self._rates[backend] = rate
+
+    def is_hosted(self, backend: str) -> bool:
+        return backend in self._hosted
+
+    def record_success(self, request: RoutingRequest, backend: str, now: float, *,
+                       cached_tokens: int | None = None, ttft_s: float | None = None,
+                       output_tokens: int | None = None, duration_s: float | None = None,
+                       prompt_tokens: int | None = None) -> None:
+        """A response came back: a hosted one teaches the marketplace (TTFT, cache hits, the session's pin)
+        and its cost (the rate card's, as the ledger prices it) replaces its reservation in the guard."""
+        if not self.is_hosted(backend):
+            self.guard.release(request.request_id)
+            return
+        self.market.record_success(request, backend, now, cached_tokens=cached_tokens, ttft_s=ttft_s,
+                                   output_tokens=output_tokens, duration_s=duration_s, prompt_tokens=prompt_tokens)
+        q = self.market.quote(backend)
+        if q is None or q.currency != self.config.currency:
+            self.guard.release(request.request_id)
+            return
+        prompt = prompt_tokens if prompt_tokens is not None and prompt_tokens > 0 else request.prompt_tokens
+        cached = min(max(0, cached_tokens or 0), prompt)
+        assert q.cache_read_price is not None
+        cost = q.input_price * (prompt - cached) + q.cache_read_price * cached + q.output_price * max(
+            0, output_tokens or 0)
+        self.guard.record_spend(now, cost, request.request_id)
+
+    # --- prices and times -----------------------------------------------------------------------
+    def self_rate(self, backend: str | None) -> SelfHostedRate | None:
+        return self._rates.get(backend or "", self._default_rate)
+
+    def predicted_self_s(self, decision: Decision, request: RoutingRequest, state: RoutingState) -> float:
+        """The self-hosted pick's TTFT in real seconds: the cost model's prior seconds times the learned
+        factor, plus its real-second part; for a short prompt (no prediction) the queued work plus its prefill."""
+        load = state.load
+        backend = decision.backend or ""
+        factor = load.factor(backend) or 1.0
+        if decision.predicted_ttft_s > 0:
+            return factor * decision.predicted_ttft_s + decision.fixed_wait_s
+        speed = getattr(self.self_policy, "speed", None) or EngineSpeed()
+        return factor * (load.work_s(backend) + speed.prefill_s(request.prompt_tokens))
+
+    def hosted_quotes(self, request: RoutingRequest, hosted: Sequence[str], now: float) -> tuple[
+            list[HostedQuote], dict[str, int]]:
+        """Acceptable hosted routes for this request, cheapest first, and why the others are not."""
+        cfg = self.config
+        market = self.market
+        rule = market.config.rule(request.app)
+        out_tokens = Decimal(str(round(market.expected_output_tokens, 3)))
+        prompt = max(1, request.prompt_tokens)
+        quotes: list[HostedQuote] = []
+        rejected: Counter[str] = Counter()
+        for b in hosted:
+            q = market.quote(b)
+            why = rule.admits(q, b)
+            if why is None and q is None:
+                why = "unpriced"
+            if why is None and q is not None and q.currency != cfg.currency:
+                why = "currency"
+            if why is None and q is not None and q.max_context is not None and request.prompt_tokens > q.max_context:
+                why = "context_too_long"
+            if why is None and market.health is not None and not market.health.available(b, now):
+                why = "unhealthy"
+            if why is not None or q is None:
+                rejected[why or "unpriced"] += 1
+                continue
+            price = market.effective_price(b) * prompt + q.output_price * out_tokens  # type: ignore[operator]
+            ttft = market.observed_ttft(b, now, cfg.hosted_ttft_quantile)
+            if ttft is None:
+                ttft = cfg.hosted_prior_ttft_s
+            quotes.append(HostedQuote(b, price, ttft, q.currency))
+        quotes.sort(key=lambda q: (q.price, q.ttft_s if q.ttft_s is not None else 0.0, q.backend))
+        return quotes, dict(rejected)
+
+    # --- the decision ---------------------------------------------------------------------------
+    def _mode(self, ratio: float, now: float) -> bool:
+        """Advance the hysteresis with this request's ratio; True when it should overflow."""
+        cfg = self.config
+        if ratio > cfg.enter_ratio:
+            self._last_over = now
+            self.overflowing = True
+            return True
+        if not self.overflowing:
+            return False
+        if ratio <= cfg.leave_ratio:
+            if now - self._last_over >= cfg.min_dwell_s:
+                self.overflowing = False
+            return False
+        return True
+
+    def select(self, request: RoutingRequest, candidates: Sequence[str], state: RoutingState,
+               now: float) -> Decision:
+        cfg = self.config
+        hosted = [b for b in candidates if b in self._hosted]
+        own = [b for b in candidates if b not in self._hosted]
+        target = cfg.target_for(request)
+        quotes, rejected = self.hosted_quotes(request, hosted, now) if hosted else ([], {})
+        why: dict[str, Any] = {"target_s": target}
+        if rejected:
+            why["rejected"] = rejected
+        if quotes and cfg.max_routes_shown:
+            why["routes"] = {q.backend: {"price": str(q.price), "ttft_s": _round(q.ttft_s)}
+                             for q in quotes[: cfg.max_routes_shown]}
+        if not own:
+            if not quotes:
+                return self._done(Decision(None, self.name, "no_acceptable_route", prompt_tokens=request.prompt_tokens,
+                                           request_id=request.request_id), why, now, hosted=False)
+            meeting = [q for q in quotes if q.meets(target)] or quotes
+            return self._hosted_pick(request, meeting[0], "self_hosted_unavailable", why, now, reserve=True)
+        sd = self.self_policy.select(request, own, state, now)
+        predicted = self.predicted_self_s(sd, request, state)
+        ratio = predicted / target
+        rate = self.self_rate(sd.backend)
+        self_price = rate.price(request.prompt_tokens, self.market.expected_output_tokens) \
+            if rate is not None and rate.currency == cfg.currency else None
+        why.update({"self_backend": sd.backend, "self_reason": sd.reason, "predicted_s": _round(predicted),
+                    "ratio": _round(ratio)})
+        if self_price is not None:
+            why["self_price"] = str(self_price)
+        if not quotes:
+            self._mode(ratio, now)
+            return self._self(sd, "self_hosted", why, now)
+        if cfg.sticky:
+            pinned = self.market.sticky_backend(request, now)
+            pin = next((q for q in quotes if q.backend == pinned), None)
+            if (pin is not None and pin.meets(target) and (self_price is None or pin.price <= self_price)
+                    and self.guard.check(now, pin.price) is None):
+                self._mode(ratio, now)
+                return self._hosted_pick(request, pin, "session_hosted", why, now)
+        if not self._mode(ratio, now):
+            return self._self(sd, "self_hosted", why, now)
+        meeting = [q for q in quotes if q.meets(target)]
+        if not meeting:
+            return self._self(sd, "no_hosted_meets_target", why, now)
+        best = meeting[0]
+        blocked = self.guard.check(now, best.price)
+        if blocked is not None:
+            return self._self(sd, blocked, why, now)
+        return self._hosted_pick(request, best, "overflow_latency", why, now)
+
+    def _self(self, decision: Decision, reason: str, why: dict[str, Any], now: float) -> Decision:
+        decision.policy = self.name
+        decision.reason = reason
+        return self._done(decision, why, now, hosted=False)
+
+    def _hosted_pick(self, request: RoutingRequest, quote: HostedQuote, reason: str, why: dict[str, Any],
+                     now: float, reserve: bool = True) -> Decision:
+        why["hosted_price"] = str(quote.price)
+        if request.request_id is not None and reserve:
+            self.guard.reserve(request.request_id, now, quote.price)
+        decision = Decision(quote.backend, self.name, reason, prompt_tokens=request.prompt_tokens,
+                            request_id=request.request_id, predicted_prefill_tokens=request.prompt_tokens,
+                            scores={q: float(v["price"]) for q, v in (why.get("routes") or {}).items()})
+        return self._done(decision, why, now, hosted=True)
+
+    def _done(self, decision: Decision, why: dict[str, Any], now: float, *, hosted: bool) -> Decision:
+        why["mode"] = "overflow" if self.overflowing else "normal"
+        self.guard.record_decision(now, hosted)
+        decision.why = why
+        self.reasons[decision.reason] += 1
+        self.last_why = {"reason": decision.reason, "backend": decision.backend, **why}
+        return decision
+
+    # --- introspection --------------------------------------------------------------------------
+    def snapshot(self, now: float) -> dict[str, Any]:
+        """Mode, overflow share, hosted spend (per hour, window budget), reason counts, the last decision's why."""
+        budget = self.guard.budget()
+        return {"mode": "overflow" if self.overflowing else "normal",
+                "overflow_share": round(self.guard.share(now), 4),
+                "hosted_spend_per_hour": str(self.guard.spend_per_hour(now)),
+                "hosted_spend_window": str(self.guard.spent(now)),
+                "hosted_budget_window": None if budget is None else str(budget),
+                "hosted_spend_total": str(self.guard.total_spent),
+                "currency": self.config.currency, "reasons": dict(self.reasons), "last": self.last_why}
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
