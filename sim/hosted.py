@@ -221,17 +221,62 @@ class HostedBackend:
         return HostedAttempt("ok", first, first, done, cached, cost)
 
 
-def read_hosted(data: Any) -> tuple[list[HostedSpec], float | None]:
-    """A ``--hosted`` document: ``{ttft_target_s: 2.0, routes: {name: {...}}}`` → (specs, target)."""
+@dataclass(frozen=True, slots=True)
+class HostedPlan:
+    """A ``--hosted`` file: the routes, the latency target, the hybrid policy's knobs, the replicas' queue cap
+    for the fallback-on-error strategy."""
+
+    routes: tuple[HostedSpec, ...]
+    ttft_target_s: float = 2.0
+    hybrid: Mapping[str, Any] | None = None
+    queue_limit: int = 8
+
+
+def read_hosted(data: Any) -> HostedPlan:
+    """Validate a ``--hosted`` document::
+
+        ttft_target_s: 2.0
+        queue_limit: 8                          # fallback-on-error: a replica answers 429 past this queue
+        hybrid: {enter_ratio: 0.6}              # knobs of the hybrid policy (default: its defaults)
+        routes:
+          fast: {price: {input: "0.40", cached: "0.10", output: "1.20"}, ttft: {p50: 0.35, p90: 0.8},
+                 output_tok_s: 80, rpm: 1200, tpm: 2000000, outages: [[900, 960]]}
+    """
     if not isinstance(data, Mapping):
-        raise ConfigError("hosted", "must be a mapping with routes (and optionally ttft_target_s)")
-    unknown = set(data) - {"routes", "ttft_target_s", "hybrid"}
+        raise ConfigError("hosted", "must be a mapping with routes (and ttft_target_s, hybrid, queue_limit)")
+    unknown = set(data) - {"routes", "ttft_target_s", "hybrid", "queue_limit"}
     if unknown:
-        raise ConfigError(sorted(unknown)[0], "unknown key (known: hybrid, routes, ttft_target_s)")
+        raise ConfigError(str(sorted(unknown)[0]), "unknown key (known: hybrid, queue_limit, routes, ttft_target_s)")
     routes = data.get("routes")
     if not isinstance(routes, Mapping) or not routes:
         raise ConfigError("routes", "must map at least one route name to its price, ttft and limits")
-    target = data.get("ttft_target_s")
-    if target is not None and (isinstance(target, bool) or not isinstance(target, int | float) or target <= 0):
+    target = data.get("ttft_target_s", 2.0)
+    if isinstance(target, bool) or not isinstance(target, int | float) or not 0 < target < math.inf:
         raise ConfigError("ttft_target_s", f"must be a positive number of seconds, got {target!r}")
-    return [HostedSpec.parse(str(n), raw) for n, raw in routes.items()], (float(target) if target else None)
+    knobs = data.get("hybrid")
+    if knobs is not None and not isinstance(knobs, Mapping):
+        raise ConfigError("hybrid", "must be a mapping of the hybrid policy's knobs")
+    limit = data.get("queue_limit", 8)
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ConfigError("queue_limit", f"must be an integer >= 1, got {limit!r}")
+    specs = tuple(HostedSpec.parse(str(n), raw) for n, raw in routes.items())
+    return HostedPlan(specs, float(target), dict(knobs) if knobs else None, limit)
+
+
+def load_hosted(path: str | Any) -> HostedPlan:
+    """Read a ``--hosted`` YAML file; errors name the file and the key."""
+    from pathlib import Path
+
+    import yaml
+
+    p = Path(path)
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(str(p), f"cannot read: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(str(p), f"not valid YAML: {exc}") from None
+    try:
+        return read_hosted(data)
+    except ConfigError as exc:
+        raise ConfigError(f"{p}: {exc.key}", exc.message) from None

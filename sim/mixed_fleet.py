@@ -10,7 +10,7 @@ shortest Retry-After it was given and starts over, up to ``max_attempts``; then 
 Replicas are ``sim.replica.Replica`` (queueing, chunked prefill, decode, prefix cache), exactly as in
 ``sim.engine.simulate``; hosted routes are ``sim.hosted.HostedBackend``. Each request's cost comes from
 ``billing.pricing.token_cost`` on the backend's rate card (replicas: the GPU-hour card). Policies that learn
-from outcomes get them through ``on_outcome`` (hybrid) or ``record_success`` (marketplace).
+from outcomes get them through ``record_success`` / ``record_failure`` (hybrid, marketplace).
 """
 
 from __future__ import annotations
@@ -23,8 +23,16 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 
 from kvroute.billing.pricing import CostRate, token_cost
-from kvroute.policies import ExternalSignal, HealthBoard, Outcome, Policy, PrefixIndexConfig, Router, RouterConfig
-from kvroute.policies import RoutingRequest
+from kvroute.policies import (
+    ExternalSignal,
+    HealthBoard,
+    Outcome,
+    Policy,
+    PrefixIndexConfig,
+    Router,
+    RouterConfig,
+    RoutingRequest,
+)
 from kvroute.sim.engine import FleetConfig
 from kvroute.sim.hosted import HostedBackend, HostedSpec
 from kvroute.sim.replica import Live, Replica
@@ -168,16 +176,17 @@ def simulate_mixed(workload: Workload, strategy: Strategy, fleet: FleetConfig, h
             tracks[j].arrival = at + reqs[j].delay
             schedule(tracks[j].arrival, _ARRIVE, j)
 
-    def outcome(policy: Policy, rid: str, backend: str, ok: bool, at: float, tr: Track,
-                request: RoutingRequest) -> None:
-        """Tell a learning policy what happened (hybrid: ``on_outcome``; marketplace: ``record_success``)."""
-        hook = getattr(policy, "on_outcome", None)
-        if hook is not None:
-            hook(request, backend, at, ok=ok, ttft_s=tr.attempt_ttft if ok else None,
-                 cached_tokens=tr.cached_tokens, output_tokens=tr.output, cost=tr.cost if ok else None)
-        elif ok and backend in routes and hasattr(policy, "record_success"):
-            policy.record_success(request, backend, at, cached_tokens=tr.cached_tokens, ttft_s=tr.attempt_ttft,
-                                  output_tokens=tr.output, duration_s=tr.done_at - tr.sent_at)
+    def outcome(policy: Policy, backend: str, ok: bool, at: float, tr: Track, request: RoutingRequest) -> None:
+        """Tell a learning policy what happened, as the plugin's hooks do (``record_success``/``record_failure``)."""
+        if ok:
+            hook = getattr(policy, "record_success", None)
+            if hook is not None:
+                hook(request, backend, at, cached_tokens=tr.cached_tokens, ttft_s=tr.attempt_ttft,
+                     output_tokens=tr.output, duration_s=tr.done_at - tr.sent_at, prompt_tokens=tr.prompt)
+        else:
+            hook = getattr(policy, "record_failure", None)
+            if hook is not None:
+                hook(request)
 
     def fail_attempt(tr: Track, backend: str, at: float, kind: str, retry_after: float | None) -> None:
         rid = f"r{tr.idx}"
@@ -191,7 +200,7 @@ def simulate_mixed(workload: Workload, strategy: Strategy, fleet: FleetConfig, h
             tr.retry_after = retry_after if tr.retry_after is None else min(tr.retry_after, retry_after)
         request = requests[tr.idx]
         assert request is not None
-        outcome(strategy.tiers[tr.tier].policy, rid, backend, False, at, tr, request)
+        outcome(strategy.tiers[tr.tier].policy, backend, False, at, tr, request)
         route(tr, at)
 
     def route(tr: Track, at: float) -> None:
@@ -300,7 +309,7 @@ def simulate_mixed(workload: Workload, strategy: Strategy, fleet: FleetConfig, h
             assert request is not None and tr.backend is not None
             router.on_complete(f"r{x}", cached_tokens=tr.cached_tokens)
             health.record(tr.backend, Outcome.SUCCESS, now, ttft_s=tr.attempt_ttft)
-            outcome(strategy.tiers[tr.tier].policy, f"r{x}", tr.backend, True, now, tr, request)
+            outcome(strategy.tiers[tr.tier].policy, tr.backend, True, now, tr, request)
             finish(tr, now)
             continue
         rep = replicas[x]
@@ -325,7 +334,7 @@ def simulate_mixed(workload: Workload, strategy: Strategy, fleet: FleetConfig, h
                 health.record(rep.name, Outcome.SUCCESS, now, ttft_s=tr.attempt_ttft)
                 request = requests[r.idx]
                 assert request is not None
-                outcome(strategy.tiers[tr.tier].policy, r.rid, rep.name, True, now, tr, request)
+                outcome(strategy.tiers[tr.tier].policy, rep.name, True, now, tr, request)
                 finish(tr, now)
         step = rep.plan(now)
         if step is not None:

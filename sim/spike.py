@@ -121,3 +121,17 @@ def azure_spike(trace: str | Path, *, block_tokens: int = 64, start_s: float = 6
     stages = [("before", len([r for r in reqs if r.stage == 0]) / max(before_s, 1e-9)), ("spike", peak),
               ("after", len([r for r in reqs if r.stage == 2]) / max(after_s, 1e-9))]
     return Workload(f"azure-spike-x{factor}", block_tokens, reqs, notes, stages=stages), window
+
+
+def busiest_window(workload: Workload, length_s: float) -> SpikeWindow:
+    """The ``length_s`` window with the most arrivals (for a user's own log: where its spike is)."""
+    times = sorted(r.arrival for r in workload.requests if r.follows is None)
+    if not times:
+        return SpikeWindow(0.0, length_s)
+    best, best_start, j = 0, times[0], 0
+    for i, t in enumerate(times):
+        while times[j] < t - length_s:
+            j += 1
+        if i - j + 1 > best:
+            best, best_start = i - j + 1, max(0.0, t - length_s)
+    return SpikeWindow(best_start, best_start + length_s)
