@@ -20,6 +20,7 @@ from typing import Any
 
 from litellm.integrations.custom_logger import CustomLogger
 
+from kvroute.plugin import hybrid
 from kvroute.plugin.billing_feed import BillingFeed
 from kvroute.plugin.deployments import Backend, Deployments, litellm_cost_map
 from kvroute.plugin.hash_secret import resolve_chain_key
@@ -282,8 +283,9 @@ class KvrouteCallback(CustomLogger):
             self._start_precise(group, gs.precise, index, router)
         else:
             self._start_scraper(group, backends, router)
-        if gs.policy is not None:
-            policy = router.set_policy(group, gs.policy, gs.knobs)
+        name, knobs = gs.policy_knobs
+        if name is not None:
+            policy = router.set_policy(group, name, knobs)
         elif hosted and s.hosted_policy in policy_names():
             policy = router.set_policy(group, s.hosted_policy, {})
         else:
@@ -331,6 +333,7 @@ class KvrouteCallback(CustomLogger):
             policy.attach_health(self.health.board)
         if hasattr(policy, "add_quotes"):
             policy.add_quotes(q for q in (provider_quote(b) for b in backends) if q is not None)
+        hybrid.attach_fleet(policy, backends)
 
     # --- the pick ----------------------------------------------------------------------------------
     async def async_filter_deployments(self, model: str, healthy_deployments: list, messages: Any,
@@ -390,11 +393,15 @@ class KvrouteCallback(CustomLogger):
                                          tags=tags, headers=headers, tenant=tenant, salt=salt, client_salt=False)
         rule = self.rules.resolve(group, app, tags) if len(self.rules) else None
         policy = rule.policy if rule is not None else router.policy_for(group)
+        if rule is not None:
+            hybrid.share_group_state(policy, router.policy_for(group))
         if self._attached.get(id(policy)) != len(backends):
             self._attach(policy, backends)
             self._attached[id(policy)] = len(backends)
         decision = router.pick(request, [b.id for b in backends], group=group, policy=policy)
         self.metrics.decision(group, decision.policy, decision.reason.split(":", 1)[0], decision.matched_tokens)
+        if decision.why is not None:
+            hybrid.observe_decision(self.metrics, group, policy, decision, now)
         if decision.backend is None:
             if decision.reason.startswith("no_acceptable_provider"):
                 self.metrics.fallbacks.labels(group, "no_acceptable_provider").inc()
@@ -622,7 +629,8 @@ class KvrouteCallback(CustomLogger):
             if ticket.policy is not None and backend_id is not None:
                 ticket.policy.record_success(ticket.request, backend_id, now, cached_tokens=cached,
                                              ttft_s=ttft, output_tokens=completion_tokens_of(response_obj),
-                                             duration_s=duration_s(start_time, end_time))
+                                             duration_s=duration_s(start_time, end_time),
+                                             prompt_tokens=prompt_tokens or None)
         if backend_id is not None:
             self.health.record(backend_id, "success", now, ttft_s=ttft,
                                started_at=ticket.started if ticket else None)
@@ -679,6 +687,8 @@ class KvrouteCallback(CustomLogger):
                 ticket.router.on_cancel(ticket.rid)
             else:
                 ticket.router.on_failure(ticket.rid, before_prefill=verdict.before_prefill)
+            if ticket.policy is not None and hasattr(ticket.policy, "record_failure"):
+                ticket.policy.record_failure(ticket.request)
         if backend_id is None:
             return verdict
         if ticket is not None and verdict.blames_backend:
@@ -785,7 +795,8 @@ class KvrouteCallback(CustomLogger):
         groups = {}
         for name, router in self.routers.items():
             errors = router.errors + sum(int((p.get("errors") or {}).get(name, 0)) for p in peers.values())
-            groups[name] = {"policy": router.policy_for(name).name, "errors": errors}
+            groups[name] = {"policy": router.policy_for(name).name, "errors": errors,
+                            **hybrid.status_of(router.policy_for(name), now)}
         return {"groups": groups, "backends": backends, "rules": [r.name for r in self.rules.rules],
                 "pending": pending, "workers": 1 + len(peers),
                 "hash_key": {"keyed": bool(self.chain and self.chain.keyed), "source": self.chain_source}}

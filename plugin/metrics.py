@@ -118,6 +118,19 @@ class Metrics:
                                 ["app", "currency"], registry=r)
         self.app_ttft = Histogram("kvroute_app_ttft_seconds", "Time to first token per app", ["app"],
                                   buckets=TTFT_BUCKETS, registry=r)
+        self.hybrid_decisions = Counter("kvroute_hybrid_decisions_total", "Hybrid decisions by side and reason",
+                                        ["group", "side", "reason"], registry=r)
+        self.hybrid_share = Gauge("kvroute_hybrid_overflow_share", "Share of a hybrid group's recent decisions "
+                                  "that went to hosted routes (the guard's window)", ["group"], registry=r,
+                                  multiprocess_mode="livemostrecent")
+        self.hybrid_mode = Gauge("kvroute_hybrid_overflow_mode", "1 while a hybrid group is in overflow mode",
+                                 ["group"], registry=r, multiprocess_mode="livemostrecent")
+        self.hybrid_spend = Gauge("kvroute_hybrid_hosted_spend_per_hour", "Hosted spend of a hybrid group over the "
+                                  "guard's window, per hour", ["group", "currency"], registry=r,
+                                  multiprocess_mode="livemostrecent")
+        self.predicted_ttft = Histogram("kvroute_predicted_ttft_seconds", "Predicted time to first token at the "
+                                        "pick per backend (compare kvroute_ttft_seconds)", ["backend"],
+                                        buckets=TTFT_BUCKETS, registry=r)
         self._server: tuple[object, threading.Thread] | None = None
         self._children: dict[tuple[int, tuple[str, ...]], object] = {}
 
@@ -151,6 +164,18 @@ class Metrics:
             self._child(self.app_ttft, a).observe(ttft_s)
         if cost:
             self._child(self.app_cost, a, currency).inc(float(cost))
+
+    def hybrid_decision(self, group: str, backend: str | None, side: str, reason: str,
+                        predicted_ttft_s: float | None) -> None:
+        self._child(self.hybrid_decisions, group, side, reason).inc()
+        if backend is not None and predicted_ttft_s is not None and predicted_ttft_s >= 0:
+            self._child(self.predicted_ttft, self.backend_label(backend)).observe(predicted_ttft_s)
+
+    def hybrid_state(self, group: str, share: float, overflowing: bool, spend_per_hour: Decimal,
+                     currency: str) -> None:
+        self._child(self.hybrid_share, group).set(share)
+        self._child(self.hybrid_mode, group).set(1.0 if overflowing else 0.0)
+        self._child(self.hybrid_spend, group, currency).set(float(spend_per_hour))
 
     def failed(self, backend: str, outcome: str, app: str | None = None) -> None:
         self._child(self.outcomes, self.backend_label(backend), outcome).inc()

@@ -47,6 +47,14 @@ class GroupSettings(BaseModel):
     kind: Literal["auto", "self_hosted", "hosted"] = "auto"
     precise: dict[str, Any] = Field(default_factory=dict)
     isolation: Isolation = "none"
+    hybrid: dict[str, Any] | None = None  # the ``hybrid`` policy's knobs: self-hosted first, overflow to hosted
+
+    @property
+    def policy_knobs(self) -> tuple[str | None, dict[str, Any]]:
+        """The group's policy and knobs (a ``hybrid:`` block is the ``hybrid`` policy with those knobs)."""
+        if self.hybrid is not None:
+            return "hybrid", self.hybrid
+        return self.policy, self.knobs
 
 
 class RuleMatch(BaseModel):
@@ -153,7 +161,14 @@ class KvrouteSettings(BaseSettings):
         _check_policy(self.default_policy, self.default_knobs, "kvroute.default_policy")
         for group, gs in self.groups.items():
             where = f"kvroute.groups.{group}"
-            if gs.policy is not None:
+            if gs.hybrid is not None:
+                if gs.policy is not None or gs.knobs:
+                    raise ConfigError(f"{where}.hybrid", "give either hybrid: or policy:/knobs:, not both")
+                if gs.kind != "auto":
+                    raise ConfigError(f"{where}.kind", "a hybrid group mixes self-hosted and hosted deployments: "
+                                                       "leave kind at auto")
+                _check_policy("hybrid", gs.hybrid, f"{where}.hybrid")
+            elif gs.policy is not None:
                 _check_policy(gs.policy, gs.knobs, f"{where}.policy")
             elif gs.knobs:
                 raise ConfigError(f"{where}.knobs", "knobs given without a policy (name the policy they are for)")

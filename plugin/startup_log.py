@@ -31,7 +31,8 @@ def redact(url: str) -> str:
 def _group(name: str, callback: Any) -> str:
     backends = callback.fleet.groups().get(name, [])
     router = callback.routers.get(name)
-    policy = router.policy_for(name).name if router is not None else (callback.settings.group(name).policy or "?")
+    configured = callback.settings.group(name).policy_knobs[0]
+    policy = router.policy_for(name).name if router is not None else (configured or "?")
     mode = callback.settings.group(name).mode
     hosted = sum(1 for b in backends if not b.self_hosted)
     kinds = ", ".join(part for part in (f"{len(backends) - hosted} self-hosted" if len(backends) > hosted else "",

@@ -242,6 +242,10 @@ class Hybrid:
             0, output_tokens or 0)
         self.guard.record_spend(now, cost, request.request_id)
 
+    def record_failure(self, request: RoutingRequest) -> None:
+        """An attempt failed: its reservation goes (what a failed attempt was billed reaches the ledger, not here)."""
+        self.guard.release(request.request_id)
+
     # --- prices and times -----------------------------------------------------------------------
     def self_rate(self, backend: str | None) -> SelfHostedRate | None:
         return self._rates.get(backend or "", self._default_rate)

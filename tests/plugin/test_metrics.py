@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from decimal import Decimal
+
 import httpx
 from hypothesis import given
 from hypothesis import strategies as st
@@ -59,6 +61,8 @@ def test_grafana_dashboard_uses_only_existing_series():
 
     m = Metrics(CollectorRegistry())
     m.completed("g", "b", "a", 1, 1, 0.1, 0.1)
+    m.hybrid_decision("g", "b", "hosted", "overflow_latency", 0.2)
+    m.hybrid_state("g", 0.5, True, Decimal("1.5"), "USD")
     names = {s.name for metric in m.registry.collect() for s in metric.samples}
     names |= {f.name for f in m.registry.collect()}
     dash = json.loads((Path(__file__).resolve().parents[2] / "examples" / "grafana-dashboard.json").read_text())
