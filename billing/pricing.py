@@ -117,6 +117,10 @@ class GpuRateCard:
     def output_per_mtok(self) -> Decimal:
         return self._per_mtok(self.decode_tok_s)
 
+    def per_token(self) -> tuple[Decimal, Decimal]:
+        """(input, output) price per token: what the hybrid router's ``SelfHostedRate`` takes."""
+        return self.input_per_mtok / MILLION, self.output_per_mtok / MILLION
+
     def cost_rate(self, backend_id: str, effective_from: datetime = _EPOCH) -> CostRate:
         """The ledger's rate card for ``backend_id`` (source ``self_hosted_amortized``)."""
         return CostRate(backend_id, effective_from, self.currency, input_per_mtok=self.input_per_mtok,

@@ -34,7 +34,6 @@ from kvroute.sim.spike import SpikeWindow
 from kvroute.sim.workload import Workload
 
 STRATEGIES = ("self_hosted", "fallback_on_error", "always_hosted", "hybrid")
-MILLION = Decimal(1_000_000)
 
 
 def _market(hosted: Sequence[HostedSpec]) -> Marketplace:
@@ -58,7 +57,7 @@ def build_strategy(name: str, fleet: FleetConfig, hosted: Sequence[HostedSpec], 
     if name == "hybrid":
         policy = Hybrid(HybridConfig(**{"ttft_target_s": target_s, "hosted": routes, **dict(hybrid_knobs or {})}))
         policy.add_quotes([h.quote() for h in hosted])
-        rate = SelfHostedRate(card.input_per_mtok / MILLION, card.output_per_mtok / MILLION, card.currency)
+        rate = SelfHostedRate(*card.per_token(), card.currency)
         for r in replicas:
             policy.set_self_hosted_rate(r, rate)
         return Strategy(name, (Tier(replicas + routes, policy),))

@@ -35,6 +35,7 @@ def test_gpu_card_prices_are_gpu_seconds_per_token_rounded_half_even() -> None:
     # 2.50 × 2 × 1e6 / (15928 × 3600) = 0.08719794...; 5e6 / (2500 × 3600) = 0.5555...
     assert card.input_per_mtok == Decimal("0.087198")
     assert card.output_per_mtok == Decimal("0.555556")
+    assert card.per_token() == (Decimal("0.087198") / 1_000_000, Decimal("0.555556") / 1_000_000)
     rate = card.cost_rate("replica-0")
     assert rate.source == "self_hosted_amortized" and rate.cache_read_per_mtok == 0
     assert rate.cache_write_5m_per_mtok == card.input_per_mtok

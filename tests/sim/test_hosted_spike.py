@@ -170,6 +170,6 @@ def test_bench_quick_json_reports_every_strategy_and_the_targets(capsys: pytest.
         sys.path.remove(str(ROOT / "bench"))
     assert hybrid_spike.main(["--quick", "--json", "--replicas", "2"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert set(data["strategies"]) == {*STRATEGIES, "hybrid_tuned"} and data["replicas"] == 2
-    assert len(data["targets"]) == 3 and len(data["tuned_targets"]) == 3
+    assert set(data["strategies"]) == {*STRATEGIES, "hybrid_no_margin"} and data["replicas"] == 2
+    assert len(data["targets"]) == 3 and len(data["second_hybrid_targets"]) == 3
     assert data["self_hosted_card"]["gpu_hour"] == "2.50"
