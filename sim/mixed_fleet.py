@@ -4,8 +4,9 @@ A ``Strategy`` is an ordered list of tiers, each a set of backends and the real 
 among them, through one ``Router`` (as LiteLLM's model groups with ``fallbacks`` do). A failed attempt —
 a replica answering 429 because ``queue_limit`` requests already wait there (an admission cap), a hosted
 429 or 5xx — goes back to the router (``on_failure``, the health board) and the request is retried on an
-untried backend of the same tier, then on the next tier; when every backend was tried it waits for the
-shortest Retry-After it was given and starts over, up to ``max_attempts``; then it fails (TTFT = ∞).
+untried backend of the same tier, then on the next tier; when every backend was tried (or every breaker is
+open) it waits for the shortest Retry-After it was given (or the soonest breaker cooldown) and starts over, up
+to ``max_attempts``; then it fails (TTFT = ∞).
 
 Replicas are ``sim.replica.Replica`` (queueing, chunked prefill, decode, prefix cache), exactly as in
 ``sim.engine.simulate``; hosted routes are ``sim.hosted.HostedBackend``. Each request's cost comes from
@@ -137,6 +138,7 @@ def simulate_mixed(workload: Workload, strategy: Strategy, fleet: FleetConfig, h
         if attach is not None:
             attach(dict(zip(names, replicas, strict=True)), fleet.preset)
     health = health if health is not None else HealthBoard()
+    all_backends = [b for tier in strategy.tiers for b in tier.backends]
     for tier in strategy.tiers:
         if hasattr(tier.policy, "attach_health"):
             tier.policy.attach_health(health)
@@ -226,6 +228,10 @@ def simulate_mixed(workload: Workload, strategy: Strategy, fleet: FleetConfig, h
                         break
                 tr.tier += 1
             if backend is None:  # every tier tried: wait for the soonest Retry-After, then start over
+                if tr.retry_after is None:  # nothing answered 429 but breakers are open (LiteLLM's 429 "no
+                    tripped = [b for b in all_backends if not health.available(b, at)]  # deployments": Retry-After =
+                    _, wait = health.soonest(tripped, at)  # the soonest cooldown of an open breaker)
+                    tr.retry_after = wait if 0 < wait < math.inf else None
                 if tr.retry_after is None:
                     failures["no_backend"] += 1
                     tr.done_at = at

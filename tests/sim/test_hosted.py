@@ -181,3 +181,18 @@ def test_replica_card_is_the_presets_gpu_hour_over_its_modelled_throughput() -> 
     assert card.gpus == 2 and card.gpu_hour == Decimal("2.50")
     assert float(card.prefill_tok_s) == pytest.approx(15_928, rel=1e-3)  # llm-d's calibration point
     assert card.input_per_mtok == (Decimal(5) * 1_000_000 / (card.prefill_tok_s * 3600)).quantize(Decimal("1e-6"))
+
+
+def test_with_every_breaker_open_a_request_waits_for_the_soonest_cooldown() -> None:
+    from kvroute.policies import HealthBoard
+
+    card = replica_rate_card(QWEN)
+    fleet = FleetConfig(1, QWEN)
+    routes = [spec("a"), spec("b")]
+    health = HealthBoard()
+    health.breaker("a").force_open(0.0, 30.0)
+    health.breaker("b").force_open(0.0, 10.0)
+    strategy = build_strategy("always_hosted", fleet, routes, target_s=2.0, card=card)
+    result = simulate_mixed(burst(1), strategy, fleet, routes, card.cost_rate("self"), health=health)
+    (t,) = result.tracks
+    assert t.backend == "b" and 10.0 <= t.first_token_at < 10.0 + 5.0 and not result.failures
