@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     notes: list[str] = []
     for seed in range(seeds):
         wl, win = azure_spike(TRACE, start_s=600.0 + 300.0 * seed, seed=seed, **windows)
-        notes = wl.notes
+        notes = [*notes[:seed], wl.notes[0], *wl.notes[1:]] if seed else list(wl.notes)
         per = []
         for name in names:
             strategy = build_strategy("hybrid" if name == alt else name, fleet, plan.routes,
