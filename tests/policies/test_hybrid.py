@@ -5,6 +5,8 @@ from __future__ import annotations
 from decimal import Decimal
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvroute.policies import Router, build_policy
 from kvroute.policies.errors import ConfigError
@@ -227,3 +229,26 @@ def test_guard_reservations_expire_and_release():
     assert g.check(6.0, Decimal("0.003")) is None  # the reservation expired unbilled
     g.record_spend(7.0, Decimal("0.004"), "a")
     assert g.spend_per_hour(7.0) == Decimal("0.004") * 360 and g.spent(18.0) == 0
+
+
+@given(st.lists(st.tuples(st.integers(1, 50), st.booleans(), st.floats(0.0, 5.0)), min_size=1, max_size=200),
+       st.floats(0.05, 1.0), st.integers(1, 30))
+@settings(max_examples=60, deadline=None)
+def test_guard_never_lets_share_or_spend_past_its_caps(steps, max_share, min_requests):
+    """Overflow only when ``check`` allows it: the window's spend (billed + reserved) stays within the budget, and
+    the share of hosted decisions stays within the cap once the window holds ``min_requests`` decisions."""
+    g = OverflowGuard(max_share, 30.0, min_requests=min_requests, max_spend_per_hour=Decimal("0.36"),
+                      spend_window_s=100.0)
+    now = 0.0
+    for i, (cents, bill, dt) in enumerate(steps):
+        now += dt
+        price = Decimal(cents) / 10_000
+        ok = g.check(now, price) is None
+        g.record_decision(now, ok)
+        if ok:
+            g.reserve(f"r{i}", now, price)
+            if bill:
+                g.record_spend(now, price, f"r{i}")
+        assert g.spent(now) <= g.budget()
+        n = len(g._decisions)
+        assert g._hosted <= max(max_share * max(n, min_requests), 0) + 1e-9
