@@ -9,9 +9,10 @@ backends:
     route_kind: self_hosted          # marketplace | self_hosted | direct
     rates:                           # versioned rate cards, $ per 1M tokens
       - effective_from: 2026-01-01
-        gpu_hour: "2.40"             # self-hosted: amortised $/Mtok = gpu_hour / (tokens_per_s × 3600) × 1e6
-        tokens_per_s: 2500
-        cache_read_per_mtok: "0"
+        gpu_hour: "2.40 USD"         # self-hosted: price of one replica-hour (× gpus), see GpuRateCard
+        prefill_tok_s: 15000         # input $/Mtok = gpu_hour × gpus / (prefill_tok_s × 3600) × 1e6
+        decode_tok_s: 2500           # output $/Mtok likewise (both rounded half-even to 1e-6 per Mtok)
+        cache_read_per_mtok: "0"     # (the older `tokens_per_s: N` prices every bucket alike)
 price_books:
   - app: acme                        # omit for the default book
     version: 2
@@ -43,11 +44,14 @@ from typing import Any
 
 from kvroute.billing.events import ROUTE_KINDS
 from kvroute.billing.money import MILLION, ZERO, check_currency, to_decimal
-from kvroute.billing.pricing import SURCHARGE_BUCKETS, CostRate, PriceBook, PriceRule
+from kvroute.billing.pricing import SURCHARGE_BUCKETS, CostRate, GpuRateCard, PriceBook, PriceRule, parse_money
 from kvroute.policies.errors import ConfigError, InputError
 
 RATE_FIELDS = ("input_per_mtok", "cache_read_per_mtok", "cache_write_5m_per_mtok", "cache_write_1h_per_mtok",
                "output_per_mtok", "reasoning_per_mtok", "per_request")
+#: Self-hosted rate-card fields: ``gpu_hour`` (price per replica-hour of ``gpus`` GPUs, optionally with its
+#: currency: ``"2.50 USD"``) with ``prefill_tok_s`` + ``decode_tok_s`` (or the older single ``tokens_per_s``).
+GPU_FIELDS = ("gpu_hour", "tokens_per_s", "prefill_tok_s", "decode_tok_s", "gpus")
 RATE_SOURCES = ("manual", "provider_reported", "litellm_model_cost", "self_hosted_amortized")
 RULE_FIELDS = {"name", "match", "markup_pct", "surcharge_per_mtok", "fee_per_request", "min_per_request",
                "max_per_request", "bill_failed_attempts", "bill_zero_completion"}
@@ -183,34 +187,62 @@ def _backend(item: Mapping[str, Any], key: str, currency: str) -> tuple[BackendS
 
 
 def _rate(item: Mapping[str, Any], key: str, backend_id: str, currency: str) -> CostRate:
-    unknown = set(item) - {*RATE_FIELDS, "effective_from", "currency", "source", "gpu_hour", "tokens_per_s"}
+    unknown = set(item) - {*RATE_FIELDS, "effective_from", "currency", "source", *GPU_FIELDS}
     if unknown:
         raise ConfigError(f"{key}.{sorted(unknown)[0]}", "unknown rate field")
     if "effective_from" not in item:
         raise ConfigError(f"{key}.effective_from", "is required")
     values = {f: _dec(item[f], f"{key}.{f}") for f in RATE_FIELDS if item.get(f) is not None}
     source = item.get("source", "manual")
-    if "gpu_hour" in item or "tokens_per_s" in item:
-        if "gpu_hour" not in item or "tokens_per_s" not in item:
-            raise ConfigError(key, "gpu_hour and tokens_per_s go together (amortised self-hosted cost)")
-        tps = _dec(item["tokens_per_s"], f"{key}.tokens_per_s")
-        if tps == 0:
-            raise ConfigError(f"{key}.tokens_per_s", "must be positive")
-        per_mtok = _dec(item["gpu_hour"], f"{key}.gpu_hour") / (tps * 3600) * MILLION
-        for f in ("input_per_mtok", "output_per_mtok", "cache_write_5m_per_mtok", "cache_write_1h_per_mtok"):
-            values.setdefault(f, per_mtok)
-        source = item.get("source", "self_hosted_amortized")
-    if source not in RATE_SOURCES:
-        raise ConfigError(f"{key}.source", f"must be one of {', '.join(RATE_SOURCES)}")
     try:
         cur = check_currency(item.get("currency", currency))
     except InputError as exc:
         raise ConfigError(f"{key}.currency", exc.message) from None
+    if any(f in item for f in GPU_FIELDS):
+        for f, v in _gpu_prices(item, key, cur).items():
+            values.setdefault(f, v)
+        source = item.get("source", "self_hosted_amortized")
+    if source not in RATE_SOURCES:
+        raise ConfigError(f"{key}.source", f"must be one of {', '.join(RATE_SOURCES)}")
     return CostRate(backend_id, _when(item["effective_from"], f"{key}.effective_from"), cur,
                     values.get("input_per_mtok", ZERO), values.get("cache_read_per_mtok", ZERO),
                     values.get("cache_write_5m_per_mtok", ZERO), values.get("cache_write_1h_per_mtok", ZERO),
                     values.get("output_per_mtok", ZERO), values.get("reasoning_per_mtok"),
                     values.get("per_request", ZERO), source)
+
+
+def _gpu_prices(item: Mapping[str, Any], key: str, currency: str) -> dict[str, Decimal]:
+    """Per-Mtok prices of a self-hosted card: ``gpu_hour`` with ``prefill_tok_s``/``decode_tok_s`` (a
+    ``GpuRateCard``), or the older single ``tokens_per_s`` for every bucket (not rounded)."""
+    if "gpu_hour" not in item:
+        raise ConfigError(f"{key}.gpu_hour", "is required with tokens_per_s / prefill_tok_s / decode_tok_s")
+    try:
+        gpu_hour, _ = parse_money(item["gpu_hour"], f"{key}.gpu_hour", currency)
+    except InputError as exc:
+        raise ConfigError(exc.where, exc.message) from None
+    if "tokens_per_s" in item:
+        if "prefill_tok_s" in item or "decode_tok_s" in item or "gpus" in item:
+            raise ConfigError(f"{key}.tokens_per_s", "give either tokens_per_s or prefill_tok_s + decode_tok_s")
+        tps = _dec(item["tokens_per_s"], f"{key}.tokens_per_s")
+        if tps == 0:
+            raise ConfigError(f"{key}.tokens_per_s", "must be positive")
+        per_mtok = gpu_hour / (tps * 3600) * MILLION
+        return {f: per_mtok for f in ("input_per_mtok", "output_per_mtok", "cache_write_5m_per_mtok",
+                                      "cache_write_1h_per_mtok")}
+    for f in ("prefill_tok_s", "decode_tok_s"):
+        if f not in item:
+            raise ConfigError(f"{key}.{f}", "is required with gpu_hour (measured tokens per second per replica)")
+    gpus = item.get("gpus", 1)
+    try:
+        card = GpuRateCard(gpu_hour, _dec(item["prefill_tok_s"], f"{key}.prefill_tok_s"),
+                           _dec(item["decode_tok_s"], f"{key}.decode_tok_s"), gpus, currency,
+                           _dec(item.get("cache_read_per_mtok", 0), f"{key}.cache_read_per_mtok"))
+    except InputError as exc:
+        raise ConfigError(f"{key}.{exc.where}", exc.message) from None
+    rate = card.cost_rate("")
+    return {"input_per_mtok": rate.input_per_mtok, "output_per_mtok": rate.output_per_mtok,
+            "cache_write_5m_per_mtok": rate.cache_write_5m_per_mtok,
+            "cache_write_1h_per_mtok": rate.cache_write_1h_per_mtok}
 
 
 def _book(item: Mapping[str, Any], key: str, currency: str) -> PriceBook:

@@ -14,12 +14,12 @@ with ``cost_source="unknown"``; reports flag such events as unpriced.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime
-from decimal import Decimal
+from datetime import UTC, datetime
+from decimal import ROUND_HALF_EVEN, Decimal
 from fnmatch import fnmatchcase
 
 from kvroute.billing.events import UsageEvent
-from kvroute.billing.money import MILLION, ZERO, fix
+from kvroute.billing.money import MILLION, ZERO, check_currency, fix, to_decimal
 from kvroute.billing.usage import TokenBuckets
 from kvroute.policies.errors import InputError
 
@@ -55,6 +55,84 @@ class CostRate:
         else:
             total += t.output * output_rate
         return total / MILLION + self.per_request
+
+
+#: Rounding of the per-Mtok prices a GPU-hour card yields: 1e-6 of the currency per Mtok, half-even.
+MTOK_PRICE_STEP = Decimal("1e-6")
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def parse_money(value: object, where: str, currency: str | None = None) -> tuple[Decimal, str | None]:
+    """An amount with an optional currency suffix (``"2.50 USD"``, ``"2.50"``, ``2.5``) → (amount, code).
+
+    A suffix that disagrees with ``currency`` raises ``InputError`` (amounts are never converted)."""
+    code = None
+    if isinstance(value, str) and len(value.split()) == 2:
+        number, code = value.split()
+        code = check_currency(code, where)
+        value = number
+    amount = to_decimal(value, where)
+    if amount < 0:
+        raise InputError(where, f"must not be negative, got {amount}")
+    if code is not None and currency is not None and code != check_currency(currency, where):
+        raise InputError(where, f"is in {code} but the rate card is in {currency}; amounts are never converted")
+    return amount, code
+
+
+@dataclass(frozen=True, slots=True)
+class GpuRateCard:
+    """Self-hosted cost from a GPU-hour price and measured throughput, as prices per million tokens.
+
+    ``input_per_mtok = gpu_hour × gpus / (prefill_tok_s × 3600) × 1e6`` (the GPU-seconds one prompt token
+    costs) and ``output_per_mtok`` the same with ``decode_tok_s`` (the replica's aggregate decode rate at its
+    usual batch), each rounded half-even to ``MTOK_PRICE_STEP``; a cached prompt token costs
+    ``cache_read_per_mtok`` (default 0: no prefill work), a cache write costs like uncached input.
+    """
+
+    gpu_hour: Decimal
+    prefill_tok_s: Decimal
+    decode_tok_s: Decimal
+    gpus: int = 1
+    currency: str = "USD"
+    cache_read_per_mtok: Decimal = ZERO
+
+    def __post_init__(self) -> None:
+        for name in ("gpu_hour", "prefill_tok_s", "decode_tok_s", "cache_read_per_mtok"):
+            value = to_decimal(getattr(self, name), name)
+            if value < 0 or (name.endswith("tok_s") and value == 0):
+                raise InputError(name, f"must be {'positive' if name.endswith('tok_s') else '>= 0'}, got {value}")
+            object.__setattr__(self, name, value)
+        if isinstance(self.gpus, bool) or not isinstance(self.gpus, int) or self.gpus < 1:
+            raise InputError("gpus", f"must be an integer >= 1, got {self.gpus!r}")
+        object.__setattr__(self, "currency", check_currency(self.currency))
+
+    def _per_mtok(self, tok_s: Decimal) -> Decimal:
+        return (self.gpu_hour * self.gpus * MILLION / (tok_s * 3600)).quantize(MTOK_PRICE_STEP, ROUND_HALF_EVEN)
+
+    @property
+    def input_per_mtok(self) -> Decimal:
+        return self._per_mtok(self.prefill_tok_s)
+
+    @property
+    def output_per_mtok(self) -> Decimal:
+        return self._per_mtok(self.decode_tok_s)
+
+    def per_token(self) -> tuple[Decimal, Decimal]:
+        """(input, output) price per token: what the hybrid router's ``SelfHostedRate`` takes."""
+        return self.input_per_mtok / MILLION, self.output_per_mtok / MILLION
+
+    def cost_rate(self, backend_id: str, effective_from: datetime = _EPOCH) -> CostRate:
+        """The ledger's rate card for ``backend_id`` (source ``self_hosted_amortized``)."""
+        return CostRate(backend_id, effective_from, self.currency, input_per_mtok=self.input_per_mtok,
+                        cache_read_per_mtok=self.cache_read_per_mtok, cache_write_5m_per_mtok=self.input_per_mtok,
+                        cache_write_1h_per_mtok=self.input_per_mtok, output_per_mtok=self.output_per_mtok,
+                        source="self_hosted_amortized")
+
+
+def token_cost(rate: CostRate, *, input_uncached: int = 0, cache_read: int = 0, output: int = 0) -> Decimal:
+    """What one request costs on ``rate`` (Decimal at the ledger's 1e-10 scale): the one function the
+    router's hybrid decision, the simulator and the ledger share, so all three charge the same amount."""
+    return fix(rate.cost(TokenBuckets(input_uncached=input_uncached, cache_read=cache_read, output=output)))
 
 
 @dataclass(frozen=True, slots=True)

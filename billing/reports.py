@@ -25,7 +25,7 @@ from typing import Any
 from sqlalchemy import Connection, and_, case, func, literal, select, type_coerce
 
 from kvroute.billing.catalog import Catalog
-from kvroute.billing.models import Money, PayoutRow, StatementRow, UsageAdjustmentRow, UsageEventRow
+from kvroute.billing.models import Backend, Money, PayoutRow, StatementRow, UsageAdjustmentRow, UsageEventRow
 from kvroute.billing.money import ZERO, fix
 from kvroute.policies.errors import InputError
 
@@ -37,20 +37,24 @@ GROUP = ("app_id", *GROUPINGS["backend"], "currency")
 TOKENS = ("input_tokens_uncached", "cache_read_tokens", "cache_write_5m_tokens", "cache_write_1h_tokens",
           "output_tokens", "reasoning_tokens")
 COUNTS = ("requests_total", "requests_success", "requests_failed", "requests_with_fallback", "attempts_absorbed",
-          "late_requests", "unpriced_events")
-MONEY = ("provider_cost", "absorbed_cost", "markup_amount", "fee_amount", "billed_amount", "platform_fee",
+          "late_requests", "unpriced_events", "self_hosted_requests", "hosted_requests")
+#: The spend split: all cost (billed + absorbed) of self-hosted backends vs hosted (overflow) ones. The kind is
+#: the price file's ``route_kind`` of the backend (``self_hosted`` vs the rest), else the event's own.
+SPLIT = ("self_hosted_cost", "hosted_cost")
+MONEY = ("provider_cost", "absorbed_cost", *SPLIT, "markup_amount", "fee_amount", "billed_amount", "platform_fee",
          "payment_fee", "margin_amount", "payout_amount", "adjustments")
-_EVENT_MONEY = ("provider_cost", "absorbed_cost", "markup_amount", "fee_amount", "billed_amount", "adjustments")
+_EVENT_MONEY = ("provider_cost", "absorbed_cost", *SPLIT, "markup_amount", "fee_amount", "billed_amount",
+                "adjustments")
 
 
 def usage_columns(by: str = "backend") -> tuple[str, ...]:
     return ("period", "app_id", *GROUPINGS[by], *COUNTS, *TOKENS, "cache_hit_ratio", "provider_cost",
-            "absorbed_cost", "adjustments", "currency")
+            "absorbed_cost", *SPLIT, "adjustments", "currency")
 
 
 def margin_columns(by: str = "backend") -> tuple[str, ...]:
     return ("period", "app_id", *GROUPINGS[by], *COUNTS, *TOKENS, "cache_hit_ratio", "provider_cost",
-            "absorbed_cost", "pricing_rule", "markup_amount", "fee_amount", "billed_amount", "platform_fee",
+            "absorbed_cost", *SPLIT, "pricing_rule", "markup_amount", "fee_amount", "billed_amount", "platform_fee",
             "payment_fee", "margin_amount", "margin_pct", "payout_amount", "adjustments", "currency")
 
 
@@ -69,9 +73,9 @@ def table_columns(kind: str, by: str = "backend") -> tuple[str, ...]:
                 "cache_read_tokens", "output_tokens", "cache_hit_ratio", "provider_cost", "adjustments",
                 "unpriced_events", "currency")
     if kind == "margin":
-        return ("app_id", *dims, "requests_total", "provider_cost", "absorbed_cost", "markup_amount", "fee_amount",
-                "billed_amount", "margin_amount", "margin_pct", "payout_amount", "adjustments", "unpriced_events",
-                "currency")
+        return ("app_id", *dims, "requests_total", "provider_cost", "absorbed_cost", *SPLIT, "markup_amount",
+                "fee_amount", "billed_amount", "margin_amount", "margin_pct", "payout_amount", "adjustments",
+                "unpriced_events", "currency")
     return ("app_id", "requests_total", "billed_amount", "provider_cost", "absorbed_cost", "markup_amount",
             "fee_amount", "platform_fee", "payment_fee", "adjustments", "payout_amount", "status", "currency")
 
@@ -95,6 +99,11 @@ def _count(cond: Any) -> Any:
 
 def period_start(period: str) -> datetime:
     return datetime(int(period[:4]), int(period[5:7]), 1, tzinfo=UTC)
+
+
+def _self_hosted(event: Any = E) -> Any:
+    """True where the event's backend is self-hosted (the price file's backend entry, else the event's kind)."""
+    return func.coalesce(Backend.route_kind, event.route_kind, literal("direct")) == "self_hosted"
 
 
 def _dimension(name: str) -> Any:
@@ -126,6 +135,8 @@ def group_rows(conn: Connection, period: str, app: str | None = None, by: str = 
         _count(and_(E.is_final_attempt.is_(False), E.absorbed_cost > zero)).label("attempts_absorbed"),
         _count(and_(E.is_final_attempt.is_(True), E.period != E.booked_period)).label("late_requests"),
         _count(E.cost_source == "unknown").label("unpriced_events"),
+        _count(and_(E.is_final_attempt.is_(True), _self_hosted())).label("self_hosted_requests"),
+        _count(and_(E.is_final_attempt.is_(True), ~_self_hosted())).label("hosted_requests"),
         *[func.coalesce(func.sum(getattr(E, c if c != "input_tokens_uncached" else "input_uncached_tokens")), 0)
           .label(c) for c in TOKENS],
         own(E.provider_cost - E.absorbed_cost).label("provider_cost"),
@@ -133,7 +144,10 @@ def group_rows(conn: Connection, period: str, app: str | None = None, by: str = 
         own(E.markup_amount + E.surcharge_amount).label("markup_amount"),
         own(E.fee_amount).label("fee_amount"),
         own(E.billed_amount).label("billed_amount"),
-    ).where(*where).group_by(*cols[:len(group)])
+        own(case((_self_hosted(), E.provider_cost), else_=zero)).label("self_hosted_cost"),
+        own(case((_self_hosted(), zero), else_=E.provider_cost)).label("hosted_cost"),
+    ).select_from(E).outerjoin(Backend, Backend.backend_id == E.backend_id).where(*where).group_by(
+        *cols[:len(group)])
     rows = {tuple(r[:len(group)]): {**dict(r._mapping), "adjustments": ZERO} for r in conn.execute(query)}
     rules: dict[tuple, set[tuple[int, int]]] = defaultdict(set)
     for r in conn.execute(select(*cols, E.price_rule_id, E.price_book_version).where(
@@ -148,8 +162,9 @@ def group_rows(conn: Connection, period: str, app: str | None = None, by: str = 
                  type_coerce(A.delta_billed_amount, Money()).label("billed"),
                  type_coerce(A.delta_provider_cost, Money()).label("cost"),
                  type_coerce(A.delta_absorbed_cost, Money()).label("absorbed"),
-                 type_coerce(A.delta_markup_amount, Money()).label("markup")).select_from(A).outerjoin(
-        E, E.event_id == A.event_id).where(*adj_where)
+                 type_coerce(A.delta_markup_amount, Money()).label("markup"),
+                 _self_hosted().label("self_hosted")).select_from(A).outerjoin(
+        E, E.event_id == A.event_id).outerjoin(Backend, Backend.backend_id == E.backend_id).where(*adj_where)
     for r in conn.execute(adj):
         key = tuple(r[:len(group)])
         row = rows.get(key)
@@ -161,6 +176,7 @@ def group_rows(conn: Connection, period: str, app: str | None = None, by: str = 
         row["absorbed_cost"] += r.absorbed
         row["markup_amount"] += r.markup
         row["fee_amount"] += r.billed - r.cost - r.markup  # what the delta bills beyond cost and markup
+        row["self_hosted_cost" if r.self_hosted else "hosted_cost"] += r.cost + r.absorbed
     out = []
     for key in sorted(rows):
         row = rows[key]

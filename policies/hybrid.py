@@ -35,6 +35,7 @@ from kvroute.policies.decision import Decision
 from kvroute.policies.health import HealthBoard
 from kvroute.policies.marketplace import Marketplace, MarketplaceConfig, ProviderQuote, to_price
 from kvroute.policies.overflow_guard import OverflowGuard
+from kvroute.policies.prediction_error import PredictionError
 from kvroute.policies.request import RoutingRequest
 from kvroute.policies.speed import EngineSpeed
 
@@ -81,6 +82,8 @@ class HybridConfig:
     apps: Mapping[str, Any] = field(default_factory=dict)
     quotes: Mapping[str, Any] = field(default_factory=dict)
     max_routes_shown: int = 4
+    prediction_quantile: float | None = 0.9
+    prediction_window_s: float = 120.0
 
     def __post_init__(self) -> None:
         _target(self.ttft_target_s, "ttft_target_s")
@@ -194,6 +197,8 @@ class Hybrid:
         self._last_over = -math.inf
         self.reasons: Counter[str] = Counter()
         self.last_why: dict[str, Any] | None = None
+        self.errors = None if not cfg.prediction_quantile else PredictionError(cfg.prediction_quantile,
+                                                                               cfg.prediction_window_s)
 
     # --- inputs ---------------------------------------------------------------------------------
     @property
@@ -228,6 +233,8 @@ class Hybrid:
         and its cost (the rate card's, as the ledger prices it) replaces its reservation in the guard."""
         if not self.is_hosted(backend):
             self.guard.release(request.request_id)
+            if self.errors is not None:
+                self.errors.observe(request.request_id, ttft_s, now)
             return
         self.market.record_success(request, backend, now, cached_tokens=cached_tokens, ttft_s=ttft_s,
                                    output_tokens=output_tokens, duration_s=duration_s, prompt_tokens=prompt_tokens)
@@ -245,6 +252,8 @@ class Hybrid:
     def record_failure(self, request: RoutingRequest) -> None:
         """An attempt failed: its reservation goes (what a failed attempt was billed reaches the ledger, not here)."""
         self.guard.release(request.request_id)
+        if self.errors is not None:
+            self.errors.forget(request.request_id)
 
     # --- prices and times -----------------------------------------------------------------------
     def self_rate(self, backend: str | None) -> SelfHostedRate | None:
@@ -330,12 +339,13 @@ class Hybrid:
             return self._hosted_pick(request, meeting[0], "self_hosted_unavailable", why, now, reserve=True)
         sd = self.self_policy.select(request, own, state, now)
         predicted = self.predicted_self_s(sd, request, state)
-        ratio = predicted / target
+        margin = self.errors.margin(now) if self.errors is not None else 1.0
+        ratio = predicted * margin / target
         rate = self.self_rate(sd.backend)
         self_price = rate.price(request.prompt_tokens, self.market.expected_output_tokens) \
             if rate is not None and rate.currency == cfg.currency else None
         why.update({"self_backend": sd.backend, "self_reason": sd.reason, "predicted_s": _round(predicted),
-                    "ratio": _round(ratio)})
+                    "margin": _round(margin), "ratio": _round(ratio)})
         if self_price is not None:
             why["self_price"] = str(self_price)
         if not quotes:
@@ -360,6 +370,8 @@ class Hybrid:
         return self._hosted_pick(request, best, "overflow_latency", why, now)
 
     def _self(self, decision: Decision, reason: str, why: dict[str, Any], now: float) -> Decision:
+        if self.errors is not None and isinstance(why.get("predicted_s"), float):
+            self.errors.record(decision.request_id, why["predicted_s"])
         decision.policy = self.name
         decision.reason = reason
         return self._done(decision, why, now, hosted=False)

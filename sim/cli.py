@@ -106,11 +106,18 @@ def simulate_command(
     html_path: Path | None = typer.Option(None, "--html", help="Write a self-contained HTML report."),
     plots_dir: Path | None = typer.Option(None, "--plots", help="Write PNG plots into this folder."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    hosted: Path | None = typer.Option(None, "--hosted", help="YAML of hosted routes (price, TTFT, rate limits, "
+                                       "outages) and a ttft_target_s: compare the overflow strategies instead."),
+    strategies: str = typer.Option("", "--strategies", help="With --hosted: comma-separated subset of "
+                                   "self_hosted,fallback_on_error,always_hosted,hybrid (default: all)."),
+    spike: str | None = typer.Option(None, "--spike-window", help="With --hosted: START:END seconds counted as "
+                                     "the spike (default: the busiest 10 minutes, or third of the run)."),
 ) -> None:
     """Replay a workload on a simulated fleet under several routing policies and compare them."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from kvroute.policies.errors import ConfigError
     from kvroute.sim.baselines import DEFAULT_LINEUP
     from kvroute.sim.engine import FleetConfig
     from kvroute.sim.presets import get_preset
@@ -130,6 +137,13 @@ def simulate_command(
         if max_concurrency is not None:
             wl.max_concurrency = max_concurrency
         fleet = FleetConfig(replicas, pr, kv_tokens=kv_tokens, metrics_interval_s=None if no_metrics else 0.05)
+        if hosted is not None:
+            if policies:
+                raise ConfigError("--policies", "does not apply with --hosted (use --strategies)")
+            _simulate_hosted(wl, fleet, hosted, strategies, spike, fmt, csv_path)
+            return
+        if strategies or spike:
+            raise ConfigError("--strategies" if strategies else "--spike-window", "needs --hosted FILE")
         names = [p.strip() for p in policies.split(",") if p.strip()] or list(DEFAULT_LINEUP)
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=err, disable=quiet, transient=True) as bar:
@@ -161,6 +175,60 @@ def simulate_command(
             plots.write(images, plots_dir, wl.name.replace(":", "-").replace("/", "-"))
     if html_path is not None:
         html_path.write_text(to_html(comp, images), encoding="utf-8")
+
+
+def _window(raw: str | None, workload: Any) -> Any:
+    from kvroute.policies.errors import ConfigError
+    from kvroute.sim.spike import SpikeWindow, busiest_window
+
+    if raw is None:
+        times = [r.arrival for r in workload.requests if r.follows is None]
+        span = (max(times) - min(times)) if times else 0.0
+        return busiest_window(workload, min(600.0, span / 3) if span > 0 else 600.0)
+    try:
+        start, end = (float(x) for x in raw.split(":", 1))
+    except ValueError:
+        raise ConfigError("--spike-window", f"expected START:END in seconds, got {raw!r}") from None
+    if not 0 <= start < end < math.inf:
+        raise ConfigError("--spike-window", f"need 0 <= START < END, got {raw!r}")
+    return SpikeWindow(start, end)
+
+
+def _simulate_hosted(wl: Any, fleet: Any, path: Path, strategies: str, spike: str | None, fmt: str,
+                     csv_path: Path | None) -> None:
+    """``--hosted``: the overflow strategies on this workload, the same table as ``bench/hybrid_spike.py``."""
+    from kvroute.policies.errors import ConfigError
+    from kvroute.sim.hosted import load_hosted
+    from kvroute.sim.overflow_report import print_table, to_csv, to_json
+    from kvroute.sim.spend import replica_rate_card
+    from kvroute.sim.strategies import STRATEGIES, check_targets, run_strategies
+
+    plan = load_hosted(path)
+    names = [n.strip() for n in strategies.split(",") if n.strip()] or list(STRATEGIES)
+    for n in names:
+        if n not in STRATEGIES:
+            raise ConfigError("--strategies", f"unknown strategy {n!r}; known: {', '.join(STRATEGIES)}")
+    window = _window(spike, wl)
+    card = replica_rate_card(fleet.preset)
+    try:
+        figs = run_strategies(wl, window, fleet, plan.routes, card, target_s=plan.ttft_target_s, names=names,
+                              queue_limit=plan.queue_limit, hybrid_knobs=plan.hybrid)
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, KvrouteError):
+            raise
+        raise ConfigError(f"{path}: hybrid", str(exc)) from None
+    checks = check_targets({f.strategy: f for f in figs})
+    meta = {"workload": wl.name, "replicas": fleet.replicas, "preset": fleet.preset.name,
+            "target_s": plan.ttft_target_s, "spike_window_s": [window.start_s, window.end_s]}
+    if fmt == "json":
+        sys.stdout.write(to_json(figs, checks, meta) + "\n")
+    elif fmt == "csv":
+        sys.stdout.write(to_csv(figs))
+    else:
+        print_table(figs, checks, f"{wl.name} on {fleet.replicas} x {fleet.preset.name}, spike "
+                    f"{window.start_s:.0f}-{window.end_s:.0f} s, target {plan.ttft_target_s:g} s", plan.ttft_target_s)
+    if csv_path is not None:
+        csv_path.write_text(to_csv(figs), encoding="utf-8")
 
 
 def lint_command(
