@@ -9,7 +9,10 @@ What LiteLLM enforces without a database (see ``docs``/the report for the eviden
 * ``litellm_settings.max_budget`` (the SDK's global budget): its counter ``litellm._current_cost`` never moves for
   a chat completion and the proxy warns it "will NOT be enforced" without a DB, so it bites only when already
   spent (a negative limit): ``BudgetExceededError`` (422) from the SDK's client wrapper, *after* the router's pick;
-* key, team, user and end-user budgets need the proxy DB (prisma is not installed).
+* a key's ``max_budget`` from ``general_settings.custom_auth`` with ``custom_auth_run_common_checks: true``: the
+  proxy counts the key's spend in its in-memory spend counter and its auth refuses the key (422
+  ``Budget has been exceeded! Key=...``) before any routing;
+* key, team, user and end-user budgets of virtual keys need the proxy DB (prisma is not installed).
 
 Each case: the client sees the same status with and without kvroute, no blaming attempt in
 ``kvroute_attempts_total``, every breaker closed, the ledger books the rejection as ``no_route`` on backend
@@ -27,6 +30,7 @@ import httpx
 import pytest
 from outcome_stack import (
     KVROUTE_SETTINGS,
+    OFFLINE_ENV,
     attempts,
     breakers,
     chat,
@@ -233,3 +237,81 @@ def test_the_global_budget_rejects_after_the_pick_and_blames_nobody(tmp_path: Pa
     assert len(finals) == len(mine), rows
     assert {(r.status, r.backend_id) for r in rows} == {("no_route", "router")}, rows
     assert all(r.provider_cost == 0 for r in rows), rows
+
+
+AUTH_MODULE = '''
+from fastapi import HTTPException
+from litellm.proxy._types import LitellmUserRoles, UserAPIKeyAuth
+
+BUDGETS = {"sk-poor": TINY, "sk-rich": None}
+
+
+async def auth(request, api_key):
+    key = (api_key or "").removeprefix("Bearer ").strip()
+    if key == "MASTER_KEY":
+        return UserAPIKeyAuth(api_key=key, user_role=LitellmUserRoles.PROXY_ADMIN)
+    if key in BUDGETS:
+        return UserAPIKeyAuth(api_key=key, token="tok-" + key, key_alias=key, max_budget=BUDGETS[key],
+                              user_role=LitellmUserRoles.INTERNAL_USER)
+    raise HTTPException(status_code=401, detail="unknown key")
+'''
+
+
+def test_a_key_over_its_budget_is_refused_at_auth_and_blames_nobody(tmp_path: Path):
+    """The key ``sk-poor`` spends its budget on its first request; LiteLLM's auth refuses the next ones (422)
+    with and without kvroute, before any routing: nothing blamed, breakers closed, no ledger row for them (never
+    routed, not usage), and ``sk-rich`` is served by the backend that served ``sk-poor``."""
+    opts = ReplicaOptions(capacity_tokens=12000, prefill_tokens_per_s=200000, decode_ms=0.0, slots=8)
+    with contextlib.ExitStack() as es:
+        replicas = es.enter_context(Fleet(2, engine="fake", options=opts, name_prefix="rep"))
+        hosted = es.enter_context(Fleet(2, engine="fake", options=opts, name_prefix="host"))
+        proxies = []
+        for kv in (True, False):
+            cfg = stack_config(replicas.api_bases, hosted.api_bases, kvroute=kv, router={"num_retries": 0})
+            for dep in cfg["model_list"]:
+                if dep["model_info"]["id"] == "provider-a":
+                    dep["litellm_params"].update(CHEAP)
+                    dep["model_info"].update(CHEAP)
+            cfg["general_settings"].update(custom_auth="budget_auth.auth", custom_auth_run_common_checks=True)
+            workdir = tmp_path / ("ours" if kv else "plain")
+            workdir.mkdir()
+            (workdir / "budget_auth.py").write_text(
+                AUTH_MODULE.replace("MASTER_KEY", cfg["general_settings"]["master_key"]).replace("TINY", repr(TINY)))
+            env = {**OFFLINE_ENV, **({"KVROUTE_DATA_DIR": str(tmp_path / "data")} if kv else {})}
+            proxies.append(es.enter_context(ProxyProcess(
+                cfg, kvroute_settings=KVROUTE_SETTINGS if kv else None, env=env, workdir=workdir,
+                inherit_kvroute_env=False)))
+        ours, plain = proxies
+
+        async def go(proxy: ProxyProcess, key: str, n: int, tag: str) -> list:
+            async with httpx.AsyncClient(trust_env=False) as c:
+                out = []
+                for i in range(n):
+                    out.append(await send(c, proxy, chat(f"{tag} {i}", model="hosted", user=f"{tag}-{i}"),
+                                          headers={"Authorization": f"Bearer {key}"}))
+                    await asyncio.sleep(0.3)  # the key's spend is counted after the reply
+                return out
+
+        async def both():
+            before = await attempts(ours)
+            poor = await asyncio.gather(go(ours, "sk-poor", 1 + REJECTED, "poor"),
+                                        go(plain, "sk-poor", 1 + REJECTED, "poor"))
+            rich = await asyncio.gather(go(ours, "sk-rich", 2, "rich"), go(plain, "sk-rich", 2, "rich"))
+            return poor, rich, delta(await attempts(ours), before), await breakers(ours)
+
+        (mine, theirs), (rich, rich_plain), d, states = asyncio.run(both())
+        assert [r.status for r in mine] == [r.status for r in theirs] == [200] + [422] * REJECTED, \
+            ([r.text for r in mine], [r.text for r in theirs])
+        assert all("Budget has been exceeded" in r.text for r in mine[1:]), mine[1].text
+        assert [r.status for r in rich] == [r.status for r in rich_plain] == [200, 200]
+        assert mine[0].backend == "provider-a" and {r.backend for r in rich} == {"provider-a"}, (mine[0], rich)
+        assert blamed(d) == {}, d
+        assert set(states.values()) == {"closed"}, states
+        rows = ledger_rows(f"sqlite:///{tmp_path / 'data' / 'billing.db'}", "", 3 + 2 * REJECTED)
+    served = sorted((r.end_user_id, r.status, r.backend_id) for r in rows if r.status == "success")
+    assert served == [("poor-0", "success", "provider-a"), ("rich-0", "success", "provider-a"),
+                      ("rich-1", "success", "provider-a")], rows
+    refused = [r for r in rows if r.status != "success"]  # kvroute's lifecycle: a router-level hop + the outcome
+    assert {(r.status, r.backend_id, r.http_status) for r in refused} == {("no_route", "router", 422)}, refused
+    assert sorted(r.end_user_id for r in refused if r.is_final_attempt) == [f"poor-{i}" for i in range(1, 1 + REJECTED)]
+    assert all(r.provider_cost == 0 for r in refused), refused
