@@ -1,7 +1,7 @@
 """Budget rejections blame no backend: LiteLLM 1.110.2's budgets, really enforced by real proxies, with and
 without kvroute on the same fake engines.
 
-What LiteLLM enforces without a database (see ``docs``/the report for the evidence):
+What LiteLLM enforces without a database (measured through its proxy; the tests below are the evidence):
 
 * per-deployment ``litellm_params.max_budget`` + ``budget_duration`` and ``router_settings.provider_budget_config``:
   ``RouterBudgetLimiting``, spend windows in the router's in-memory cache, a routing filter that drops deployments
