@@ -256,7 +256,9 @@ class BillingFeed:
         if state.outcome_recorded or state.success_recorded:
             return
         last = state.latest(unrecorded=False)
-        backend = last.backend if last is not None and last.backend else self.events.ROUTER_BACKEND
+        # a router-level outcome (no deployment, a budget) called no upstream, whatever kvroute had picked
+        routed = last is not None and bool(last.backend) and status != "no_route"
+        backend = last.backend if routed else self.events.ROUTER_BACKEND
         kwargs = {"model": str(data.get("model") or (last.group if last else "unknown")),
                   "litellm_params": {"metadata": meta, "model_info": (last.model_info if last else None) or {}},
                   "exception": exception, "user": data.get("user")}

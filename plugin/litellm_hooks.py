@@ -26,6 +26,7 @@ from kvroute.plugin.deployments import Backend, Deployments, litellm_cost_map
 from kvroute.plugin.hash_secret import resolve_chain_key
 from kvroute.plugin.hosted import forward_cache_key, provider_quote
 from kvroute.plugin.metrics import Metrics
+from kvroute.plugin.peer_filters import PeerFilters
 from kvroute.plugin.request_ids import ATTEMPT_KEY, TICKET_KEY, RequestIds
 from kvroute.plugin.rules import RuleBook, request_tags
 from kvroute.plugin.settings import GroupSettings, KvrouteSettings, load_settings, read_model_list
@@ -97,6 +98,7 @@ class KvrouteCallback(CustomLogger):
         self.rules = RuleBook()
         self.tickets: OrderedDict[str, Ticket] = OrderedDict()
         self.ids = RequestIds(MAX_REQUEST_STATES)
+        self.peer_filters = PeerFilters(self)  # LiteLLM's other filters (budgets...) narrow before the pick
         self.billing: BillingFeed | None = None
         self._apps_by_key: dict[str, set[str]] = {}
         self._failed: OrderedDict[str, list[str]] = OrderedDict()
@@ -338,6 +340,11 @@ class KvrouteCallback(CustomLogger):
     # --- the pick ----------------------------------------------------------------------------------
     async def async_filter_deployments(self, model: str, healthy_deployments: list, messages: Any,
                                        request_kwargs: dict | None = None, parent_otel_span: Any = None) -> list:
+        try:
+            healthy_deployments = await self.peer_filters.narrow(model, healthy_deployments, messages,
+                                                                 request_kwargs)
+        except Exception:
+            return healthy_deployments  # a peer refused them all: LiteLLM's own run of it raises its error
         try:
             precise = None
             group = self.precise.get(str(model))

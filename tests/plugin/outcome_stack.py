@@ -55,12 +55,15 @@ KVROUTE_SETTINGS: dict[str, Any] = {
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
-def plain_proxy(cfg: dict) -> ProxyProcess:
-    return ProxyProcess(cfg, env=OFFLINE_ENV, inherit_kvroute_env=False)
+def plain_proxy(cfg: dict, env: Mapping[str, str] | None = None) -> ProxyProcess:
+    return ProxyProcess(cfg, env={**OFFLINE_ENV, **(env or {})}, inherit_kvroute_env=False)
 
 
-def kvroute_proxy(cfg: dict, redis_url: str | None = None, **settings: Any) -> ProxyProcess:
-    env = {**OFFLINE_ENV, **({"KVROUTE_REDIS_URL": redis_url} if redis_url else {})}
+def kvroute_proxy(cfg: dict, redis_url: str | None = None, env: Mapping[str, str] | None = None,
+                  **settings: Any) -> ProxyProcess:
+    """A proxy with kvroute (``KVROUTE_SETTINGS`` updated by ``settings``); ``env`` adds variables, e.g.
+    ``KVROUTE_DATA_DIR`` for the embedded ledger."""
+    env = {**OFFLINE_ENV, **({"KVROUTE_REDIS_URL": redis_url} if redis_url else {}), **(env or {})}
     block = {**KVROUTE_SETTINGS, **settings}
     if redis_url:
         block["redis_namespace"] = f"kvr-test-{time.monotonic_ns()}"

@@ -120,3 +120,29 @@ def test_a_failed_request_gets_one_final_outcome_row() -> None:
         ("provider_failure", False, None), ("provider_failure", True, "outcome")]
     assert feed.request_failed({"model": "llama", "metadata": {}}, _Exc("bad request", 400)) is None
     assert len(rec.events) == 2  # never routed: not usage
+
+
+def test_a_router_level_final_outcome_is_booked_on_the_router_not_on_the_pick() -> None:
+    """kvroute picked ``p-a``, then LiteLLM refused before any upstream call (its global budget): the final
+    ``no_route`` row names backend ``router``; a backend that was called and failed keeps the row."""
+    import litellm
+
+    from kvroute.plugin.billing_feed import BillingFeed
+    from kvroute.plugin.request_ids import RequestIds
+
+    ids, rec = RequestIds(), _Recorder()
+    feed = BillingFeed(rec, ids)
+    meta: dict = {}
+    ids.new_attempt(meta, "hosted", "p-a")
+    feed.request_failed({"model": "hosted", "metadata": meta},
+                        litellm.BudgetExceededError(current_cost=0.0, max_budget=-1.0))
+    assert [(e.status, e.is_final, e.backend_id) for e in rec.events] == [("no_route", True, "router")]
+
+    meta = {}
+    a1, t1 = ids.new_attempt(meta, "llama", "r-0")
+    call = {"model": "openai/fake", "model_info": {"id": "r-0"}, "metadata": meta}
+    feed.attempt_started(a1, call)
+    feed.attempt_failed(call, _Exc("boom", 500), t1)
+    feed.request_failed({"model": "llama", "metadata": meta}, _Exc("boom", 500))
+    assert [(e.status, e.is_final, e.backend_id) for e in rec.events[1:]] == [
+        ("provider_failure", False, "r-0"), ("provider_failure", True, "r-0")]

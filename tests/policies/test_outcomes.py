@@ -82,6 +82,18 @@ CASES = [
      FailureKind.CAPACITY, True),
     ("budget exceeded", err("BudgetExceededError", "Budget has been exceeded", status=400), FailureKind.ROUTER,
      False),
+    ("global budget spent (SDK wrapper, after the pick)", err(
+        "BudgetExceededError", "Budget has been exceeded! Current cost: 0.0, Max budget: -1.0", status=422),
+     FailureKind.ROUTER, False),
+    ("deployment/provider budget filter", ValueError(
+        "No deployments available - crossed budget: Exceeded budget for provider openai: 3.3e-05 >= 3e-05"),
+     FailureKind.ROUTER, False),
+    ("budget filter error wrapped by LiteLLM", chain(
+        err("APIConnectionError", "No deployments available - crossed budget: Exceeded budget for deployment "
+            "model_name: hosted, model_id: provider-a", status=500),
+        ValueError("No deployments available - crossed budget")), FailureKind.ROUTER, False),
+    ("key budget at the proxy", err("ProxyException", "Budget has been exceeded! Key=key Current cost: 2.0, "
+                                    "Max budget: 1.0", "litellm.proxy._types", 400), FailureKind.ROUTER, False),
     ("proxy auth", err("ProxyException", "Authentication Error, invalid key", "litellm.proxy._types", 401),
      FailureKind.ROUTER, False),
     ("unknown model", err("ProxyModelNotFoundError", "Invalid model name passed in model=x",
