@@ -19,12 +19,15 @@ from dataclasses import dataclass
 
 from kvroute.policies.base import RoutingState, least_load_decision
 from kvroute.policies.decision import Decision
-from kvroute.policies.filters import bounded_busy
+from kvroute.policies.filters import within_busy_bound
+from kvroute.policies.load import SCORING_FIELDS
 from kvroute.policies.request import RoutingRequest
 from kvroute.policies.scorers import FLEET_SCORERS, SCORERS, Candidate, own_prefill, slot_wait
 from kvroute.policies.speed import EngineSpeed
 
 _PRIOR = EngineSpeed()
+
+_WORK, _QUEUED, _DECODE = (SCORING_FIELDS.index(n) for n in ("work_s", "queued", "decode_s"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,44 +98,89 @@ class CacheAware:
         bt = request.block_tokens
         capacity_of = getattr(index, "capacity_blocks", None) or getattr(getattr(index, "fallback", None),
                                                                            "capacity_blocks", None)
-        costs: dict[str, float] = {}
-        cands: dict[str, Candidate] = {}
-        scorers, fleet = self.scorers, self.fleet_scorers
-        ttft: dict[str, float] = {}
-        matched: dict[str, int] = {}
-        within = bounded_busy(candidates, load, cfg.epsilon, cfg.busy_floor_s, now)  # hot-spot bound, below
+        busy = load.busy_many(candidates, now)
+        within = within_busy_bound(candidates, busy, cfg.epsilon, cfg.busy_floor_s)  # hot-spot bound, below
+        states, picks = load.scoring_inputs(candidates, now)
         if len(candidates) > cfg.max_scored:
             # Large fleets: every holder of a prefix, plus the least loaded of the rest (backends holding
             # nothing of this prompt differ only by load, so the cheapest few stand for all of them).
-            rest = [b for b in candidates if b not in matches]
+            rest = [i for i, b in enumerate(candidates) if b not in matches]
             keep = max(4, cfg.max_scored - len(matches))
             if len(rest) > keep:
-                rest.sort(key=lambda b: (load.work_s(b), load.busy(b, now), load.last_pick(b), b))
-                candidates = [b for b in candidates if b in matches] + rest[:keep]
-        for b in candidates:
-            m = min(prompt - 1, int(matches.get(b, 0) * bt)) if prompt > 0 else 0
-            matched[b] = max(0, m)
+                rest.sort(key=lambda i: (states[i][_WORK], busy[i], picks[i], candidates[i]))
+                order = [i for i, b in enumerate(candidates) if b in matches] + rest[:keep]
+                candidates = [candidates[i] for i in order]
+                states = [states[i] for i in order]
+        matched = dict.fromkeys(candidates, 0)
+        if prompt > 0:
+            top = prompt - 1
+            for b, blocks in matches.items():
+                m = int(blocks * bt)
+                m = top if m > top else m
+                matched[b] = m if m > 0 else 0
         best_matched = max(matched.values())
         best_own = speed.prefill_s(prompt - best_matched, best_matched)
         factor = load.factor(candidates[0])  # fleet-wide (see LoadTracker.factor)
         own_by_match: dict[int, float] = {best_matched: best_own}
         prefill_s = speed.prefill_s
-        for b in candidates:
+        scorers, fleet = self.scorers, self.fleet_scorers
+        blocks_of = index.blocks
+        state_of: dict[str, tuple[object, ...]] = {}
+        classes: dict[tuple[object, ...], list[tuple[float, str]]] = {}
+        for b, st in zip(candidates, states, strict=True):
+            state_of[b] = st
+            key = (matched[b], capacity_of(b) if capacity_of is not None else 0, st)
+            members = classes.get(key)
+            res = blocks_of(b) * bt
+            if members is None:
+                classes[key] = [(res, b)]
+            else:
+                members.append((res, b))
+
+        def candidate(b: str, res: float) -> Candidate:
             m = matched[b]
             own_s = own_by_match.get(m)
             if own_s is None:
                 own_s = own_by_match[m] = prefill_s(prompt - m, m)
-            c = Candidate(b, prompt, m, load.view(b, now), factor, load.work_s(b), load.queued(b), load.decode_s(b),
-                          index.blocks(b) * bt, capacity_of(b) * bt if capacity_of is not None else 0.0,
-                          best_matched, own_s, best_own)
-            cands[b] = c
+            st = state_of[b]
+            cap = capacity_of(b) * bt if capacity_of is not None else 0.0
+            return Candidate(b, prompt, m, load.view(b, now), factor, st[_WORK], st[_QUEUED], st[_DECODE], res, cap,
+                             best_matched, own_s, best_own)
+
+        def score(b: str, res: float) -> tuple[float, float]:
+            c = candidate(b, res)
             t = 0.0
             for f, w in scorers:
                 t += w * f(c, speed)
-            ttft[b] = t
+            ttft_b = t
             for f, w in fleet:
                 t += w * f(c, speed)
-            costs[b] = t
+            return ttft_b, t
+
+        # One score per class of equal inputs (see ``same_inputs_same_score``): backends that differ only in
+        # the cache they hold share a score when its extremes agree, else each is scored.
+        scored: dict[str, tuple[float, float]] = {}
+        resident: dict[str, float] = {}
+        for members in classes.values():
+            if len(members) == 1:
+                res, b = members[0]
+                resident[b] = res
+                scored[b] = score(b, res)
+                continue
+            lo, hi = min(members), max(members)
+            low, high = score(lo[1], lo[0]), score(hi[1], hi[0])
+            for res, b in members:
+                resident[b] = res
+            if low == high:
+                for _, b in members:
+                    scored[b] = low
+            else:
+                scored[lo[1]], scored[hi[1]] = low, high
+                for res, b in members:
+                    if b not in scored:
+                        scored[b] = score(b, res)
+        ttft = {b: scored[b][0] for b in candidates}
+        costs = {b: scored[b][1] for b in candidates}
         top_holder = best_matched
         # Hot-spot bound (busy seconds): over-bound backends are left out unless that costs this request
         # more than ``bound_cost_s`` of predicted TTFT (a session whose long context is cached there stays:
@@ -145,9 +193,9 @@ class CacheAware:
         best_cost = min(costs.values())
         band = max(cfg.tie_s, cfg.tie_fraction * best_cost)
         near = [b for b in allowed if costs[b] <= best_cost + band]
-        best_match = max(cands[b].matched for b in near)
+        best_match = max(matched[b] for b in near)
         if best_match > 0:
-            holders = [b for b in near if cands[b].matched == best_match]
+            holders = [b for b in near if matched[b] == best_match]
             if len(holders) == 1:
                 backend = holders[0]
             else:
@@ -157,7 +205,7 @@ class CacheAware:
         else:
             backend = min(near, key=lambda b: (load.busy(b, now), load.last_pick(b), costs[b], b))
             reason = "cold" if top_holder == 0 else "prefix_spill"
-        chosen = cands[backend]
+        chosen = candidate(backend, resident[backend])
         work = chosen.own_s
         fixed = slot_wait(chosen, speed) * cfg.slot_weight
         factor = chosen.factor or 1.0

@@ -24,7 +24,11 @@ def bounded_busy(candidates: Sequence[str], load: LoadTracker, epsilon: float, f
 
     Busy seconds are the decayed work assigned at pick (``LoadTracker.busy``); never empty.
     """
-    busy = [load.busy(b, now) for b in candidates]
+    return within_busy_bound(candidates, load.busy_many(candidates, now), epsilon, floor_s)
+
+
+def within_busy_bound(candidates: Sequence[str], busy: Sequence[float], epsilon: float, floor_s: float) -> list[str]:
+    """``bounded_busy`` on busy seconds the caller already read (``busy[i]`` is ``candidates[i]``'s)."""
     limit = (1.0 + epsilon) * sum(busy) / len(busy) + floor_s
     allowed = [b for b, v in zip(candidates, busy, strict=True) if v <= limit]
     return allowed or list(candidates)
