@@ -14,19 +14,23 @@ elsewhere — load is weighed as work, never as a request count.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvroute.policies.base import RoutingState, least_load_decision
 from kvroute.policies.decision import Decision
-from kvroute.policies.filters import within_busy_bound
-from kvroute.policies.load import SCORING_FIELDS
+from kvroute.policies.filters import busy_limit
+from kvroute.policies.load import SCORING_FIELDS, BackendLoad
 from kvroute.policies.request import RoutingRequest
 from kvroute.policies.scorers import FLEET_SCORERS, SCORERS, Candidate, own_prefill, slot_wait
 from kvroute.policies.speed import EngineSpeed
 
 _PRIOR = EngineSpeed()
 
+#: scorers that read ``Candidate.resident_tokens``; every other scorer is a function of the other inputs
+#: (tests/policies/test_scorers.py checks it), so backends equal in those share their values
+RESIDENT_SCORERS = frozenset({"evict"})
+_IDLE = BackendLoad(0, 0, 0.0, 0, 0.0, float("-inf"))
 _WORK, _QUEUED, _DECODE = (SCORING_FIELDS.index(n) for n in ("work_s", "queued", "decode_s"))
 
 
@@ -82,6 +86,46 @@ class CacheAware:
                    "kv": cfg.kv_weight, "evict": cfg.evict_weight, "others": cfg.others_weight}
         self.scorers = [(SCORERS[n], w) for n, w in weights.items() if w > 0 and n not in FLEET_SCORERS]
         self.fleet_scorers = [(SCORERS[n], w) for n, w in weights.items() if w > 0 and n in FLEET_SCORERS]
+        names = [n for n, w in weights.items() if w > 0 and n not in FLEET_SCORERS]
+        names += [n for n, w in weights.items() if w > 0 and n in FLEET_SCORERS]
+        terms = [(SCORERS[n], weights[n]) for n in names]  # the order TTFT and cost are summed in
+        k = len(self.scorers)
+        r = next((i for i, n in enumerate(names) if n in RESIDENT_SCORERS), len(names))
+        # (per class: TTFT terms, more cost terms; per backend: TTFT terms, more cost terms)
+        self._terms = (terms[:k], terms[k:r], [], terms[r:]) if r >= k else (terms[:r], [], terms[r:k], terms[k:])
+
+    def _cold_cannot_win(self, holders: Sequence[str], inside: Callable[[str], bool], ttft_of: dict[str, float],
+                         cost_of: dict[str, float], prompt: int, factor: float, best_matched: int, best_own: float,
+                         own_by_match: dict[int, float]) -> bool:
+        """True when no backend that holds nothing of this prompt can change the pick, so they go unscored.
+
+        Proof. Let U be the lowest cost of a scored holder within the hot-spot bound (there must be one) and
+        L_cost, L_ttft the cost and TTFT of a backend with no match, no load, no queue, no cache and unknown
+        capacity. Every scorer is lowest there for a given match (tests/policies/test_scorers.py checks it)
+        and weights are >= 0, so each non-holder x has cost(x) >= L_cost and ttft(x) >= L_ttft. If L_ttft >=
+        the least TTFT of the holders within the bound, x changes neither least TTFT the hot-spot rule
+        compares, so that rule keeps or drops the same holders; the best cost after it is at most U, so with
+        L_cost > U + band(U) no x is the best or within the tie band of it, and the picker (which reads only
+        that band) picks the same. Only the reported ``scores`` lack these backends.
+        """
+        cfg = self.config
+        bounded = [b for b in holders if inside(b)]
+        if not bounded:
+            return False
+        best = min(cost_of[b] for b in bounded)
+        own0 = own_by_match.get(0)
+        if own0 is None:
+            own0 = own_by_match[0] = self.speed.prefill_s(prompt, 0)
+        speed = self.speed
+        c = Candidate("", prompt, 0, _IDLE, factor, 0.0, 0, 0.0, 0.0, 0.0, best_matched, own0, best_own)
+        t = 0.0
+        for f, w in self.scorers:
+            t += w * f(c, speed)
+        if not t >= min(ttft_of[b] for b in bounded):
+            return False
+        for f, w in self.fleet_scorers:
+            t += w * f(c, speed)
+        return t > best + max(cfg.tie_s, cfg.tie_fraction * best)
 
     def select(
         self, request: RoutingRequest, candidates: Sequence[str], state: RoutingState, now: float
@@ -99,18 +143,15 @@ class CacheAware:
         capacity_of = getattr(index, "capacity_blocks", None) or getattr(getattr(index, "fallback", None),
                                                                            "capacity_blocks", None)
         busy = load.busy_many(candidates, now)
-        within = within_busy_bound(candidates, busy, cfg.epsilon, cfg.busy_floor_s)  # hot-spot bound, below
-        states, picks = load.scoring_inputs(candidates, now)
-        if len(candidates) > cfg.max_scored:
-            # Large fleets: every holder of a prefix, plus the least loaded of the rest (backends holding
-            # nothing of this prompt differ only by load, so the cheapest few stand for all of them).
-            rest = [i for i, b in enumerate(candidates) if b not in matches]
-            keep = max(4, cfg.max_scored - len(matches))
-            if len(rest) > keep:
-                rest.sort(key=lambda i: (states[i][_WORK], busy[i], picks[i], candidates[i]))
-                order = [i for i, b in enumerate(candidates) if b in matches] + rest[:keep]
-                candidates = [candidates[i] for i in order]
-                states = [states[i] for i in order]
+        busy_of = dict(zip(candidates, busy, strict=True))
+        limit = busy_limit(busy, cfg.epsilon, cfg.busy_floor_s)  # the hot-spot bound, applied below
+        if min(busy) <= limit:
+            def inside(b: str) -> bool:
+                return busy_of[b] <= limit
+        else:  # none within: the bound lets every backend through
+            def inside(b: str) -> bool:
+                return True
+        holders = [b for b in candidates if b in matches]
         matched = dict.fromkeys(candidates, 0)
         if prompt > 0:
             top = prompt - 1
@@ -118,74 +159,84 @@ class CacheAware:
                 m = int(blocks * bt)
                 m = top if m > top else m
                 matched[b] = m if m > 0 else 0
-        best_matched = max(matched.values())
+        best_matched = max(matched[b] for b in holders) if holders else 0
         best_own = speed.prefill_s(prompt - best_matched, best_matched)
         factor = load.factor(candidates[0])  # fleet-wide (see LoadTracker.factor)
         own_by_match: dict[int, float] = {best_matched: best_own}
         prefill_s = speed.prefill_s
-        scorers, fleet = self.scorers, self.fleet_scorers
         blocks_of = index.blocks
-        state_of: dict[str, tuple[object, ...]] = {}
-        classes: dict[tuple[object, ...], list[tuple[float, str]]] = {}
-        for b, st in zip(candidates, states, strict=True):
-            state_of[b] = st
-            key = (matched[b], capacity_of(b) if capacity_of is not None else 0, st)
-            members = classes.get(key)
-            res = blocks_of(b) * bt
-            if members is None:
-                classes[key] = [(res, b)]
-            else:
-                members.append((res, b))
-
-        def candidate(b: str, res: float) -> Candidate:
-            m = matched[b]
-            own_s = own_by_match.get(m)
-            if own_s is None:
-                own_s = own_by_match[m] = prefill_s(prompt - m, m)
-            st = state_of[b]
-            cap = capacity_of(b) * bt if capacity_of is not None else 0.0
-            return Candidate(b, prompt, m, load.view(b, now), factor, st[_WORK], st[_QUEUED], st[_DECODE], res, cap,
-                             best_matched, own_s, best_own)
-
-        def score(b: str, res: float) -> tuple[float, float]:
-            c = candidate(b, res)
-            t = 0.0
-            for f, w in scorers:
-                t += w * f(c, speed)
-            ttft_b = t
-            for f, w in fleet:
-                t += w * f(c, speed)
-            return ttft_b, t
-
-        # One score per class of equal inputs (see ``same_inputs_same_score``): backends that differ only in
-        # the cache they hold share a score when its extremes agree, else each is scored.
-        scored: dict[str, tuple[float, float]] = {}
+        view_of = load.view
+        class_ttft, class_more, member_ttft, member_more = self._terms
+        # Backends whose scorer inputs are equal but for the cache they hold form a class: one Candidate and
+        # one pass of the scorers before the first that reads ``resident_tokens`` (``RESIDENT_SCORERS``) per
+        # class, the rest per backend; every sum adds the same terms in the same order as scoring each alone.
+        classes: dict[tuple[object, ...], tuple[Candidate, float, float]] = {}
+        ttft_of: dict[str, float] = {}
+        cost_of: dict[str, float] = {}
+        cand_of: dict[str, Candidate] = {}
         resident: dict[str, float] = {}
-        for members in classes.values():
-            if len(members) == 1:
-                res, b = members[0]
-                resident[b] = res
-                scored[b] = score(b, res)
-                continue
-            lo, hi = min(members), max(members)
-            low, high = score(lo[1], lo[0]), score(hi[1], hi[0])
-            for res, b in members:
-                resident[b] = res
-            if low == high:
-                for _, b in members:
-                    scored[b] = low
-            else:
-                scored[lo[1]], scored[hi[1]] = low, high
-                for res, b in members:
-                    if b not in scored:
-                        scored[b] = score(b, res)
-        ttft = {b: scored[b][0] for b in candidates}
-        costs = {b: scored[b][1] for b in candidates}
+
+        def score(backends: Sequence[str], states: Sequence[tuple[object, ...]]) -> None:
+            for b, st in zip(backends, states, strict=True):
+                m = matched[b]
+                cap_blocks = capacity_of(b) if capacity_of is not None else 0
+                res = resident[b] = blocks_of(b) * bt
+                key = (m, cap_blocks, st)
+                got = classes.get(key)
+                if got is None:
+                    own_s = own_by_match.get(m)
+                    if own_s is None:
+                        own_s = own_by_match[m] = prefill_s(prompt - m, m)
+                    c = Candidate(b, prompt, m, view_of(b, now), factor, st[_WORK], st[_QUEUED], st[_DECODE],
+                                  res, cap_blocks * bt, best_matched, own_s, best_own)
+                    t = 0.0
+                    for f, w in class_ttft:
+                        t += w * f(c, speed)
+                    u = t
+                    for f, w in class_more:
+                        u += w * f(c, speed)
+                    classes[key] = (c, t, u)
+                else:
+                    c, t, u = got
+                    c.resident_tokens = res
+                if member_ttft:
+                    for f, w in member_ttft:
+                        t += w * f(c, speed)
+                    u = t
+                for f, w in member_more:
+                    u += w * f(c, speed)
+                ttft_of[b] = t
+                cost_of[b] = u
+                cand_of[b] = c
+
+        if holders and len(holders) < len(candidates):
+            score(holders, load.scoring_inputs(holders, now)[0])
+            if self._cold_cannot_win(holders, inside, ttft_of, cost_of, prompt, factor, best_matched, best_own,
+                                     own_by_match):
+                candidates = holders
+        if len(candidates) > len(cost_of):
+            rest_of = [b for b in candidates if b not in matches]
+            states, picks = load.scoring_inputs(rest_of, now)
+            if len(candidates) > cfg.max_scored:
+                # Large fleets: every holder of a prefix, plus the least loaded of the rest (backends holding
+                # nothing of this prompt differ only by load, so the cheapest few stand for all of them).
+                keep = max(4, cfg.max_scored - len(matches))
+                if len(rest_of) > keep:
+                    order = sorted(range(len(rest_of)), key=lambda i: (states[i][_WORK], busy_of[rest_of[i]],
+                                                                       picks[i], rest_of[i]))[:keep]
+                    rest_of = [rest_of[i] for i in order]
+                    states = [states[i] for i in order]
+                    candidates = holders + rest_of
+            if holders and not cost_of:
+                score(holders, load.scoring_inputs(holders, now)[0])
+            score(rest_of, states)
+        ttft = {b: ttft_of[b] for b in candidates}
+        costs = {b: cost_of[b] for b in candidates}
         top_holder = best_matched
         # Hot-spot bound (busy seconds): over-bound backends are left out unless that costs this request
         # more than ``bound_cost_s`` of predicted TTFT (a session whose long context is cached there stays:
         # moving it would recompute that whole context; new or short work spreads).
-        allowed = [b for b in within if b in costs]
+        allowed = [b for b in costs if inside(b)]
         if (allowed and len(allowed) < len(costs)
                 and min(ttft[b] for b in allowed) - min(ttft.values()) <= cfg.bound_cost_s):
             costs = {b: costs[b] for b in allowed}
@@ -205,7 +256,8 @@ class CacheAware:
         else:
             backend = min(near, key=lambda b: (load.busy(b, now), load.last_pick(b), costs[b], b))
             reason = "cold" if top_holder == 0 else "prefix_spill"
-        chosen = candidate(backend, resident[backend])
+        chosen = cand_of[backend]
+        chosen.resident_tokens = resident[backend]
         work = chosen.own_s
         fixed = slot_wait(chosen, speed) * cfg.slot_weight
         factor = chosen.factor or 1.0

@@ -8,7 +8,7 @@ on the request path), optional TTL, purge of removed backends, bounded memory.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -179,11 +179,15 @@ class PrefixIndex:
                 entries[key] = expiry
                 move(key)
         else:
-            for key in reversed(keys):
+            # C-speed refresh of the keys already held; a missing key stops map(), is inserted, and the
+            # same reversed iterator goes on (so the final order is the same as one key at a time)
+            pending = reversed(keys)
+            while True:
                 try:
-                    move(key)
-                except KeyError:
-                    entries[key] = _NEVER
+                    deque(map(move, pending), 0)
+                    break
+                except KeyError as missing:
+                    entries[missing.args[0]] = _NEVER
         if len(entries) > state.capacity:
             self._evict(state)
 
