@@ -28,7 +28,7 @@ from kvroute.policies.speed import EngineSpeed
 _PRIOR = EngineSpeed()
 
 #: scorers that read ``Candidate.resident_tokens``; every other scorer is a function of the other inputs
-#: (tests/policies/test_scorers.py checks it), so backends equal in those share their values
+#: (tests/policies/test_scorer_properties.py checks it), so backends equal in those share their values
 RESIDENT_SCORERS = frozenset({"evict"})
 _IDLE = BackendLoad(0, 0, 0.0, 0, 0.0, float("-inf"))
 _WORK, _QUEUED, _DECODE = (SCORING_FIELDS.index(n) for n in ("work_s", "queued", "decode_s"))
@@ -101,7 +101,7 @@ class CacheAware:
 
         Proof. Let U be the lowest cost of a scored holder within the hot-spot bound (there must be one) and
         L_cost, L_ttft the cost and TTFT of a backend with no match, no load, no queue, no cache and unknown
-        capacity. Every scorer is lowest there for a given match (tests/policies/test_scorers.py checks it)
+        capacity. Every scorer is lowest there for a given match (tests/policies/test_scorer_properties.py checks it)
         and weights are >= 0, so each non-holder x has cost(x) >= L_cost and ttft(x) >= L_ttft. If L_ttft >=
         the least TTFT of the holders within the bound, x changes neither least TTFT the hot-spot rule
         compares, so that rule keeps or drops the same holders; the best cost after it is at most U, so with
