@@ -69,7 +69,7 @@ def test_scoring_inputs_and_busy_many_equal_the_one_backend_getters():
             if rng.random() < 0.1:
                 tracker.observe(rng.choice(backends), ExternalSignal(now - rng.random(), rng.choice([None, 3.0]),
                                                                      rng.choice([None, 7.0]), rng.random()))
-            ask = rng.sample(backends + ["never-seen"], 6)
+            ask = rng.sample([*backends, "never-seen"], 6)
             states, picks = tracker.scoring_inputs(ask, now)
             for b2, st, lp in zip(ask, states, picks, strict=True):
                 v = tracker.view(b2, now)
