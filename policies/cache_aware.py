@@ -2,7 +2,8 @@
 
 - routes on: predicted TTFT in seconds (queue, own prefill, KV, evictions, duplicate work)
 - use it when: self-hosted replicas with prefix reuse (chat, RAG, agents, long contexts)
-- cost: one index match and six scorers per backend
+- cost: one index match; six scorers per class of backends with equal load (the eviction term per backend);
+  backends holding nothing of the prompt go unscored when even an idle one could not reach the tie band
 
 Shape: filter (hot-spot bound in busy seconds) → score (weighted scorers, ``policies/scorers.py``, each
 in seconds) → pick (lowest; near-ties go to the longer match, then the prefix's rendezvous order for

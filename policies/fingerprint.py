@@ -32,7 +32,6 @@ from kvroute.policies.render import ROLE_START, render_request, to_bytes
 from kvroute.policies.request import RoutingRequest
 
 _xxh3 = xxhash.xxh3_64_intdigest
-_xxh128 = xxhash.xxh3_128_intdigest
 _MASK64 = (1 << 64) - 1
 _REQUEST_PREFIX = os.urandom(6).hex()
 _request_counter = itertools.count(1)
@@ -164,7 +163,7 @@ class PrefixChains:
     keys (ints) in all; nothing here holds prompt text.
     """
 
-    def __init__(self, max_keys: int = 262_144, probes: int = 4) -> None:
+    def __init__(self, max_keys: int = 262_144, probes: int = 3) -> None:
         self.max_keys = max_keys
         self.probes = probes
         self._entries: OrderedDict[tuple[int, int, int], list[int]] = OrderedDict()
@@ -187,30 +186,38 @@ class PrefixChains:
         if n <= 0:
             return []
         dseed = (seed ^ step ^ 0x6B76726F75746521) & _MASK64  # keyed like the chain itself
-        entries = self._entries
-        probed: list[tuple[int, int]] = []  # (blocks, digest) of message starts, last message first
-        keys: list[int] | None = None
-        hit = 0
+        starts: list[int] = []  # block-aligned starts of the last messages, last message first
         pos = len(data)
-        for _ in range(self.probes):
+        while len(starts) < self.probes:
             pos = data.rfind(ROLE_START, 0, pos)
             if pos <= 0:
                 break
             k = min(pos // block_bytes, n)
             if k == 0:
                 break
-            if probed and probed[-1][0] == k:
-                continue
-            digest = _xxh128(view[: k * block_bytes], dseed)
-            probed.append((k, digest))
-            with self._lock:
-                got = entries.get((seed, k, digest))
+            if not starts or starts[-1] != k:
+                starts.append(k)
+        # one streaming pass digests every probed prefix and the whole prompt (equal to one-shot digests)
+        stream = xxhash.xxh3_128(seed=dseed)
+        digests: dict[int, int] = {}
+        done = 0
+        for k in reversed(starts):
+            stream.update(view[done * block_bytes : k * block_bytes])
+            digests[k] = stream.intdigest()
+            done = k
+        stream.update(view[done * block_bytes : n * block_bytes])
+        whole = stream.intdigest()
+        keys: list[int] | None = None
+        hit = 0
+        with self._lock:
+            entries = self._entries
+            for k in starts:
+                entry = (seed, k, digests[k])
+                got = entries.get(entry)
                 if got is not None:
-                    entries.move_to_end((seed, k, digest))
-                    keys = got[:]
-            if keys is not None:
-                hit = k
-                break
+                    entries.move_to_end(entry)
+                    keys, hit = got[:], k
+                    break
         if keys is None:
             self.misses += 1
             keys = chain_keys(view, block_bytes, seed, n, step)
@@ -219,10 +226,9 @@ class PrefixChains:
             if hit < n:
                 keys.extend(chain_keys(view[hit * block_bytes : n * block_bytes], block_bytes, keys[-1], n - hit,
                                        step))
-        self._remember(seed, n, _xxh128(view[: n * block_bytes], dseed), keys)
-        if probed and probed[0][0] != hit and probed[0][0] < n:
-            k, digest = probed[0]
-            self._remember(seed, k, digest, keys)
+        self._remember(seed, n, whole, keys)
+        if starts and starts[0] != hit and starts[0] < n:
+            self._remember(seed, starts[0], digests[starts[0]], keys)
         return keys
 
     def _remember(self, seed: int, blocks: int, digest: int, keys: list[int]) -> None:
