@@ -3,7 +3,8 @@
 - routes on: predicted TTFT in seconds (queue, own prefill, KV, evictions, duplicate work)
 - use it when: self-hosted replicas with prefix reuse (chat, RAG, agents, long contexts)
 - cost: one index match; six scorers per class of backends with equal load (the eviction term per backend);
-  backends holding nothing of the prompt go unscored when even an idle one could not reach the tie band
+  in fleets over ``max_scored``, backends holding nothing of the prompt go unscored when even an idle one
+  could not reach the tie band
 
 Shape: filter (hot-spot bound in busy seconds) → score (weighted scorers, ``policies/scorers.py``, each
 in seconds) → pick (lowest; near-ties go to the longer match, then the prefix's rendezvous order for
@@ -210,7 +211,8 @@ class CacheAware:
                 cost_of[b] = u
                 cand_of[b] = c
 
-        if holders and len(holders) < len(candidates):
+        if holders and len(holders) < len(candidates) and len(candidates) > cfg.max_scored:
+            # large fleets only (smaller ones report a score for every backend, as they always did)
             score(holders, load.scoring_inputs(holders, now)[0])
             if self._cold_cannot_win(holders, inside, ttft_of, cost_of, prompt, factor, best_matched, best_own,
                                      own_by_match):

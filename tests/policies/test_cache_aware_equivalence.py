@@ -2,7 +2,8 @@
 
 Every pick of a simulated run is made by both pickers on the same state at the same instant (the old one,
 ``reference_cache_aware.py``, is e9da8e7's code verbatim); the backend, reason, match and every prediction
-must be equal, and the scores the fast one reports equal the old one's for the same backends.
+must be equal, and so must the scores (fleets over ``max_scored`` may report fewer: backends that provably
+could not win go unscored).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ class Dual:
             a, b = getattr(old, name), getattr(new, name)
             assert a == b or (isinstance(a, float) and math.isnan(a) and math.isnan(b)), (
                 f"pick {self.picks}: {name} {a!r} != {b!r}")
+        if len(candidates) <= self.config.max_scored:
+            assert new.scores == old.scores, self.picks
         for b, cost in new.scores.items():
             if b in old.scores:
                 assert cost == old.scores[b], (self.picks, b)
