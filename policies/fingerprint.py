@@ -157,7 +157,8 @@ class PrefixChains:
     An entry maps ``(seed, blocks, 128-bit digest of the prefix bytes, seeded by the chain seed)`` to the keys
     of that prefix. ``keys`` probes the starts of the last ``probes`` messages (``ROLE_START`` bytes, found from
     the end), continues the longest remembered prefix's chain over the remaining blocks, and remembers the
-    whole prompt (the next turn extends it) and the prefix before its last message (siblings share it). The
+    prefix before the prompt's last message: siblings share it, and the next turn of a chat or agent loop
+    (answer and new message appended) finds it three messages back. The
     result always equals ``chain_keys`` over the same bytes: a chain is a function of the prefix bytes and
     the seed, and a hit needs equal length and an equal keyed 128-bit digest. Memory: at most ``max_keys``
     keys (ints) in all; nothing here holds prompt text.
@@ -197,7 +198,7 @@ class PrefixChains:
                 break
             if not starts or starts[-1] != k:
                 starts.append(k)
-        # one streaming pass digests every probed prefix and the whole prompt (equal to one-shot digests)
+        # one streaming pass digests every probed prefix (equal to one-shot digests of the same bytes)
         stream = xxhash.xxh3_128(seed=dseed)
         digests: dict[int, int] = {}
         done = 0
@@ -205,8 +206,6 @@ class PrefixChains:
             stream.update(view[done * block_bytes : k * block_bytes])
             digests[k] = stream.intdigest()
             done = k
-        stream.update(view[done * block_bytes : n * block_bytes])
-        whole = stream.intdigest()
         keys: list[int] | None = None
         hit = 0
         with self._lock:
@@ -226,8 +225,7 @@ class PrefixChains:
             if hit < n:
                 keys.extend(chain_keys(view[hit * block_bytes : n * block_bytes], block_bytes, keys[-1], n - hit,
                                        step))
-        self._remember(seed, n, whole, keys)
-        if starts and starts[0] != hit and starts[0] < n:
+        if starts and starts[0] != hit:
             self._remember(seed, starts[0], digests[starts[0]], keys)
         return keys
 
