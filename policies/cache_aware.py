@@ -16,7 +16,8 @@ elsewhere — load is weighed as work, never as a request count.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvroute.policies.base import RoutingState, least_load_decision
@@ -96,9 +97,9 @@ class CacheAware:
         # (per class: TTFT terms, more cost terms; per backend: TTFT terms, more cost terms)
         self._terms = (terms[:k], terms[k:r], [], terms[r:]) if r >= k else (terms[:r], [], terms[r:k], terms[k:])
 
-    def _cold_cannot_win(self, holders: Sequence[str], inside: Callable[[str], bool], ttft_of: dict[str, float],
-                         cost_of: dict[str, float], prompt: int, factor: float, best_matched: int, best_own: float,
-                         own_by_match: dict[int, float]) -> bool:
+    def _cold_cannot_win(self, holders: Sequence[str], busy_of: dict[str, float], limit: float | None,
+                         ttft_of: dict[str, float], cost_of: dict[str, float], prompt: int, factor: float,
+                         best_matched: int, best_own: float, own_by_match: dict[int, float]) -> bool:
         """True when no backend that holds nothing of this prompt can change the pick, so they go unscored.
 
         Proof. Let U be the lowest cost of a scored holder within the hot-spot bound (there must be one) and
@@ -111,10 +112,14 @@ class CacheAware:
         that band) picks the same. Only the reported ``scores`` lack these backends.
         """
         cfg = self.config
-        bounded = [b for b in holders if inside(b)]
-        if not bounded:
+        best = least_ttft = math.inf
+        for b in holders:
+            if limit is None or busy_of[b] <= limit:
+                cost, t = cost_of[b], ttft_of[b]
+                best = cost if cost < best else best
+                least_ttft = t if t < least_ttft else least_ttft
+        if best == math.inf:
             return False
-        best = min(cost_of[b] for b in bounded)
         own0 = own_by_match.get(0)
         if own0 is None:
             own0 = own_by_match[0] = self.speed.prefill_s(prompt, 0)
@@ -123,7 +128,7 @@ class CacheAware:
         t = 0.0
         for f, w in self.scorers:
             t += w * f(c, speed)
-        if not t >= min(ttft_of[b] for b in bounded):
+        if not t >= least_ttft:
             return False
         for f, w in self.fleet_scorers:
             t += w * f(c, speed)
@@ -146,13 +151,9 @@ class CacheAware:
                                                                            "capacity_blocks", None)
         busy = load.busy_many(candidates, now)
         busy_of = dict(zip(candidates, busy, strict=True))
-        limit = busy_limit(busy, cfg.epsilon, cfg.busy_floor_s)  # the hot-spot bound, applied below
-        if min(busy) <= limit:
-            def inside(b: str) -> bool:
-                return busy_of[b] <= limit
-        else:  # none within: the bound lets every backend through
-            def inside(b: str) -> bool:
-                return True
+        limit: float | None = busy_limit(busy, cfg.epsilon, cfg.busy_floor_s)  # the hot-spot bound, below
+        if not any(v <= limit for v in busy):  # none within: the bound lets every backend through (None)
+            limit = None
         holders = [b for b in candidates if b in matches]
         matched = dict.fromkeys(candidates, 0)
         if prompt > 0:
@@ -214,7 +215,7 @@ class CacheAware:
         if holders and len(holders) < len(candidates) and len(candidates) > cfg.max_scored:
             # large fleets only (smaller ones report a score for every backend, as they always did)
             score(holders, load.scoring_inputs(holders, now)[0])
-            if self._cold_cannot_win(holders, inside, ttft_of, cost_of, prompt, factor, best_matched, best_own,
+            if self._cold_cannot_win(holders, busy_of, limit, ttft_of, cost_of, prompt, factor, best_matched, best_own,
                                      own_by_match):
                 candidates = holders
         if len(candidates) > len(cost_of):
@@ -239,7 +240,7 @@ class CacheAware:
         # Hot-spot bound (busy seconds): over-bound backends are left out unless that costs this request
         # more than ``bound_cost_s`` of predicted TTFT (a session whose long context is cached there stays:
         # moving it would recompute that whole context; new or short work spreads).
-        allowed = [b for b in costs if inside(b)]
+        allowed = list(costs) if limit is None else [b for b in costs if busy_of[b] <= limit]
         if (allowed and len(allowed) < len(costs)
                 and min(ttft[b] for b in allowed) - min(ttft.values()) <= cfg.bound_cost_s):
             costs = {b: costs[b] for b in allowed}
