@@ -152,7 +152,7 @@ class CacheAware:
         busy = load.busy_many(candidates, now)
         busy_of = dict(zip(candidates, busy, strict=True))
         limit: float | None = busy_limit(busy, cfg.epsilon, cfg.busy_floor_s)  # the hot-spot bound, below
-        if not any(v <= limit for v in busy):  # none within: the bound lets every backend through (None)
+        if not min(busy) <= limit:  # none within (NaN too, as in ``within_busy_bound``): all pass (None)
             limit = None
         holders = [b for b in candidates if b in matches]
         matched = dict.fromkeys(candidates, 0)
@@ -244,11 +244,11 @@ class CacheAware:
         if (allowed and len(allowed) < len(costs)
                 and min(ttft[b] for b in allowed) - min(ttft.values()) <= cfg.bound_cost_s):
             costs = {b: costs[b] for b in allowed}
-        allowed = list(costs)
         best_cost = min(costs.values())
         band = max(cfg.tie_s, cfg.tie_fraction * best_cost)
-        near = [b for b in allowed if costs[b] <= best_cost + band]
-        best_match = max(matched[b] for b in near)
+        threshold = best_cost + band
+        near = [b for b, cost in costs.items() if cost <= threshold]
+        best_match = max([matched[b] for b in near])
         if best_match > 0:
             holders = [b for b in near if matched[b] == best_match]
             if len(holders) == 1:
