@@ -96,6 +96,9 @@ class CacheAware:
         r = next((i for i, n in enumerate(names) if n in RESIDENT_SCORERS), len(names))
         # (per class: TTFT terms, more cost terms; per backend: TTFT terms, more cost terms)
         self._terms = (terms[:k], terms[k:r], [], terms[r:]) if r >= k else (terms[:r], [], terms[r:k], terms[k:])
+        # of the per-backend cost terms, those that read no ``resident_tokens`` are computed once per class
+        # (their weighted value is added per backend in the same place of the sum: the same floats)
+        self._member_resident = tuple(n in RESIDENT_SCORERS for n in names[max(r, k):])
 
     def _cold_cannot_win(self, holders: Sequence[str], busy_of: dict[str, float], limit: float | None,
                          ttft_of: dict[str, float], cost_of: dict[str, float], prompt: int, factor: float,
@@ -173,17 +176,27 @@ class CacheAware:
         # Backends whose scorer inputs are equal but for the cache they hold form a class: one Candidate and
         # one pass of the scorers before the first that reads ``resident_tokens`` (``RESIDENT_SCORERS``) per
         # class, the rest per backend; every sum adds the same terms in the same order as scoring each alone.
-        classes: dict[tuple[object, ...], tuple[Candidate, float, float]] = {}
+        classes: dict[tuple[object, ...], tuple[Candidate, float, float, tuple[tuple[object, float], ...]]] = {}
         ttft_of: dict[str, float] = {}
         cost_of: dict[str, float] = {}
         cand_of: dict[str, Candidate] = {}
         resident: dict[str, float] = {}
 
+        member_resident = self._member_resident
+        # one pass over the index for every scored backend's residency and capacity where it offers one
+        holdings = getattr(index, "holdings", None) if capacity_of is not None else None
+
         def score(backends: Sequence[str], states: Sequence[tuple[object, ...]]) -> None:
-            for b, st in zip(backends, states, strict=True):
+            if holdings is not None:
+                blocks, caps = holdings(backends)
+            else:
+                blocks, caps = [], []
+                for b in backends:  # capacity first, then blocks, per backend (as the index is asked alone)
+                    caps.append(capacity_of(b) if capacity_of is not None else 0)
+                    blocks.append(blocks_of(b))
+            for b, st, nblocks, cap_blocks in zip(backends, states, blocks, caps, strict=True):
                 m = matched[b]
-                cap_blocks = capacity_of(b) if capacity_of is not None else 0
-                res = resident[b] = blocks_of(b) * bt
+                res = resident[b] = nblocks * bt
                 key = (m, cap_blocks, st)
                 got = classes.get(key)
                 if got is None:
@@ -198,16 +211,19 @@ class CacheAware:
                     u = t
                     for f, w in class_more:
                         u += w * f(c, speed)
-                    classes[key] = (c, t, u)
+                    # per-backend cost terms: (scorer, weight) where it reads the residency, else (None, value)
+                    tail = tuple((f, w) if per_backend else (None, w * f(c, speed))
+                                 for (f, w), per_backend in zip(member_more, member_resident, strict=True))
+                    classes[key] = (c, t, u, tail)
                 else:
-                    c, t, u = got
+                    c, t, u, tail = got
                     c.resident_tokens = res
                 if member_ttft:
                     for f, w in member_ttft:
                         t += w * f(c, speed)
                     u = t
-                for f, w in member_more:
-                    u += w * f(c, speed)
+                for f, w in tail:
+                    u += w if f is None else w * f(c, speed)
                 ttft_of[b] = t
                 cost_of[b] = u
                 cand_of[b] = c
@@ -251,11 +267,8 @@ class CacheAware:
         best_match = max([matched[b] for b in near])
         if best_match > 0:
             holders = [b for b in near if matched[b] == best_match]
-            if len(holders) == 1:
-                backend = holders[0]
-            else:
-                anchor = request.keys[0]
-                backend = min(holders, key=lambda b: (-state.rendezvous.weight(anchor, b), b))
+            # several: the first in the prefix's rendezvous order (highest weight, then name)
+            backend = holders[0] if len(holders) == 1 else state.rendezvous.order(request.keys[0], holders)[0]
             reason = "prefix_match" if best_match >= top_holder else "prefix_spill"
         else:
             backend = min(near, key=lambda b: (load.busy(b, now), load.last_pick(b), costs[b], b))
