@@ -194,11 +194,16 @@ class CacheAware:
                 for b in backends:  # capacity first, then blocks, per backend (as the index is asked alone)
                     caps.append(capacity_of(b) if capacity_of is not None else 0)
                     blocks.append(blocks_of(b))
+            last_key: tuple[object, ...] | None = None
+            got = None
             for b, st, nblocks, cap_blocks in zip(backends, states, blocks, caps, strict=True):
                 m = matched[b]
                 res = resident[b] = nblocks * bt
                 key = (m, cap_blocks, st)
-                got = classes.get(key)
+                # neighbours are mostly of one class: an equality test is cheaper than hashing the key
+                if last_key is None or key != last_key:
+                    got = classes.get(key)
+                    last_key = key
                 if got is None:
                     own_s = own_by_match.get(m)
                     if own_s is None:
@@ -214,7 +219,7 @@ class CacheAware:
                     # per-backend cost terms: (scorer, weight) where it reads the residency, else (None, value)
                     tail = tuple((f, w) if per_backend else (None, w * f(c, speed))
                                  for (f, w), per_backend in zip(member_more, member_resident, strict=True))
-                    classes[key] = (c, t, u, tail)
+                    classes[key] = got = (c, t, u, tail)
                 else:
                     c, t, u, tail = got
                     c.resident_tokens = res

@@ -323,7 +323,7 @@ class Fingerprinter:
 
         The chain salt is ``salt`` if given, else the tenant (with ``isolate_tenant``) plus the request's own
         ``cache_salt`` when ``client_salt`` (the plugin passes the salt it decided and ``client_salt=False``)."""
-        notes: list[str] = []
+        notes: tuple[str, ...] = ()
         try:
             kw: Mapping[str, Any] = kwargs if isinstance(kwargs, Mapping) else {}
             model_name = str(model if model is not None else kw.get("model") or "")
@@ -334,7 +334,7 @@ class Fingerprinter:
                 salt = "\x00".join(salt_parts) or None
             seed = self.seed(model_name, salt)
             rendered = render_request(kw)
-            notes.extend(rendered.notes)
+            notes = tuple(rendered.notes)
             if rendered.token_ids is not None:
                 bs = self.config.token_block_size
                 max_blocks = max(1, self.config.max_prefix_tokens // bs)
@@ -360,14 +360,14 @@ class Fingerprinter:
                 session_key=session_key(kw, headers, tenant, self.chain),
                 tenant=tenant,
                 app=app,
-                tags=dict(tags or {}),
+                tags=dict(tags) if tags else {},
                 request_id=request_id or new_request_id(),
                 kind=rendered.kind,
-                notes=tuple(notes),
+                notes=notes,
                 key_space=key_space,
             )
         except Exception as exc:  # the public API never raises: an empty fingerprint routes by load
-            notes.append(f"fingerprint_error:{type(exc).__name__}")
+            notes = (*notes, f"fingerprint_error:{type(exc).__name__}")
             return RoutingRequest(
                 model=str(model or ""),
                 keys=[],
@@ -377,7 +377,7 @@ class Fingerprinter:
                 app=app,
                 request_id=request_id or new_request_id(),
                 kind="invalid",
-                notes=tuple(notes),
+                notes=notes,
             )
 
     def from_token_ids(
