@@ -247,8 +247,10 @@ class CacheAware:
                 # nothing of this prompt differ only by load, so the cheapest few stand for all of them).
                 keep = max(4, cfg.max_scored - len(matches))
                 if len(rest_of) > keep:
-                    order = sorted(range(len(rest_of)), key=lambda i: (states[i][_WORK], busy_of[rest_of[i]],
-                                                                       picks[i], rest_of[i]))[:keep]
+                    # by (work, busy, last pick, name); the position last orders equal keys as a stable sort
+                    ranked = sorted(zip([s[_WORK] for s in states], [busy_of[b] for b in rest_of], picks, rest_of,
+                                        range(len(rest_of)), strict=True))
+                    order = [r[4] for r in ranked[:keep]]
                     rest_of = [rest_of[i] for i in order]
                     states = [states[i] for i in order]
                     candidates = holders + rest_of

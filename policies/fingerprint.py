@@ -120,13 +120,14 @@ def chain_seed(model: str, salt: str | None = None, key: ChainKey = UNKEYED) -> 
     return key.seed(model, salt)
 
 
-_BLOCK_STRUCTS: dict[int, struct.Struct] = {}
+_BLOCK_STRUCTS: dict[tuple[int, int], struct.Struct] = {}
 
 
-def _block_struct(block_bytes: int) -> struct.Struct:
-    got = _BLOCK_STRUCTS.get(block_bytes)
+def _block_struct(block_bytes: int, count: int = 1) -> struct.Struct:
+    """``count`` blocks of ``block_bytes`` bytes as one record of ``count`` bytes fields."""
+    got = _BLOCK_STRUCTS.get((block_bytes, count))
     if got is None:
-        got = _BLOCK_STRUCTS[block_bytes] = struct.Struct(f"{block_bytes}s")
+        got = _BLOCK_STRUCTS[(block_bytes, count)] = struct.Struct(f"{block_bytes}s" * count)
     return got
 
 
@@ -142,10 +143,23 @@ def chain_keys(data: bytes | memoryview, block_bytes: int, seed: int, max_blocks
     keys: list[int] = []
     if nblocks <= 0:
         return keys
-    append = keys.append
     x = _xxh3
     h = seed
-    for (block,) in _block_struct(block_bytes).iter_unpack(view[: nblocks * block_bytes]):
+    wide = nblocks - nblocks % 8
+    if wide:  # eight blocks per unpacked record: fewer loop turns, the same links in the same order
+        extend = keys.extend
+        for b0, b1, b2, b3, b4, b5, b6, b7 in _block_struct(block_bytes, 8).iter_unpack(view[: wide * block_bytes]):
+            h0 = x(b0, h ^ step)
+            h1 = x(b1, h0 ^ step)
+            h2 = x(b2, h1 ^ step)
+            h3 = x(b3, h2 ^ step)
+            h4 = x(b4, h3 ^ step)
+            h5 = x(b5, h4 ^ step)
+            h6 = x(b6, h5 ^ step)
+            h = x(b7, h6 ^ step)
+            extend((h0, h1, h2, h3, h4, h5, h6, h))
+    append = keys.append
+    for (block,) in _block_struct(block_bytes).iter_unpack(view[wide * block_bytes : nblocks * block_bytes]):
         h = x(block, h ^ step)
         append(h)
     return keys

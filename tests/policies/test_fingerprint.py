@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
@@ -281,3 +282,19 @@ def test_a_role_marker_inside_binary_content_is_only_a_probe():
     assert b"\xfe\x00" in b"".join(render_request(kw).segments)
     plain = Fingerprinter(FingerprintConfig(prefix_chain_keys=0))
     assert FP.from_kwargs(kw).keys == plain.from_kwargs(kw).keys == FP.from_kwargs(kw).keys
+
+
+@pytest.mark.parametrize("nblocks", [0, 1, 7, 8, 9, 15, 16, 17, 40])
+@pytest.mark.parametrize("step", [0, 0x9E3779B97F4A7C15])
+def test_chain_keys_eight_blocks_at_a_time_equal_one_link_per_block(nblocks: int, step: int) -> None:
+    import os
+
+    from kvroute.policies.fingerprint import chain_keys
+
+    data = os.urandom(nblocks * 32 + 5)  # a trailing partial block is never hashed
+    want, h = [], 12345
+    for i in range(nblocks):
+        h = xxhash.xxh3_64_intdigest(data[i * 32 : (i + 1) * 32], h ^ step)
+        want.append(h)
+    assert chain_keys(data, 32, 12345, 1 << 20, step) == want
+    assert chain_keys(data, 32, 12345, max(0, nblocks - 3), step) == want[: max(0, nblocks - 3)]
