@@ -115,9 +115,14 @@ class CacheAware:
         that band) picks the same. Only the reported ``scores`` lack these backends.
         """
         cfg = self.config
-        best = least_ttft = math.inf
-        for b in holders:
-            if limit is None or busy_of[b] <= limit:
+        within = holders if limit is None else [b for b in holders if busy_of[b] <= limit]
+        if not within:
+            return False
+        best = min(map(cost_of.__getitem__, within))
+        least_ttft = min(map(ttft_of.__getitem__, within))
+        if best != best or least_ttft != least_ttft:  # a NaN first: the least of the others, as compared alone
+            best = least_ttft = math.inf
+            for b in within:
                 cost, t = cost_of[b], ttft_of[b]
                 best = cost if cost < best else best
                 least_ttft = t if t < least_ttft else least_ttft
@@ -265,7 +270,7 @@ class CacheAware:
         # moving it would recompute that whole context; new or short work spreads).
         allowed = list(costs) if limit is None else [b for b in costs if busy_of[b] <= limit]
         if (allowed and len(allowed) < len(costs)
-                and min(ttft[b] for b in allowed) - min(ttft.values()) <= cfg.bound_cost_s):
+                and min(map(ttft.__getitem__, allowed)) - min(ttft.values()) <= cfg.bound_cost_s):
             costs = {b: costs[b] for b in allowed}
         best_cost = min(costs.values())
         band = max(cfg.tie_s, cfg.tie_fraction * best_cost)

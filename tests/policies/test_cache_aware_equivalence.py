@@ -105,3 +105,42 @@ def test_random_fleets_with_signals_and_load_pick_identically(seed: int) -> None
                 now[0] += rng.random() * 0.01
                 router.on_complete(rid, cached_tokens=rng.randrange(0, 64 * 80))
     assert dual.picks == 600
+
+
+def _old_least(holders, busy_of, limit, ttft_of, cost_of):  # e9da8e7..394715d: the loop the min() calls replace
+    best = least = math.inf
+    for b in holders:
+        if limit is None or busy_of[b] <= limit:
+            best = cost_of[b] if cost_of[b] < best else best
+            least = ttft_of[b] if ttft_of[b] < least else least
+    return best, least
+
+
+@pytest.mark.parametrize("costs", [(0.2, 0.1, 0.3), (math.nan, 0.1, 0.3), (0.2, math.nan, 0.05), (math.nan,) * 3,
+                                   (math.inf, math.inf, math.inf), (0.2, math.inf, math.nan)])
+@pytest.mark.parametrize("limit", [None, 1.5, 0.5, -1.0])
+def test_cold_cannot_win_reads_the_least_holder_as_the_loop_did(costs: tuple[float, ...], limit: float | None) -> None:
+    from kvroute.policies.cache_aware import CacheAware
+
+    policy = CacheAware()
+    holders = ["a", "b", "c"]
+    busy_of = {"a": 0.0, "b": 1.0, "c": 2.0}
+    cost_of = dict(zip(holders, costs, strict=True))
+    ttft_of = {b: v / 2 for b, v in cost_of.items()}
+    got = policy._cold_cannot_win(holders, busy_of, limit, ttft_of, cost_of, 8000, 1.0, 7936, 0.01, {})
+    best, least = _old_least(holders, busy_of, limit, ttft_of, cost_of)
+    if best == math.inf:
+        assert got is False
+    else:  # the same comparison the method ends with, on the loop's figures
+        cold = CacheAware()
+        c_ttft = sum(w * f(_idle_candidate(cold), cold.speed) for f, w in cold.scorers)
+        c_cost = c_ttft + sum(w * f(_idle_candidate(cold), cold.speed) for f, w in cold.fleet_scorers)
+        want = c_ttft >= least and c_cost > best + max(cold.config.tie_s, cold.config.tie_fraction * best)
+        assert got is want
+
+
+def _idle_candidate(policy):
+    from kvroute.policies.cache_aware import _IDLE
+    from kvroute.policies.scorers import Candidate
+
+    return Candidate("", 8000, 0, _IDLE, 1.0, 0.0, 0, 0.0, 0.0, 0.0, 7936, policy.speed.prefill_s(8000, 0), 0.01)
