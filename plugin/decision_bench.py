@@ -1,5 +1,8 @@
 """Decision benchmark: fingerprint + pick latency on a warm index, against baselines from the same run.
 
+The timed prompts are turns of one conversation (the fingerprint continues the chain of the prefix it
+remembers); ``fingerprint_unseen_p50_us`` times prompts the process never saw (the whole chain hashed).
+
 Baselines: one xxh3 pass over the same prompt bytes (the floor any hashing router pays) and LiteLLM's
 own ``Router.acompletion(mock_response=...)`` median with 8 deployments (what a request already costs).
 """
@@ -72,15 +75,27 @@ def bench_case(tokens: int, nbackends: int, repeats: int) -> dict[str, Any]:
     router.on_complete(req.request_id, cached_tokens=0)
     prompts = [chat_kwargs(tokens, seed=7, tail=t) for t in range(1, 9)]
     samples: list[float] = []
+    fp_samples: list[float] = []
+    pick_samples: list[float] = []
     perf = time.perf_counter_ns
     for i in range(repeats):
         kwargs = prompts[i % len(prompts)]
         t0 = perf()
         request = router.fingerprint(kwargs)
+        t_fp = perf()
         decision = router.pick(request, backends, group="bench")
         t1 = perf()
         samples.append((t1 - t0) / 1000.0)
+        fp_samples.append((t_fp - t0) / 1000.0)
+        pick_samples.append((t1 - t_fp) / 1000.0)
         router.on_complete(request.request_id, cached_tokens=decision.matched_tokens)
+    # prompts this process never saw: no remembered prefix chain to continue (the whole chain is hashed)
+    cold = [chat_kwargs(tokens, seed=10_000 + i, tail=0) for i in range(max(10, repeats // 30))]
+    cold_samples = []
+    for kwargs in cold:
+        t0 = perf()
+        router.fingerprint(kwargs)
+        cold_samples.append((perf() - t0) / 1000.0)
     data = b"".join(render_request(prompts[0]).segments)
     hash_samples = []
     for _ in range(max(20, repeats // 5)):
@@ -92,6 +107,9 @@ def bench_case(tokens: int, nbackends: int, repeats: int) -> dict[str, Any]:
         "backends": nbackends,
         "p50_us": round(statistics.median(samples), 1),
         "p99_us": round(_percentile(samples, 0.99), 1),
+        "fingerprint_p50_us": round(statistics.median(fp_samples), 1),
+        "pick_p50_us": round(statistics.median(pick_samples), 1),
+        "fingerprint_unseen_p50_us": round(statistics.median(cold_samples), 1),
         "hash_pass_us": round(statistics.median(hash_samples), 1),
         "matched_share": round(decision.matched_tokens / max(1, decision.prompt_tokens), 3),
     }
@@ -144,12 +162,14 @@ def render_table(result: dict[str, Any]) -> None:
     from kvroute.plugin.output import fold, stdout_console
 
     table = Table(title="kvroute decision latency (fingerprint + pick, warm index)")
-    for col in ("prompt tokens", "backends", "p50 µs", "p99 µs", "xxh3 pass µs", "p50 / hash pass"):
+    for col in ("prompt tokens", "backends", "p50 µs", "p99 µs", "fingerprint µs", "pick µs",
+                "fingerprint unseen µs", "xxh3 pass µs", "p50 / hash pass"):
         table.add_column(col, justify="right")
     for c in result["cases"]:
         ratio = c["p50_us"] / c["hash_pass_us"] if c["hash_pass_us"] else float("nan")
         table.add_row(str(c["prompt_tokens"]), str(c["backends"]), f"{c['p50_us']:.1f}", f"{c['p99_us']:.1f}",
-                      f"{c['hash_pass_us']:.1f}", f"{ratio:.1f}×")
+                      f"{c['fingerprint_p50_us']:.1f}", f"{c['pick_p50_us']:.1f}",
+                      f"{c['fingerprint_unseen_p50_us']:.1f}", f"{c['hash_pass_us']:.1f}", f"{ratio:.1f}×")
     console = stdout_console()
     console.print(fold(table))
     if result.get("litellm_acompletion_p50_us"):

@@ -2,7 +2,9 @@
 
 - routes on: predicted TTFT in seconds (queue, own prefill, KV, evictions, duplicate work)
 - use it when: self-hosted replicas with prefix reuse (chat, RAG, agents, long contexts)
-- cost: one index match and six scorers per backend
+- cost: one index match; six scorers per class of backends with equal load (the eviction term per backend);
+  in fleets over ``max_scored``, backends holding nothing of the prompt go unscored when even an idle one
+  could not reach the tie band
 
 Shape: filter (hot-spot bound in busy seconds) → score (weighted scorers, ``policies/scorers.py``, each
 in seconds) → pick (lowest; near-ties go to the longer match, then the prefix's rendezvous order for
@@ -14,17 +16,25 @@ elsewhere — load is weighed as work, never as a request count.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvroute.policies.base import RoutingState, least_load_decision
 from kvroute.policies.decision import Decision
-from kvroute.policies.filters import bounded_busy
+from kvroute.policies.filters import busy_limit
+from kvroute.policies.load import SCORING_FIELDS, BackendLoad
 from kvroute.policies.request import RoutingRequest
 from kvroute.policies.scorers import FLEET_SCORERS, SCORERS, Candidate, own_prefill, slot_wait
 from kvroute.policies.speed import EngineSpeed
 
 _PRIOR = EngineSpeed()
+
+#: scorers that read ``Candidate.resident_tokens``; every other scorer is a function of the other inputs
+#: (tests/policies/test_scorer_properties.py checks it), so backends equal in those share their values
+RESIDENT_SCORERS = frozenset({"evict"})
+_IDLE = BackendLoad(0, 0, 0.0, 0, 0.0, float("-inf"))
+_WORK, _QUEUED, _DECODE = (SCORING_FIELDS.index(n) for n in ("work_s", "queued", "decode_s"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +89,58 @@ class CacheAware:
                    "kv": cfg.kv_weight, "evict": cfg.evict_weight, "others": cfg.others_weight}
         self.scorers = [(SCORERS[n], w) for n, w in weights.items() if w > 0 and n not in FLEET_SCORERS]
         self.fleet_scorers = [(SCORERS[n], w) for n, w in weights.items() if w > 0 and n in FLEET_SCORERS]
+        names = [n for n, w in weights.items() if w > 0 and n not in FLEET_SCORERS]
+        names += [n for n, w in weights.items() if w > 0 and n in FLEET_SCORERS]
+        terms = [(SCORERS[n], weights[n]) for n in names]  # the order TTFT and cost are summed in
+        k = len(self.scorers)
+        r = next((i for i, n in enumerate(names) if n in RESIDENT_SCORERS), len(names))
+        # (per class: TTFT terms, more cost terms; per backend: TTFT terms, more cost terms)
+        self._terms = (terms[:k], terms[k:r], [], terms[r:]) if r >= k else (terms[:r], [], terms[r:k], terms[k:])
+        # of the per-backend cost terms, those that read no ``resident_tokens`` are computed once per class
+        # (their weighted value is added per backend in the same place of the sum: the same floats)
+        self._member_resident = tuple(n in RESIDENT_SCORERS for n in names[max(r, k):])
+
+    def _cold_cannot_win(self, holders: Sequence[str], busy_of: dict[str, float], limit: float | None,
+                         ttft_of: dict[str, float], cost_of: dict[str, float], prompt: int, factor: float,
+                         best_matched: int, best_own: float, own_by_match: dict[int, float]) -> bool:
+        """True when no backend that holds nothing of this prompt can change the pick, so they go unscored.
+
+        Proof. Let U be the lowest cost of a scored holder within the hot-spot bound (there must be one) and
+        L_cost, L_ttft the cost and TTFT of a backend with no match, no load, no queue, no cache and unknown
+        capacity. Every scorer is lowest there for a given match (tests/policies/test_scorer_properties.py checks it)
+        and weights are >= 0, so each non-holder x has cost(x) >= L_cost and ttft(x) >= L_ttft. If L_ttft >=
+        the least TTFT of the holders within the bound, x changes neither least TTFT the hot-spot rule
+        compares, so that rule keeps or drops the same holders; the best cost after it is at most U, so with
+        L_cost > U + band(U) no x is the best or within the tie band of it, and the picker (which reads only
+        that band) picks the same. Only the reported ``scores`` lack these backends.
+        """
+        cfg = self.config
+        within = holders if limit is None else [b for b in holders if busy_of[b] <= limit]
+        if not within:
+            return False
+        best = min(map(cost_of.__getitem__, within))
+        least_ttft = min(map(ttft_of.__getitem__, within))
+        if best != best or least_ttft != least_ttft:  # a NaN first: the least of the others, as compared alone
+            best = least_ttft = math.inf
+            for b in within:
+                cost, t = cost_of[b], ttft_of[b]
+                best = cost if cost < best else best
+                least_ttft = t if t < least_ttft else least_ttft
+        if best == math.inf:
+            return False
+        own0 = own_by_match.get(0)
+        if own0 is None:
+            own0 = own_by_match[0] = self.speed.prefill_s(prompt, 0)
+        speed = self.speed
+        c = Candidate("", prompt, 0, _IDLE, factor, 0.0, 0, 0.0, 0.0, 0.0, best_matched, own0, best_own)
+        t = 0.0
+        for f, w in self.scorers:
+            t += w * f(c, speed)
+        if not t >= least_ttft:
+            return False
+        for f, w in self.fleet_scorers:
+            t += w * f(c, speed)
+        return t > best + max(cfg.tie_s, cfg.tie_fraction * best)
 
     def select(
         self, request: RoutingRequest, candidates: Sequence[str], state: RoutingState, now: float
@@ -95,69 +157,136 @@ class CacheAware:
         bt = request.block_tokens
         capacity_of = getattr(index, "capacity_blocks", None) or getattr(getattr(index, "fallback", None),
                                                                            "capacity_blocks", None)
-        costs: dict[str, float] = {}
-        cands: dict[str, Candidate] = {}
-        scorers, fleet = self.scorers, self.fleet_scorers
-        ttft: dict[str, float] = {}
-        matched: dict[str, int] = {}
-        within = bounded_busy(candidates, load, cfg.epsilon, cfg.busy_floor_s, now)  # hot-spot bound, below
-        if len(candidates) > cfg.max_scored:
-            # Large fleets: every holder of a prefix, plus the least loaded of the rest (backends holding
-            # nothing of this prompt differ only by load, so the cheapest few stand for all of them).
-            rest = [b for b in candidates if b not in matches]
-            keep = max(4, cfg.max_scored - len(matches))
-            if len(rest) > keep:
-                rest.sort(key=lambda b: (load.work_s(b), load.busy(b, now), load.last_pick(b), b))
-                candidates = [b for b in candidates if b in matches] + rest[:keep]
-        for b in candidates:
-            m = min(prompt - 1, int(matches.get(b, 0) * bt)) if prompt > 0 else 0
-            matched[b] = max(0, m)
-        best_matched = max(matched.values())
+        busy = load.busy_many(candidates, now)
+        busy_of = dict(zip(candidates, busy, strict=True))
+        limit: float | None = busy_limit(busy, cfg.epsilon, cfg.busy_floor_s)  # the hot-spot bound, below
+        if not min(busy) <= limit:  # none within (NaN too, as in ``within_busy_bound``): all pass (None)
+            limit = None
+        holders = [b for b in candidates if b in matches]
+        matched = dict.fromkeys(candidates, 0)
+        if prompt > 0:
+            top = prompt - 1
+            for b, blocks in matches.items():
+                m = int(blocks * bt)
+                m = top if m > top else m
+                matched[b] = m if m > 0 else 0
+        best_matched = max(matched[b] for b in holders) if holders else 0
         best_own = speed.prefill_s(prompt - best_matched, best_matched)
         factor = load.factor(candidates[0])  # fleet-wide (see LoadTracker.factor)
         own_by_match: dict[int, float] = {best_matched: best_own}
         prefill_s = speed.prefill_s
-        for b in candidates:
-            m = matched[b]
-            own_s = own_by_match.get(m)
-            if own_s is None:
-                own_s = own_by_match[m] = prefill_s(prompt - m, m)
-            c = Candidate(b, prompt, m, load.view(b, now), factor, load.work_s(b), load.queued(b), load.decode_s(b),
-                          index.blocks(b) * bt, capacity_of(b) * bt if capacity_of is not None else 0.0,
-                          best_matched, own_s, best_own)
-            cands[b] = c
-            t = 0.0
-            for f, w in scorers:
-                t += w * f(c, speed)
-            ttft[b] = t
-            for f, w in fleet:
-                t += w * f(c, speed)
-            costs[b] = t
+        blocks_of = index.blocks
+        view_of = load.view
+        class_ttft, class_more, member_ttft, member_more = self._terms
+        # Backends whose scorer inputs are equal but for the cache they hold form a class: one Candidate and
+        # one pass of the scorers before the first that reads ``resident_tokens`` (``RESIDENT_SCORERS``) per
+        # class, the rest per backend; every sum adds the same terms in the same order as scoring each alone.
+        classes: dict[tuple[object, ...], tuple[Candidate, float, float, tuple[tuple[object, float], ...]]] = {}
+        ttft_of: dict[str, float] = {}
+        cost_of: dict[str, float] = {}
+        cand_of: dict[str, Candidate] = {}
+        resident: dict[str, float] = {}
+
+        member_resident = self._member_resident
+        # one pass over the index for every scored backend's residency and capacity where it offers one
+        holdings = getattr(index, "holdings", None) if capacity_of is not None else None
+
+        def score(backends: Sequence[str], states: Sequence[tuple[object, ...]]) -> None:
+            if holdings is not None:
+                blocks, caps = holdings(backends)
+            else:
+                blocks, caps = [], []
+                for b in backends:  # capacity first, then blocks, per backend (as the index is asked alone)
+                    caps.append(capacity_of(b) if capacity_of is not None else 0)
+                    blocks.append(blocks_of(b))
+            last_key: tuple[object, ...] | None = None
+            got = None
+            for b, st, nblocks, cap_blocks in zip(backends, states, blocks, caps, strict=True):
+                m = matched[b]
+                res = resident[b] = nblocks * bt
+                key = (m, cap_blocks, st)
+                # neighbours are mostly of one class: an equality test is cheaper than hashing the key
+                if last_key is None or key != last_key:
+                    got = classes.get(key)
+                    last_key = key
+                if got is None:
+                    own_s = own_by_match.get(m)
+                    if own_s is None:
+                        own_s = own_by_match[m] = prefill_s(prompt - m, m)
+                    c = Candidate(b, prompt, m, view_of(b, now), factor, st[_WORK], st[_QUEUED], st[_DECODE],
+                                  res, cap_blocks * bt, best_matched, own_s, best_own)
+                    t = 0.0
+                    for f, w in class_ttft:
+                        t += w * f(c, speed)
+                    u = t
+                    for f, w in class_more:
+                        u += w * f(c, speed)
+                    # per-backend cost terms: (scorer, weight) where it reads the residency, else (None, value)
+                    tail = tuple((f, w) if per_backend else (None, w * f(c, speed))
+                                 for (f, w), per_backend in zip(member_more, member_resident, strict=True))
+                    classes[key] = got = (c, t, u, tail)
+                else:
+                    c, t, u, tail = got
+                    c.resident_tokens = res
+                if member_ttft:
+                    for f, w in member_ttft:
+                        t += w * f(c, speed)
+                    u = t
+                for f, w in tail:
+                    u += w if f is None else w * f(c, speed)
+                ttft_of[b] = t
+                cost_of[b] = u
+                cand_of[b] = c
+
+        if holders and len(holders) < len(candidates) and len(candidates) > cfg.max_scored:
+            # large fleets only (smaller ones report a score for every backend, as they always did)
+            score(holders, load.scoring_inputs(holders, now)[0])
+            if self._cold_cannot_win(holders, busy_of, limit, ttft_of, cost_of, prompt, factor, best_matched, best_own,
+                                     own_by_match):
+                candidates = holders
+        if len(candidates) > len(cost_of):
+            rest_of = [b for b in candidates if b not in matches]
+            states, picks = load.scoring_inputs(rest_of, now)
+            if len(candidates) > cfg.max_scored:
+                # Large fleets: every holder of a prefix, plus the least loaded of the rest (backends holding
+                # nothing of this prompt differ only by load, so the cheapest few stand for all of them).
+                keep = max(4, cfg.max_scored - len(matches))
+                if len(rest_of) > keep:
+                    # by (work, busy, last pick, name); the position last orders equal keys as a stable sort
+                    ranked = sorted(zip([s[_WORK] for s in states], [busy_of[b] for b in rest_of], picks, rest_of,
+                                        range(len(rest_of)), strict=True))
+                    order = [r[4] for r in ranked[:keep]]
+                    rest_of = [rest_of[i] for i in order]
+                    states = [states[i] for i in order]
+                    candidates = holders + rest_of
+            if holders and not cost_of:
+                score(holders, load.scoring_inputs(holders, now)[0])
+            score(rest_of, states)
+        ttft = {b: ttft_of[b] for b in candidates}
+        costs = {b: cost_of[b] for b in candidates}
         top_holder = best_matched
         # Hot-spot bound (busy seconds): over-bound backends are left out unless that costs this request
         # more than ``bound_cost_s`` of predicted TTFT (a session whose long context is cached there stays:
         # moving it would recompute that whole context; new or short work spreads).
-        allowed = [b for b in within if b in costs]
+        allowed = list(costs) if limit is None else [b for b in costs if busy_of[b] <= limit]
         if (allowed and len(allowed) < len(costs)
-                and min(ttft[b] for b in allowed) - min(ttft.values()) <= cfg.bound_cost_s):
+                and min(map(ttft.__getitem__, allowed)) - min(ttft.values()) <= cfg.bound_cost_s):
             costs = {b: costs[b] for b in allowed}
-        allowed = list(costs)
         best_cost = min(costs.values())
         band = max(cfg.tie_s, cfg.tie_fraction * best_cost)
-        near = [b for b in allowed if costs[b] <= best_cost + band]
-        best_match = max(cands[b].matched for b in near)
+        threshold = best_cost + band
+        near = [b for b, cost in costs.items() if cost <= threshold]
+        best_match = max([matched[b] for b in near])
         if best_match > 0:
-            holders = [b for b in near if cands[b].matched == best_match]
-            if len(holders) == 1:
-                backend = holders[0]
-            else:
-                anchor = request.keys[0]
-                backend = min(holders, key=lambda b: (-state.rendezvous.weight(anchor, b), b))
+            holders = [b for b in near if matched[b] == best_match]
+            # several: the first in the prefix's rendezvous order (highest weight, then name)
+            backend = holders[0] if len(holders) == 1 else state.rendezvous.order(request.keys[0], holders)[0]
             reason = "prefix_match" if best_match >= top_holder else "prefix_spill"
         else:
             backend = min(near, key=lambda b: (load.busy(b, now), load.last_pick(b), costs[b], b))
             reason = "cold" if top_holder == 0 else "prefix_spill"
-        chosen = cands[backend]
+        chosen = cand_of[backend]
+        chosen.resident_tokens = resident[backend]
         work = chosen.own_s
         fixed = slot_wait(chosen, speed) * cfg.slot_weight
         factor = chosen.factor or 1.0

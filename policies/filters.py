@@ -24,8 +24,17 @@ def bounded_busy(candidates: Sequence[str], load: LoadTracker, epsilon: float, f
 
     Busy seconds are the decayed work assigned at pick (``LoadTracker.busy``); never empty.
     """
-    busy = [load.busy(b, now) for b in candidates]
-    limit = (1.0 + epsilon) * sum(busy) / len(busy) + floor_s
+    return within_busy_bound(candidates, load.busy_many(candidates, now), epsilon, floor_s)
+
+
+def busy_limit(busy: Sequence[float], epsilon: float, floor_s: float) -> float:
+    """The hot-spot bound's limit: ``(1+ε)·mean + floor_s`` of the candidates' busy seconds."""
+    return (1.0 + epsilon) * sum(busy) / len(busy) + floor_s
+
+
+def within_busy_bound(candidates: Sequence[str], busy: Sequence[float], epsilon: float, floor_s: float) -> list[str]:
+    """``bounded_busy`` on busy seconds the caller already read (``busy[i]`` is ``candidates[i]``'s)."""
+    limit = busy_limit(busy, epsilon, floor_s)
     allowed = [b for b, v in zip(candidates, busy, strict=True) if v <= limit]
     return allowed or list(candidates)
 

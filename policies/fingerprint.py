@@ -7,6 +7,10 @@ forwarded ``prompt_cache_key``) but not the secret cannot recompute a key to con
 are equal across processes and machines that share the secret (no Python ``hash()``), and tenants with
 different salts never share keys. ``ChainKey()`` without a secret gives the public, unkeyed chains (the
 simulator and traces use those).
+
+Chains are a function of the prefix bytes and the seed only, so a prompt that extends a prefix this process
+already keyed (the next turn of a chat, a sibling of a shared document) continues that prefix's chain
+(``PrefixChains``: an in-process memory of chain keys, never of text) and hashes only its new blocks.
 """
 
 from __future__ import annotations
@@ -14,17 +18,21 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
+import struct
+import threading
 from array import array
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import xxhash
 
-from kvroute.policies.render import render_request, to_bytes
+from kvroute.policies.render import ROLE_START, render_request, to_bytes
 from kvroute.policies.request import RoutingRequest
 
 _xxh3 = xxhash.xxh3_64_intdigest
+_MASK64 = (1 << 64) - 1
 _REQUEST_PREFIX = os.urandom(6).hex()
 _request_counter = itertools.count(1)
 
@@ -93,6 +101,8 @@ class FingerprintConfig:
     max_prefix_tokens: int = 131_072
     token_block_size: int = 64
     chain: ChainKey = UNKEYED
+    #: chain keys ``PrefixChains`` may remember for prompt prefixes seen before (0: off); about 40 bytes each
+    prefix_chain_keys: int = 262_144
 
     def __post_init__(self) -> None:
         if self.block_bytes < 16:
@@ -101,6 +111,8 @@ class FingerprintConfig:
             raise ValueError("bytes_per_token must be positive")
         if self.token_block_size < 1:
             raise ValueError("token_block_size must be at least 1")
+        if self.prefix_chain_keys < 0:
+            raise ValueError("prefix_chain_keys must be >= 0")
 
 
 def chain_seed(model: str, salt: str | None = None, key: ChainKey = UNKEYED) -> int:
@@ -108,26 +120,143 @@ def chain_seed(model: str, salt: str | None = None, key: ChainKey = UNKEYED) -> 
     return key.seed(model, salt)
 
 
+_BLOCK_STRUCTS: dict[tuple[int, int], struct.Struct] = {}
+
+
+def _block_struct(block_bytes: int, count: int = 1) -> struct.Struct:
+    """``count`` blocks of ``block_bytes`` bytes as one record of ``count`` bytes fields."""
+    got = _BLOCK_STRUCTS.get((block_bytes, count))
+    if got is None:
+        got = _BLOCK_STRUCTS[(block_bytes, count)] = struct.Struct(f"{block_bytes}s" * count)
+    return got
+
+
 def chain_keys(data: bytes | memoryview, block_bytes: int, seed: int, max_blocks: int, step: int = 0) -> list[int]:
-    """Chain-hash the full blocks of ``data`` without copying it; a trailing partial block is skipped.
+    """Chain-hash the full blocks of ``data`` (``k_i = xxh3(block_i, seed=k_{i-1} ^ step)``, ``k_{-1} = seed``);
+    a trailing partial block is skipped.
 
     ``step`` (``ChainKey.step``) is XORed into every link's seed, so a visible key does not let anyone
-    without the secret hash the next block."""
+    without the secret hash the next block. Blocks are cut by ``struct.iter_unpack`` (C) rather than one
+    memoryview slice per block: the same bytes, a quarter fewer Python operations per link."""
     view = memoryview(data)
     nblocks = min(len(view) // block_bytes, max_blocks)
     keys: list[int] = []
-    append = keys.append
-    h = seed
-    end = nblocks * block_bytes
-    if step:
-        for start in range(0, end, block_bytes):
-            h = _xxh3(view[start : start + block_bytes], h ^ step)
-            append(h)
+    if nblocks <= 0:
         return keys
-    for start in range(0, end, block_bytes):
-        h = _xxh3(view[start : start + block_bytes], h)
+    x = _xxh3
+    h = seed
+    wide = nblocks - nblocks % 8
+    if wide:  # eight blocks per unpacked record: fewer loop turns, the same links in the same order
+        extend = keys.extend
+        for b0, b1, b2, b3, b4, b5, b6, b7 in _block_struct(block_bytes, 8).iter_unpack(view[: wide * block_bytes]):
+            h0 = x(b0, h ^ step)
+            h1 = x(b1, h0 ^ step)
+            h2 = x(b2, h1 ^ step)
+            h3 = x(b3, h2 ^ step)
+            h4 = x(b4, h3 ^ step)
+            h5 = x(b5, h4 ^ step)
+            h6 = x(b6, h5 ^ step)
+            h = x(b7, h6 ^ step)
+            extend((h0, h1, h2, h3, h4, h5, h6, h))
+    append = keys.append
+    for (block,) in _block_struct(block_bytes).iter_unpack(view[wide * block_bytes : nblocks * block_bytes]):
+        h = x(block, h ^ step)
         append(h)
     return keys
+
+
+class PrefixChains:
+    """A bounded LRU of chain keys already computed for block-aligned prompt prefixes (never their text).
+
+    An entry maps ``(seed, blocks, 128-bit digest of the prefix bytes, seeded by the chain seed)`` to the keys
+    of that prefix. ``keys`` probes the starts of the last ``probes`` messages (``ROLE_START`` bytes, found from
+    the end), continues the longest remembered prefix's chain over the remaining blocks, and remembers the
+    prefix before the prompt's last message: siblings share it, and the next turn of a chat or agent loop
+    (answer and new message appended) finds it three messages back. The
+    result always equals ``chain_keys`` over the same bytes: a chain is a function of the prefix bytes and
+    the seed, and a hit needs equal length and an equal keyed 128-bit digest. Memory: at most ``max_keys``
+    keys (ints) in all; nothing here holds prompt text.
+    """
+
+    def __init__(self, max_keys: int = 262_144, probes: int = 3) -> None:
+        self.max_keys = max_keys
+        self.probes = probes
+        self._entries: OrderedDict[tuple[int, int, int], list[int]] = OrderedDict()
+        self._held = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def held_keys(self) -> int:
+        return self._held
+
+    def keys(self, data: bytes, block_bytes: int, seed: int, max_blocks: int, step: int = 0) -> list[int]:
+        """``chain_keys(data, block_bytes, seed, max_blocks, step)``, reusing a remembered prefix's chain."""
+        view = memoryview(data)
+        n = min(len(view) // block_bytes, max_blocks)
+        if n <= 0:
+            return []
+        dseed = (seed ^ step ^ 0x6B76726F75746521) & _MASK64  # keyed like the chain itself
+        starts: list[int] = []  # block-aligned starts of the last messages, last message first
+        pos = len(data)
+        while len(starts) < self.probes:
+            pos = data.rfind(ROLE_START, 0, pos)
+            if pos <= 0:
+                break
+            k = min(pos // block_bytes, n)
+            if k == 0:
+                break
+            if not starts or starts[-1] != k:
+                starts.append(k)
+        # one streaming pass digests every probed prefix (equal to one-shot digests of the same bytes)
+        stream = xxhash.xxh3_128(seed=dseed)
+        digests: dict[int, int] = {}
+        done = 0
+        for k in reversed(starts):
+            stream.update(view[done * block_bytes : k * block_bytes])
+            digests[k] = stream.intdigest()
+            done = k
+        keys: list[int] | None = None
+        hit = 0
+        with self._lock:
+            entries = self._entries
+            for k in starts:
+                entry = (seed, k, digests[k])
+                got = entries.get(entry)
+                if got is not None:
+                    entries.move_to_end(entry)
+                    keys, hit = got[:], k
+                    break
+        if keys is None:
+            self.misses += 1
+            keys = chain_keys(view, block_bytes, seed, n, step)
+        else:
+            self.hits += 1
+            if hit < n:
+                keys.extend(chain_keys(view[hit * block_bytes : n * block_bytes], block_bytes, keys[-1], n - hit,
+                                       step))
+        if starts and starts[0] != hit:
+            self._remember(seed, starts[0], digests[starts[0]], keys)
+        return keys
+
+    def _remember(self, seed: int, blocks: int, digest: int, keys: list[int]) -> None:
+        if blocks > self.max_keys:
+            return
+        entry = (seed, blocks, digest)
+        with self._lock:
+            entries = self._entries
+            if entry in entries:
+                entries.move_to_end(entry)
+                return
+            entries[entry] = keys[:blocks]  # a copy: callers own the list they were given
+            self._held += blocks
+            while self._held > self.max_keys and entries:
+                _, old = entries.popitem(last=False)
+                self._held -= len(old)
 
 
 def token_keys(token_ids: Sequence[int], block_size: int, seed: int, max_blocks: int, step: int = 0) -> list[int]:
@@ -180,6 +309,7 @@ class Fingerprinter:
         self.chain = self.config.chain
         self._step = self.chain.step
         self._seeds: dict[tuple[str, str | None], int] = {}
+        self.prefix_chains = PrefixChains(self.config.prefix_chain_keys) if self.config.prefix_chain_keys else None
 
     def seed(self, model: str, salt: str | None) -> int:
         cached = self._seeds.get((model, salt))
@@ -207,7 +337,7 @@ class Fingerprinter:
 
         The chain salt is ``salt`` if given, else the tenant (with ``isolate_tenant``) plus the request's own
         ``cache_salt`` when ``client_salt`` (the plugin passes the salt it decided and ``client_salt=False``)."""
-        notes: list[str] = []
+        notes: tuple[str, ...] = ()
         try:
             kw: Mapping[str, Any] = kwargs if isinstance(kwargs, Mapping) else {}
             model_name = str(model if model is not None else kw.get("model") or "")
@@ -218,7 +348,7 @@ class Fingerprinter:
                 salt = "\x00".join(salt_parts) or None
             seed = self.seed(model_name, salt)
             rendered = render_request(kw)
-            notes.extend(rendered.notes)
+            notes = tuple(rendered.notes)
             if rendered.token_ids is not None:
                 bs = self.config.token_block_size
                 max_blocks = max(1, self.config.max_prefix_tokens // bs)
@@ -228,7 +358,11 @@ class Fingerprinter:
                 key_space = "tokens"
             else:
                 data = b"".join(rendered.segments)
-                keys = chain_keys(data, self.config.block_bytes, seed, self._max_blocks_bytes, self._step)
+                if self.prefix_chains is not None:
+                    keys = self.prefix_chains.keys(data, self.config.block_bytes, seed, self._max_blocks_bytes,
+                                                   self._step)
+                else:
+                    keys = chain_keys(data, self.config.block_bytes, seed, self._max_blocks_bytes, self._step)
                 prompt_tokens = int(len(data) / self.config.bytes_per_token)
                 block_tokens = self._block_tokens
                 key_space = "bytes"
@@ -240,14 +374,14 @@ class Fingerprinter:
                 session_key=session_key(kw, headers, tenant, self.chain),
                 tenant=tenant,
                 app=app,
-                tags=dict(tags or {}),
+                tags=dict(tags) if tags else {},
                 request_id=request_id or new_request_id(),
                 kind=rendered.kind,
-                notes=tuple(notes),
+                notes=notes,
                 key_space=key_space,
             )
         except Exception as exc:  # the public API never raises: an empty fingerprint routes by load
-            notes.append(f"fingerprint_error:{type(exc).__name__}")
+            notes = (*notes, f"fingerprint_error:{type(exc).__name__}")
             return RoutingRequest(
                 model=str(model or ""),
                 keys=[],
@@ -257,7 +391,7 @@ class Fingerprinter:
                 app=app,
                 request_id=request_id or new_request_id(),
                 kind="invalid",
-                notes=tuple(notes),
+                notes=notes,
             )
 
     def from_token_ids(

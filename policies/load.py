@@ -13,8 +13,9 @@ backend (the hot-spot bound's measure).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -51,6 +52,11 @@ class BackendLoad:
     last_pick: float
 
 
+#: what ``LoadTracker.scoring_inputs`` returns per backend, in order: every ``BackendLoad`` field but
+#: ``last_pick`` (the picker's, never a scorer's), then the tracker's own per-backend figures
+SCORING_FIELDS = ("inflight", "prefill_tokens", "queue_tokens", "running", "kv_usage", "work_s", "queued", "decode_s")
+
+
 class LoadTracker:
     """In-flight requests and prefill tokens per backend; ``release`` is idempotent."""
 
@@ -75,6 +81,9 @@ class LoadTracker:
         self._signals: dict[str, ExternalSignal] = {}
         self._fresh_memo: tuple[float, float] = (math.nan, 1.0)
         self._mean_prompt = mean_prompt_tokens
+        cls = type(self)
+        self._overridden = any(getattr(cls, name) is not getattr(LoadTracker, name)
+                               for name in ("view", "work_s", "queued", "decode_s", "last_pick", "freshness"))
 
     # --- request lifecycle ----------------------------------------------------------------------
     def start(self, request_id: str, backend: str, prefill_tokens: int, now: float, *, work_s: float = 0.0,
@@ -206,6 +215,22 @@ class LoadTracker:
             return 0.0
         return got[0] * self._decay(now - got[1])
 
+    def busy_many(self, backends: Sequence[str], now: float) -> list[float]:
+        """``[busy(b, now) for b in backends]`` in one call (the same arithmetic, no per-backend calls)."""
+        get = self._busy.get
+        half = self.busy_half_life_s
+        pw = math.pow
+        out: list[float] = []
+        append = out.append
+        for b in backends:
+            got = get(b)
+            if got is None:
+                append(0.0)
+                continue
+            age = now - got[1]
+            append(got[0] * (1.0 if age <= 0 else pw(0.5, age / half)))
+        return out
+
     def _decay(self, age_s: float) -> float:
         return 1.0 if age_s <= 0 else math.pow(0.5, age_s / self.busy_half_life_s)
 
@@ -257,6 +282,41 @@ class LoadTracker:
     def total_inflight(self, backends: Iterable[str]) -> int:
         return sum(self._inflight.get(b, 0) for b in backends)
 
+    def scoring_inputs(self, backends: Sequence[str], now: float) -> tuple[list[tuple[Any, ...]], list[float]]:
+        """What scorers read of each backend, in one pass: ``(inflight, prefill_tokens, queue_tokens, running,
+        kv_usage, work_s, queued, decode_s)`` (the view's fields but ``last_pick``, then the three getters'
+        values) per backend, and each backend's ``last_pick``. Equal to calling ``view``, ``work_s``,
+        ``queued``, ``decode_s`` and ``last_pick``; a subclass that overrides any of them is asked through them.
+        """
+        if self._overridden:
+            states = []
+            picks = []
+            for b in backends:
+                v = self.view(b, now)
+                states.append((v.inflight, v.prefill_tokens, v.queue_tokens, v.running, v.kv_usage, self.work_s(b),
+                               self.queued(b), self.decode_s(b)))
+                picks.append(self.last_pick(b))
+            return states, picks
+        inflight_of, prefill_of, signal_of = self._inflight.get, self._prefill.get, self._signals.get
+        work_of, queued_of, decode_of = self._work.get, self._queued.get, self._decode_s.get
+        pick_of = self._last_pick.get
+        decode_all = self._decode_all
+        never = -math.inf
+        states = []
+        append = states.append
+        for b in backends:
+            inflight = inflight_of(b, 0)
+            prefill = prefill_of(b, 0)
+            sig = signal_of(b)
+            d = decode_of(b, decode_all)
+            if sig is None:
+                append((inflight, prefill, float(prefill), inflight, 0.0, work_of(b, 0.0), queued_of(b, 0),
+                        0.0 if d is None else d))
+            else:
+                append((inflight, prefill, *self._signal_load(sig, inflight, prefill, now), work_of(b, 0.0),
+                        queued_of(b, 0), 0.0 if d is None else d))
+        return states, [pick_of(b, never) for b in backends]
+
     def view(self, backend: str, now: float) -> BackendLoad:
         """Router-side load, raised to what a fresh engine signal shows (other routers' traffic)."""
         inflight = self._inflight.get(backend, 0)
@@ -265,6 +325,10 @@ class LoadTracker:
         last_pick = self._last_pick.get(backend, -math.inf)
         if sig is None:
             return BackendLoad(inflight, prefill, float(prefill), inflight, 0.0, last_pick)
+        return BackendLoad(inflight, prefill, *self._signal_load(sig, inflight, prefill, now), last_pick)
+
+    def _signal_load(self, sig: ExternalSignal, inflight: int, prefill: int, now: float) -> tuple[float, int, float]:
+        """``(queue_tokens, running, kv_usage)``: router-side counts raised to an aged engine signal."""
         queue_tokens = float(prefill)
         running = inflight
         kv_usage = 0.0
@@ -281,4 +345,4 @@ class LoadTracker:
             running = max(running, int(w * sig.running))
         if sig.kv_usage is not None:
             kv_usage = w * min(1.0, max(0.0, sig.kv_usage))
-        return BackendLoad(inflight, prefill, queue_tokens, running, kv_usage, last_pick)
+        return queue_tokens, running, kv_usage

@@ -8,7 +8,7 @@ on the request path), optional TTL, purge of removed backends, bounded memory.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -37,6 +37,20 @@ class PrefixLocator(Protocol):
         ...
 
     def remove_backend(self, backend: str) -> None: ...
+
+    def holdings(self, backends: Sequence[str]) -> tuple[list[int], list[int]]:
+        """``([blocks(b) ...], [capacity_blocks(b) ...])`` in one pass, with the same effects as asking
+        ``capacity_blocks(b)`` then ``blocks(b)`` for each backend in order (a backend not seen yet gets a state)."""
+        blocks: list[int] = []
+        caps: list[int] = []
+        get = self._backends.get
+        for b in backends:
+            state = get(b)
+            if state is None:
+                state = self._state(b)
+            caps.append(state.capacity)
+            blocks.append(len(state.entries))
+        return blocks, caps
 
     def blocks(self, backend: str | None = None) -> int: ...
 
@@ -149,6 +163,20 @@ class PrefixIndex:
             result[backend] = lo
         return result
 
+    def holdings(self, backends: Sequence[str]) -> tuple[list[int], list[int]]:
+        """``([blocks(b) ...], [capacity_blocks(b) ...])`` in one pass, with the same effects as asking
+        ``capacity_blocks(b)`` then ``blocks(b)`` for each backend in order (a backend not seen yet gets a state)."""
+        blocks: list[int] = []
+        caps: list[int] = []
+        get = self._backends.get
+        for b in backends:
+            state = get(b)
+            if state is None:
+                state = self._state(b)
+            caps.append(state.capacity)
+            blocks.append(len(state.entries))
+        return blocks, caps
+
     def blocks(self, backend: str | None = None) -> int:
         if backend is not None:
             state = self._backends.get(backend)
@@ -179,11 +207,15 @@ class PrefixIndex:
                 entries[key] = expiry
                 move(key)
         else:
-            for key in reversed(keys):
+            # C-speed refresh of the keys already held; a missing key stops map(), is inserted, and the
+            # same reversed iterator goes on (so the final order is the same as one key at a time)
+            pending = reversed(keys)
+            while True:
                 try:
-                    move(key)
-                except KeyError:
-                    entries[key] = _NEVER
+                    deque(map(move, pending), 0)
+                    break
+                except KeyError as missing:
+                    entries[missing.args[0]] = _NEVER
         if len(entries) > state.capacity:
             self._evict(state)
 

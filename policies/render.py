@@ -165,8 +165,18 @@ def render_request(kwargs: Mapping[str, Any]) -> RenderResult:
     if messages is not None:
         result.kind = "chat"
         if isinstance(messages, (list, tuple)):
+            append = out.append
+            notes = result.notes
             for msg in messages:  # engines render turns in the order given
-                _render_message(msg, out, result.notes)
+                # fast path, the same bytes as ``_render_message``: a plain {"role": str, "content": str} turn
+                if type(msg) is dict and len(msg) == 2:
+                    role = msg.get("role")
+                    content = msg.get("content")
+                    if type(role) is str and type(content) is str:
+                        append(ROLE_START + role.encode("utf-8", "surrogatepass") + PART_SEP)
+                        append(content.encode("utf-8", "surrogatepass"))
+                        continue
+                _render_message(msg, out, notes)
         else:
             result.notes.append("messages_not_a_list")
             _render_message({"role": "user", "content": messages}, out, result.notes)

@@ -142,18 +142,23 @@ class Router:
         rid = request.request_id or ""
         try:
             backend = decision.backend
-            self.state.load.start(rid, backend, decision.predicted_prefill_tokens, now, work_s=decision.work_s,
-                                  ttft_s=decision.predicted_ttft_s, fixed_s=decision.fixed_wait_s)
-            self.index.record(backend, request.keys, now)
+            keys = request.keys
+            load = self.state.load
+            load.start(rid, backend, decision.predicted_prefill_tokens, now, work_s=decision.work_s,
+                       ttft_s=decision.predicted_ttft_s, fixed_s=decision.fixed_wait_s)
+            self.index.record(backend, keys, now)
             matched = decision.matched_blocks
-            confirmed = self._confirmed_prefix(backend, request.keys, matched)
-            self._mark_provisional(backend, request.keys, matched)
-            self._pending[rid] = _Pending(request, backend, matched, confirmed)
-            self._pending.move_to_end(rid)
-            while len(self._pending) > self.config.max_pending:
-                old_id, old = self._pending.popitem(last=False)
+            confirmed = self._confirmed_prefix(backend, keys, matched)
+            self._mark_provisional(backend, keys, matched)
+            pending = self._pending
+            known = rid in pending
+            pending[rid] = _Pending(request, backend, matched, confirmed)
+            if known:  # a new key is already the newest
+                pending.move_to_end(rid)
+            while len(pending) > self.config.max_pending:
+                old_id, old = pending.popitem(last=False)
                 self._settle(old)
-                self.state.load.release(old_id)
+                load.release(old_id)
         except Exception:
             self.errors += 1
 

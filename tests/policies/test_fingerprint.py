@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
@@ -224,3 +225,76 @@ def test_a_guessed_pin_is_confirmed_from_unkeyed_keys_but_not_from_keyed_ones():
     assert _confirm_pin(victim) == []
     # whoever holds the secret (every kvroute worker) still matches the prefix exactly
     assert KEYED.from_kwargs(pin_request("4711")).keys == victim
+
+
+def _conversation(rng, turns: int) -> list[dict]:
+    msgs = [{"role": "system", "content": "sys " * rng.randrange(10, 400)}]
+    for i in range(turns):
+        msgs.append({"role": "user" if i % 2 == 0 else "assistant",
+                     "content": " ".join(str(rng.random()) for _ in range(rng.randrange(1, 120)))})
+    return msgs
+
+
+def test_remembered_prefix_chains_equal_a_fresh_chain_for_turns_siblings_tenants_and_secrets():
+    import random
+
+    from kvroute.policies.fingerprint import chain_keys
+    rng = random.Random(5)
+    for secret in (b"", b"k" * 32):
+        cfg = FingerprintConfig(chain=ChainKey(secret))
+        cached, plain = Fingerprinter(cfg), Fingerprinter(FingerprintConfig(chain=ChainKey(secret),
+                                                                            prefix_chain_keys=0))
+        assert plain.prefix_chains is None
+        for _ in range(30):
+            msgs = _conversation(rng, rng.randrange(1, 12))
+            tenant = rng.choice([None, "acme", "globex"])
+            for turn in range(1, len(msgs) + 1):  # the conversation growing turn by turn, then siblings
+                for kw in ({"model": "m", "messages": msgs[:turn]},
+                           {"model": "m", "messages": [*msgs[:turn], {"role": "user", "content": "sib"}]}):
+                    a = cached.from_kwargs(kw, tenant=tenant, isolate_tenant=True)
+                    b = plain.from_kwargs(kw, tenant=tenant, isolate_tenant=True)
+                    assert a.keys == b.keys
+                    data = b"".join(render_request(kw).segments)
+                    assert a.keys == chain_keys(data, 256, cached.seed("m", tenant), 10**6, cached.chain.step)
+        assert cached.prefix_chains.hits > cached.prefix_chains.misses
+
+
+def test_prefix_chains_hold_only_keys_within_their_bound_and_callers_own_their_lists():
+    from kvroute.policies.fingerprint import PrefixChains
+    chains = PrefixChains(max_keys=300)
+    fp = Fingerprinter()
+    fp.prefix_chains = chains
+    for i in range(50):
+        req = fp.from_kwargs(chat(f"question {i} " * 200, "answer " * 100, "more " * 50))
+        req.keys.append(-1)  # a caller mutating its list must not change what is remembered
+        assert chains.held_keys <= 300
+    for (seed, blocks, digest), keys in chains._entries.items():
+        assert all(isinstance(k, int) and k >= 0 for k in keys) and len(keys) == blocks
+        assert isinstance(seed, int) and isinstance(digest, int)
+    again = fp.from_kwargs(chat("question 49 " * 200, "answer " * 100, "more " * 50))
+    assert again.keys == Fingerprinter(FingerprintConfig(prefix_chain_keys=0)).from_kwargs(
+        chat("question 49 " * 200, "answer " * 100, "more " * 50)).keys
+
+
+def test_a_role_marker_inside_binary_content_is_only_a_probe():
+    kw = {"model": "m", "messages": [{"role": "system", "content": SYSTEM},
+                                     {"role": "user", "content": b"x" * 700 + b"\xfe\x00" * 300 + b"y" * 600}]}
+    assert b"\xfe\x00" in b"".join(render_request(kw).segments)
+    plain = Fingerprinter(FingerprintConfig(prefix_chain_keys=0))
+    assert FP.from_kwargs(kw).keys == plain.from_kwargs(kw).keys == FP.from_kwargs(kw).keys
+
+
+@pytest.mark.parametrize("nblocks", [0, 1, 7, 8, 9, 15, 16, 17, 40])
+@pytest.mark.parametrize("step", [0, 0x9E3779B97F4A7C15])
+def test_chain_keys_eight_blocks_at_a_time_equal_one_link_per_block(nblocks: int, step: int) -> None:
+    import os
+
+    from kvroute.policies.fingerprint import chain_keys
+
+    data = os.urandom(nblocks * 32 + 5)  # a trailing partial block is never hashed
+    want, h = [], 12345
+    for i in range(nblocks):
+        h = xxhash.xxh3_64_intdigest(data[i * 32 : (i + 1) * 32], h ^ step)
+        want.append(h)
+    assert chain_keys(data, 32, 12345, 1 << 20, step) == want
+    assert chain_keys(data, 32, 12345, max(0, nblocks - 3), step) == want[: max(0, nblocks - 3)]

@@ -42,3 +42,38 @@ def test_router_side_load_is_not_double_counted_with_signal():
     load.start("r1", "a", 2000, now=0)
     load.observe("a", ExternalSignal(at=0, queue_depth=1))
     assert load.view("a", now=0).queue_tokens == 2000
+
+
+def test_scoring_inputs_and_busy_many_equal_the_one_backend_getters():
+    import random
+
+    from kvroute.policies.load import BackendLoad, ExternalSignal, LoadTracker
+
+    class Raised(LoadTracker):  # a subclass that adds to the view (as the shared tracker does) is asked
+        def view(self, backend: str, now: float) -> BackendLoad:
+            v = super().view(backend, now)
+            return BackendLoad(v.inflight + 1, v.prefill_tokens, v.queue_tokens, v.running, v.kv_usage, v.last_pick)
+
+    rng = random.Random(3)
+    for tracker in (LoadTracker(), Raised()):
+        backends = [f"b{i}" for i in range(12)]
+        now = 0.0
+        for i in range(400):
+            now += rng.random() * 0.2
+            b = rng.choice(backends)
+            tracker.start(f"r{i}", b, rng.randrange(5000), now, work_s=rng.random(), ttft_s=rng.random())
+            if rng.random() < 0.5:
+                tracker.first_token(f"r{rng.randrange(i + 1)}", now)
+            if rng.random() < 0.4:
+                tracker.release(f"r{rng.randrange(i + 1)}", now + rng.random())
+            if rng.random() < 0.1:
+                tracker.observe(rng.choice(backends), ExternalSignal(now - rng.random(), rng.choice([None, 3.0]),
+                                                                     rng.choice([None, 7.0]), rng.random()))
+            ask = rng.sample([*backends, "never-seen"], 6)
+            states, picks = tracker.scoring_inputs(ask, now)
+            for b2, st, lp in zip(ask, states, picks, strict=True):
+                v = tracker.view(b2, now)
+                assert st == (v.inflight, v.prefill_tokens, v.queue_tokens, v.running, v.kv_usage,
+                              tracker.work_s(b2), tracker.queued(b2), tracker.decode_s(b2))
+                assert lp == tracker.last_pick(b2)
+            assert tracker.busy_many(ask, now) == [tracker.busy(b2, now) for b2 in ask]

@@ -95,3 +95,40 @@ def test_backend_count_is_bounded():
     for b in "abcde":
         idx.record(b, chain(2), now=0)
     assert len(idx.backends()) == 3
+
+
+def test_record_keeps_the_one_key_at_a_time_lru_order():
+    import random
+    from collections import OrderedDict
+
+    from kvroute.policies.prefix_index import PrefixIndex, PrefixIndexConfig
+    rng = random.Random(9)
+    index = PrefixIndex(PrefixIndexConfig(capacity_tokens=64 * 500, block_tokens=64.0))
+    model: OrderedDict[int, float] = OrderedDict()
+    for _ in range(300):
+        keys = rng.sample(range(2000), rng.randrange(0, 60))
+        index.record("a", keys, 0.0)
+        for key in reversed(keys):
+            if key in model:
+                model.move_to_end(key)
+            else:
+                model[key] = float("inf")
+        while len(model) > 500:
+            model.popitem(last=False)
+        assert list(index._backends["a"].entries) == list(model)
+
+
+def test_holdings_equal_capacity_then_blocks_per_backend() -> None:
+    from kvroute.policies.prefix_index import PrefixIndex, PrefixIndexConfig
+
+    one = PrefixIndex(PrefixIndexConfig(capacity_tokens=64 * 10, block_tokens=64.0, max_backends=3))
+    two = PrefixIndex(PrefixIndexConfig(capacity_tokens=64 * 10, block_tokens=64.0, max_backends=3))
+    for index in (one, two):
+        index.record("a", [1, 2, 3], 0.0)
+        index.record("b", [4], 0.0)
+        index.set_capacity("b", 64 * 2)
+    order = ["b", "new", "a", "other", "a"]  # unseen backends get a state (and evict the smallest at the cap)
+    blocks, caps = one.holdings(order)
+    alone = [(two.capacity_blocks(b), two.blocks(b)) for b in order]
+    assert list(zip(caps, blocks, strict=True)) == alone
+    assert sorted(one.backends()) == sorted(two.backends())

@@ -136,3 +136,17 @@ def test_first_token_settles_provisional_blocks():
     router.on_failure(first.request_id, before_prefill=False)
     router.on_cancel(sibling.request_id)
     assert not router._provisional and not router._pending
+
+
+def test_a_repicked_request_id_becomes_the_newest_pending_and_the_oldest_is_released_first() -> None:
+    router = Router(RouterConfig(default_policy="least_load", max_pending=2))
+    requests = {rid: router.fingerprint({"model": "m", "messages": [{"role": "user", "content": rid * 300}]},
+                                        request_id=rid) for rid in ("a", "b", "c")}
+    router.pick(requests["a"], ["x", "y"])
+    router.pick(requests["b"], ["x", "y"])
+    router.pick(requests["a"], ["x", "y"])  # again: now newer than b
+    router.pick(requests["c"], ["x", "y"])  # over max_pending: b (the oldest) is released, not a
+    assert router.pending_backend("b") is None
+    assert router.pending_backend("a") is not None and router.pending_backend("c") is not None
+    assert router.load.backend_of("b") is None and router.load.backend_of("a") is not None
+    assert router.errors == 0

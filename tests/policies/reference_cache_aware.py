@@ -1,0 +1,119 @@
+"""``cache_aware``'s picker as of e9da8e7 (one ``Candidate`` and every scorer per backend), kept verbatim as the
+oracle the faster ``CacheAware.select`` must agree with (tests/policies/test_cache_aware_equivalence.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvroute.policies.base import RoutingState, least_load_decision
+from kvroute.policies.cache_aware import CacheAware
+from kvroute.policies.decision import Decision
+from kvroute.policies.filters import bounded_busy
+from kvroute.policies.request import RoutingRequest
+from kvroute.policies.scorers import Candidate, own_prefill, slot_wait
+
+
+class ReferenceCacheAware(CacheAware):
+    """The same config, scorers and weights as ``CacheAware``; only ``select`` is the old one."""
+
+    def select(
+        self, request: RoutingRequest, candidates: Sequence[str], state: RoutingState, now: float
+    ) -> Decision:
+        cfg = self.config
+        if request.routable_tokens < cfg.min_prefix_tokens:
+            return least_load_decision(request, candidates, state, now, self.name, reason="least_load",
+                                       skipped="short_prompt")
+        load = state.load
+        speed = self.speed
+        index = state.index
+        matches = index.match(request.keys, candidates, now)
+        prompt = request.prompt_tokens
+        bt = request.block_tokens
+        capacity_of = getattr(index, "capacity_blocks", None) or getattr(getattr(index, "fallback", None),
+                                                                           "capacity_blocks", None)
+        costs: dict[str, float] = {}
+        cands: dict[str, Candidate] = {}
+        scorers, fleet = self.scorers, self.fleet_scorers
+        ttft: dict[str, float] = {}
+        matched: dict[str, int] = {}
+        within = bounded_busy(candidates, load, cfg.epsilon, cfg.busy_floor_s, now)  # hot-spot bound, below
+        if len(candidates) > cfg.max_scored:
+            # Large fleets: every holder of a prefix, plus the least loaded of the rest (backends holding
+            # nothing of this prompt differ only by load, so the cheapest few stand for all of them).
+            rest = [b for b in candidates if b not in matches]
+            keep = max(4, cfg.max_scored - len(matches))
+            if len(rest) > keep:
+                rest.sort(key=lambda b: (load.work_s(b), load.busy(b, now), load.last_pick(b), b))
+                candidates = [b for b in candidates if b in matches] + rest[:keep]
+        for b in candidates:
+            m = min(prompt - 1, int(matches.get(b, 0) * bt)) if prompt > 0 else 0
+            matched[b] = max(0, m)
+        best_matched = max(matched.values())
+        best_own = speed.prefill_s(prompt - best_matched, best_matched)
+        factor = load.factor(candidates[0])  # fleet-wide (see LoadTracker.factor)
+        own_by_match: dict[int, float] = {best_matched: best_own}
+        prefill_s = speed.prefill_s
+        for b in candidates:
+            m = matched[b]
+            own_s = own_by_match.get(m)
+            if own_s is None:
+                own_s = own_by_match[m] = prefill_s(prompt - m, m)
+            c = Candidate(b, prompt, m, load.view(b, now), factor, load.work_s(b), load.queued(b), load.decode_s(b),
+                          index.blocks(b) * bt, capacity_of(b) * bt if capacity_of is not None else 0.0,
+                          best_matched, own_s, best_own)
+            cands[b] = c
+            t = 0.0
+            for f, w in scorers:
+                t += w * f(c, speed)
+            ttft[b] = t
+            for f, w in fleet:
+                t += w * f(c, speed)
+            costs[b] = t
+        top_holder = best_matched
+        # Hot-spot bound (busy seconds): over-bound backends are left out unless that costs this request
+        # more than ``bound_cost_s`` of predicted TTFT (a session whose long context is cached there stays:
+        # moving it would recompute that whole context; new or short work spreads).
+        allowed = [b for b in within if b in costs]
+        if (allowed and len(allowed) < len(costs)
+                and min(ttft[b] for b in allowed) - min(ttft.values()) <= cfg.bound_cost_s):
+            costs = {b: costs[b] for b in allowed}
+        allowed = list(costs)
+        best_cost = min(costs.values())
+        band = max(cfg.tie_s, cfg.tie_fraction * best_cost)
+        near = [b for b in allowed if costs[b] <= best_cost + band]
+        best_match = max(cands[b].matched for b in near)
+        if best_match > 0:
+            holders = [b for b in near if cands[b].matched == best_match]
+            if len(holders) == 1:
+                backend = holders[0]
+            else:
+                anchor = request.keys[0]
+                backend = min(holders, key=lambda b: (-state.rendezvous.weight(anchor, b), b))
+            reason = "prefix_match" if best_match >= top_holder else "prefix_spill"
+        else:
+            backend = min(near, key=lambda b: (load.busy(b, now), load.last_pick(b), costs[b], b))
+            reason = "cold" if top_holder == 0 else "prefix_spill"
+        chosen = cands[backend]
+        work = chosen.own_s
+        fixed = slot_wait(chosen, speed) * cfg.slot_weight
+        factor = chosen.factor or 1.0
+        scores = (
+            costs if len(costs) <= cfg.max_scores
+            else dict(sorted(costs.items(), key=lambda kv: kv[1])[: cfg.max_scores])
+        )
+        own = own_prefill(chosen, speed) / factor
+        queued = max(chosen.work_s, chosen.view.queue_tokens / speed.prefill_tok_s)
+        return Decision(
+            backend=backend,
+            policy=self.name,
+            reason=reason,
+            matched_tokens=chosen.matched,
+            matched_blocks=matches.get(backend, 0),
+            prompt_tokens=prompt,
+            scores=scores,
+            request_id=request.request_id,
+            predicted_prefill_tokens=chosen.uncached,
+            work_s=work,
+            predicted_ttft_s=queued + own,
+            fixed_wait_s=fixed,
+        )
