@@ -138,7 +138,7 @@ class BillingFeed:
                 "raw_usage": as_mapping(usage)}
         try:
             self.recorder.dead_letter.append(json.dumps(line, default=str), f"invalid event: {exc}", "callback")
-            self.recorder.stats.dead_lettered += 1
+            self.recorder.note_dead_letter()
         except Exception:
             self._on_error("billing")
 
@@ -287,7 +287,7 @@ class RecorderCollector:
                  st.journal_errors)):
             yield CounterMetricFamily(name, doc, value=value)
         yield GaugeMetricFamily("kvroute_billing_journal_pending_bytes", "Journal bytes not yet in the ledger",
-                                value=self.recorder.journal.pending_bytes)
+                                value=self.recorder.pending_bytes)
         yield GaugeMetricFamily("kvroute_billing_db_up", "1 while the billing database is reachable",
                                 value=1.0 if self.recorder.db_available else 0.0)
 
