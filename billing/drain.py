@@ -150,6 +150,8 @@ class Drainer:
     # -- one pass -----------------------------------------------------------------------------------------
     def cycle(self) -> int:
         """Connect if due, drain every segment as far as it goes; returns how many segments have a live writer."""
+        if not self.directory.is_dir():
+            return 0  # the folder was removed: nothing left to drain, no writer left
         if self._ledger is None and time.monotonic() >= self._next_try:
             self._connect()
         live = 0
