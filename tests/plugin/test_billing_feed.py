@@ -172,3 +172,38 @@ def test_cut_stream_usage_without_prices_leaves_the_cost_to_the_rate_card() -> N
     assert (usage["prompt_tokens"], usage["completion_tokens"], cost) == (40, 3, None)
     usage, cost = cut_stream_usage(-5, 2, {"input_cost_per_token": "0.5", "output_cost_per_token": 1})
     assert usage["prompt_tokens"] == 0 and cost == 2
+
+
+def test_metrics_show_the_drainer_process_progress(tmp_path: Path) -> None:
+    """The proxy's billing metrics come from the out-of-process drainer: stored rows, journal lag, database up."""
+    import os
+    import time
+    from datetime import UTC, datetime
+
+    from kvroute.billing.drain import read_stats
+    from kvroute.billing.events import UsageEvent
+    from kvroute.billing.recorder import UsageRecorder
+    from kvroute.billing.usage import TokenBuckets
+    from kvroute.plugin.billing_feed import BillingFeed, RecorderCollector
+    from kvroute.plugin.request_ids import RequestIds
+
+    rec = UsageRecorder(f"sqlite:///{tmp_path / 'b.db'}", tmp_path / "journal", flush_interval_s=0.05).start()
+    try:
+        collector = RecorderCollector(BillingFeed(rec, RequestIds()))
+
+        def metrics() -> dict[str, float]:
+            return {m.name: m.samples[0].value for m in collector.collect()}
+
+        for i in range(50):
+            rec.record(UsageEvent(request_id=f"r{i}", app_id="acme", occurred_at=datetime.now(UTC), served_model="m",
+                                  provider="p", backend_id="b", tokens=TokenBuckets(5, 0, 0, 0, 2, 0)))
+        assert metrics()["kvroute_billing_events_recorded"] == 50
+        assert rec.flush(30)
+        deadline = time.monotonic() + 10
+        while metrics()["kvroute_billing_db_up"] != 1.0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        m = metrics()
+        assert m["kvroute_billing_events_inserted"] == 50 and m["kvroute_billing_journal_pending_bytes"] == 0
+        assert read_stats(tmp_path / "journal")["pid"] != os.getpid()
+    finally:
+        rec.close()
