@@ -32,7 +32,7 @@ from typing import Any
 
 from kvroute.billing.deadletter import DeadLetter
 from kvroute.billing.events import UsageEvent, event_from_json
-from kvroute.billing.spool import LOCK_FILE, STATS_FILE, opened_segment, segment_paths
+from kvroute.billing.spool import LOCK_FILE, STATS_FILE, as_documented, opened_segment, segment_paths
 from kvroute.policies.errors import InputError
 
 log = logging.getLogger("kvroute.billing")
@@ -234,10 +234,13 @@ class Drainer:
     def _parse(self, raw: bytes, source: str) -> UsageEvent | None:
         if not raw.strip():
             return None
+        data: Any = None
         try:
-            return event_from_json(json.loads(raw))
-        except (ValueError, InputError, TypeError) as exc:
-            self._dead(raw, f"invalid event: {exc}", source)
+            data = as_documented(json.loads(raw))
+            return event_from_json(data)
+        except (ValueError, InputError, TypeError) as exc:  # kept in the documented form, for the operator
+            line = json.dumps(data).encode() if isinstance(data, dict) else raw
+            self._dead(line, f"invalid event: {exc}", source)
             return None
 
     def _insert_checked(self, batch: Sequence[UsageEvent]) -> None:

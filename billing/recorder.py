@@ -28,7 +28,7 @@ from typing import Any, Literal
 from kvroute.billing.deadletter import DeadLetter
 from kvroute.billing.drain import Drainer, drain_env, drainer_running, is_unavailable, read_stats, spawn_command
 from kvroute.billing.events import UsageEvent
-from kvroute.billing.spool import Journal, is_live, segment_paths
+from kvroute.billing.spool import Journal, encode_event, is_live, segment_paths
 
 log = logging.getLogger("kvroute.billing")
 
@@ -106,8 +106,9 @@ class UsageRecorder:
 
     # -- request path -------------------------------------------------------------------------------------
     def record(self, event: UsageEvent) -> None:
-        """Journal one event (one ``write(2)``, no fsync, no database); durable against a process crash on return."""
-        line = event.to_bytes() + b"\n"
+        """Journal one event (msgspec-encoded, one ``write(2)``, no fsync, no database); durable against a process
+        crash on return."""
+        line = encode_event(event)
         try:
             self.journal.append(line)
         except OSError:  # disk full or gone: keep it in memory, the housekeeping thread retries; never drop it

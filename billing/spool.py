@@ -25,11 +25,41 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import msgspec
 
 PREFIX = "journal-"
 LEGACY_PREFIX = "spool-"  # files of the pre-journal spool are replayed the same way
 LOCK_FILE = ".drainer.lock"  # held (flock) by the one drainer of a journal folder
 STATS_FILE = ".drainer.json"  # the drainer's progress: offsets per segment, counters, database state
+
+
+_NATIVE = msgspec.json.Encoder()
+_OPTIONAL = ("end_user", "api_key_hash", "http_status", "error_type", "ttft_ms", "duration_ms", "attempt_key")
+
+
+def encode_event(event: Any) -> bytes:
+    """One journal line (newline included) for a ``UsageEvent``."""
+    try:
+        return _NATIVE.encode(event) + b"\n"
+    except (TypeError, ValueError, OverflowError, UnicodeEncodeError):  # e.g. a lone surrogate, a huge int
+        return event.to_bytes() + b"\n"
+
+
+def as_documented(data: Any) -> Any:
+    """A parsed journal line in the documented JSON form (``UsageEvent.to_json``): msgspec's field names mapped
+    (``tokens`` → ``usage``, ``is_final`` → ``final``), absent values dropped as ``to_json`` drops them."""
+    if not isinstance(data, dict) or "tokens" not in data or "usage" in data:
+        return data
+    out = {k: v for k, v in data.items() if v is not None}
+    out["usage"] = out.pop("tokens")
+    if "is_final" in out:
+        out["final"] = out.pop("is_final")
+    for name in _OPTIONAL:
+        if out.get(name) == "":
+            del out[name]
+    return out
 
 
 @dataclass

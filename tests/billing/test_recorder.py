@@ -425,3 +425,24 @@ def test_client_strings_over_column_limits_are_stored_alike(db_url: str, tmp_pat
         rec.close()
     assert rec.stats.inserted == 1 and rec.stats.dead_lettered == 0
     assert _ids(db_url) == [e.event_id]
+
+
+def test_the_journal_line_reads_back_as_the_same_event() -> None:
+    """record() writes msgspec's encoding of the event; replay maps it to the documented form: the event reads back
+    exactly as its documented line does (where "" and absent mean the same)."""
+    from decimal import Decimal
+
+    from kvroute.billing.events import event_from_json
+    from kvroute.billing.spool import as_documented, encode_event
+    samples = [event(1), event(2, provider_cost=Decimal("0.0012345678"), end_user="", http_status=502,
+                                raw_usage={"prompt_tokens": 9, "completion_tokens": 2, "cost": 0.5,
+                                           "prompt_tokens_details": {"cached_tokens": None}}),
+               event(3, end_user="é", attempt_key="outcome", raw_usage={"prompt_tokens": 1, "completion_tokens": 1,
+                                                                         "note": "\ud800"})]  # msgspec refuses it
+    for e in samples:
+        line = encode_event(e)
+        assert line.endswith(b"\n") and line.count(b"\n") == 1
+        back = event_from_json(as_documented(json.loads(line)))
+        assert back == event_from_json(json.loads(e.to_bytes())), e  # as the documented line reads back
+        assert back.event_id == e.event_id and back.tokens == e.tokens and back.provider_cost == e.provider_cost
+    assert b'"tokens"' in encode_event(samples[0]) and b'"usage"' in encode_event(samples[2])
