@@ -135,7 +135,8 @@ def record_worker(variant: str, n: int, seed: int) -> None:
 
     ``variant``: ``process`` (this tree, drainer process), ``thread`` (this tree, embedded drainer thread: the old
     in-process mode) or ``baseline`` (the baseline tree's recorder, imported in place of this one). Two cases, each
-    timed event by event against its floor (serialise the event + one ``write(2)`` of the line to a plain file,
+    timed event by event against its floor (serialise the event as that tree's ``record()`` does + one
+    ``write(2)`` of the line to a plain file,
     interleaved so both see the same noise, which one goes first alternating) while the drainer inserts:
     ``paced_busy`` (arrivals 0.5-2 ms apart, i.e. 500-2000 req/s, the process busy in between as a proxy serving
     that rate is), ``paced_idle`` (the same gaps slept: each event starts cold) and ``burst`` (back to back).
@@ -146,6 +147,12 @@ def record_worker(variant: str, n: int, seed: int) -> None:
     from kvroute.billing.events import UsageEvent
     from kvroute.billing.recorder import UsageRecorder
     from kvroute.billing.usage import TokenBuckets
+    try:
+        from kvroute.billing.spool import encode_event  # this tree: what record() serialises
+    except ImportError:  # the baseline tree serialised the documented form
+
+        def encode_event(e: UsageEvent) -> bytes:
+            return e.to_bytes() + b"\n"
     rng = random.Random(seed)
     start = datetime(2026, 10, 1, tzinfo=UTC)
     events = [UsageEvent(request_id=f"rec-{seed}-{i}", app_id=f"app{i % 20}",
@@ -172,13 +179,13 @@ def record_worker(variant: str, n: int, seed: int) -> None:
                     t0 = clock()
                     rec.record(e)
                     t1 = clock()
-                    os.write(fd, e.to_bytes() + b"\n")
+                    os.write(fd, encode_event(e))
                     t2 = clock()
                     samples.append(t1 - t0)
                     floor.append(t2 - t1)
                 else:
                     t0 = clock()
-                    os.write(fd, e.to_bytes() + b"\n")
+                    os.write(fd, encode_event(e))
                     t1 = clock()
                     rec.record(e)
                     t2 = clock()
