@@ -83,6 +83,7 @@ class UsageRecorder:
         self._next_spawn = 0.0
         self._spawn_backoff = 1.0
         self._last_sync = time.monotonic()
+        self._started_at = 0.0
         self._closed = False
 
     # -- lifecycle ----------------------------------------------------------------------------------------
@@ -92,6 +93,7 @@ class UsageRecorder:
             self._stop.clear()
             self._closed = False
             self.journal.open()
+            self._started_at = time.time()
             if self.drain == "process":
                 self._ensure_drainer()
             else:
@@ -184,13 +186,18 @@ class UsageRecorder:
         return True
 
     def close(self, timeout: float = 10.0) -> None:
-        """Wait (up to ``timeout``) for the drainer to consume this process's events while the database is up;
-        then stop, fsync and close the journal. What is not stored yet stays in the journal (replayed later)."""
+        """Wait (up to ``timeout``) for the drainer to reach the database (a fresh one) and, while it is up, to
+        consume this process's events; then stop, fsync and close the journal. What is not stored yet stays in the
+        journal (replayed later)."""
         if self._closed:
             return
         self._closed = True
-        if self._thread is not None and self.db_available:
-            self.flush(timeout)
+        if self._thread is not None:
+            deadline = time.monotonic() + timeout
+            while not self._drainer_reported() and time.monotonic() < deadline and self._drainer_may_report():
+                time.sleep(0.02)  # a drainer just started has not reached the database yet: wait for its word
+            if self.db_available:
+                self.flush(max(0.0, deadline - time.monotonic()))
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
@@ -210,6 +217,17 @@ class UsageRecorder:
         if self._child is not None:
             with contextlib.suppress(Exception):
                 self._child.poll()  # reap it if it exited; a running one stops once its writers are gone
+
+    def _drainer_reported(self) -> bool:
+        """Whether the folder's drainer published its state since this recorder started."""
+        at = self._published().get("at")
+        return isinstance(at, int | float) and at >= self._started_at
+
+    def _drainer_may_report(self) -> bool:
+        if self._drainer is not None:
+            return True  # embedded: the housekeeping thread publishes
+        alive = self._child is not None and self._child.poll() is None
+        return alive or drainer_running(self.journal_dir)
 
     # -- housekeeping thread ------------------------------------------------------------------------------
     def _run(self) -> None:

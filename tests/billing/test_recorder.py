@@ -446,3 +446,13 @@ def test_the_journal_line_reads_back_as_the_same_event() -> None:
         assert back == event_from_json(json.loads(e.to_bytes())), e  # as the documented line reads back
         assert back.event_id == e.event_id and back.tokens == e.tokens and back.provider_cost == e.provider_cost
     assert b'"tokens"' in encode_event(samples[0]) and b'"usage"' in encode_event(samples[2])
+
+
+def test_close_right_after_start_stores_everything(tmp_path: Path) -> None:
+    """close() without a flush, before the new drainer process even reached the database: nothing is left over."""
+    url = f"sqlite:///{tmp_path / 'billing.db'}"
+    rec = UsageRecorder(url, tmp_path / "journal").start()
+    for i in range(20):
+        rec.record(event(i))
+    rec.close()
+    assert len(_ids(url)) == 20 and not list((tmp_path / "journal").glob("journal-*.jsonl"))
