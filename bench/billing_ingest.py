@@ -1,12 +1,14 @@
 """Billing benchmark: ``kvroute billing ingest`` events/s (JSONL file → rated rows in SQLite), this tree against a
 baseline git revision in the same run, interleaved rounds (ABBA), medians; ``--record`` adds the
-``UsageRecorder.record()`` latency (p50/p99) against a bare ``deque.append``.
+``UsageRecorder.record()`` latency (p50/p99/max) with the drainer out of process, in a thread, and the baseline
+tree's recorder, each against its floor (serialise + one ``write(2)``), while the drainer inserts.
 
 Each round runs the ingest of the same file into a fresh database in a fresh process, once per tree. The
 baseline tree is the given revision of ``billing/`` and ``policies/`` (``git archive``), imported as
 ``kvroute.*`` in place of the editable install. Prints JSON.
 
 usage: python bench/billing_ingest.py [--events N] [--batch B] [--rounds R] [--baseline REV] [--record]
+                                      [--record-only] [--record-events N] [--record-rounds R] [--record-baseline REV]
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import deque
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -126,45 +127,121 @@ def bench_ingest(n: int, batch: int, rounds: int, baseline: str) -> dict[str, ob
             "load_average_1m_per_round": loads, "cpus": os.cpu_count()}
 
 
-def bench_record(n: int) -> dict[str, float]:
-    """``record()`` against its unavoidable part (serialise the event, one ``write(2)`` of the line), interleaved
-    event by event so both see the same machine noise; the recorder's writer thread runs meanwhile."""
+RECORD_VARIANTS = ("process", "thread", "baseline")
+
+
+def record_worker(variant: str, n: int, seed: int) -> None:
+    """One ``record()`` latency run in this process (started by ``bench_record``), printed as JSON.
+
+    ``variant``: ``process`` (this tree, drainer process), ``thread`` (this tree, embedded drainer thread: the old
+    in-process mode) or ``baseline`` (the baseline tree's recorder, imported in place of this one). Two cases, each
+    timed event by event against its floor (serialise the event as that tree's ``record()`` does + one
+    ``write(2)`` of the line to a plain file,
+    interleaved so both see the same noise, which one goes first alternating) while the drainer inserts:
+    ``paced_busy`` (arrivals 0.5-2 ms apart, i.e. 500-2000 req/s, the process busy in between as a proxy serving
+    that rate is), ``paced_idle`` (the same gaps slept: each event starts cold) and ``burst`` (back to back).
+    """
+    import inspect
+    import random
+
     from kvroute.billing.events import UsageEvent
     from kvroute.billing.recorder import UsageRecorder
     from kvroute.billing.usage import TokenBuckets
+    try:
+        from kvroute.billing.spool import encode_event  # this tree: what record() serialises
+    except ImportError:  # the baseline tree serialised the documented form
+
+        def encode_event(e: UsageEvent) -> bytes:
+            return e.to_bytes() + b"\n"
+    rng = random.Random(seed)
     start = datetime(2026, 10, 1, tzinfo=UTC)
-    events = [UsageEvent(request_id=f"rec-{i}", app_id=f"app{i % 20}", occurred_at=start + timedelta(seconds=i),
-                         served_model=f"m{i % 5}", provider="p", backend_id=f"b{i % 4}",
-                         tokens=TokenBuckets(100 + i % 900, i % 3000, 0, 0, 50 + i % 500, 0)) for i in range(n)]
+    events = [UsageEvent(request_id=f"rec-{seed}-{i}", app_id=f"app{i % 20}",
+                         occurred_at=start + timedelta(seconds=i), served_model=f"m{i % 5}", provider="p",
+                         backend_id=f"b{i % 4}", tokens=TokenBuckets(100 + i % 900, i % 3000, 0, 0, 50 + i % 500, 0))
+              for i in range(3 * n + 1)]
+    kwargs: dict[str, object] = {"batch_size": 500, "flush_interval_s": 0.05}
+    if "drain" in inspect.signature(UsageRecorder).parameters:
+        kwargs["drain"] = "thread" if variant == "thread" else "process"
+    out: dict[str, object] = {"variant": variant}
     with tempfile.TemporaryDirectory() as d:
-        rec = UsageRecorder(str(Path(d) / "rec.db"), Path(d) / "journal", batch_size=500, flush_interval_s=0.05)
+        rec = UsageRecorder(str(Path(d) / "rec.db"), Path(d) / "journal", **kwargs)  # type: ignore[arg-type]
         rec.start()
+        rec.record(events[0])
+        rec.flush(60)  # the database is migrated and the drainer runs before timing starts
         fd = os.open(Path(d) / "raw.jsonl", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        samples, raw, base = [], [], []
-        baseline: deque[object] = deque()
         clock = time.perf_counter_ns
-        for i, e in enumerate(events):
-            t0 = clock()
-            rec.record(e)
-            t1 = clock()
-            os.write(fd, (e.to_line() + "\n").encode())
-            t2 = clock()
-            baseline.append(e)
-            t3 = clock()
-            samples.append(t1 - t0)
-            raw.append(t2 - t1)
-            base.append(t3 - t2)
-            if i % 1000 == 999:
-                time.sleep(0.002)  # requests arrive over time; the writer thread runs meanwhile
+        for case, batch in (("paced_busy", events[1:n + 1]), ("paced_idle", events[n + 1:2 * n + 1]),
+                            ("burst", events[2 * n + 1:])):
+            next_at = clock()
+            samples, floor = [], []
+            for k, e in enumerate(batch):  # which goes first alternates: after a sleep the first one runs cold
+                if k % 2:
+                    t0 = clock()
+                    rec.record(e)
+                    t1 = clock()
+                    os.write(fd, encode_event(e))
+                    t2 = clock()
+                    samples.append(t1 - t0)
+                    floor.append(t2 - t1)
+                else:
+                    t0 = clock()
+                    os.write(fd, encode_event(e))
+                    t1 = clock()
+                    rec.record(e)
+                    t2 = clock()
+                    floor.append(t1 - t0)
+                    samples.append(t2 - t1)
+                gap = rng.uniform(0.0005, 0.002)
+                if case == "paced_idle":
+                    time.sleep(gap)
+                elif case == "paced_busy":  # the process works between requests (as a proxy at 500-2000 req/s)
+                    next_at += int(gap * 1e9)
+                    while clock() < next_at:
+                        pass
+            q, qf = statistics.quantiles(samples, n=100), statistics.quantiles(floor, n=100)
+            out[case] = {"p50_us": q[49] / 1000, "p99_us": q[98] / 1000, "max_us": max(samples) / 1000,
+                         "floor_p50_us": qf[49] / 1000, "floor_p99_us": qf[98] / 1000,
+                         "floor_max_us": max(floor) / 1000}
         os.close(fd)
-        rec.flush(120)
+        out["stored"] = rec.flush(120)
         rec.close()
-    q, qr, qb = (statistics.quantiles(x, n=100) for x in (samples, raw, base))
-    return {"events": n, "record_p50_us": round(q[49] / 1000, 3), "record_p99_us": round(q[98] / 1000, 3),
-            "record_max_us": round(max(samples) / 1000, 1), "baseline_deque_append_p99_us": round(qb[98] / 1000, 3),
-            "baseline_serialise_write_p50_us": round(qr[49] / 1000, 3),
-            "baseline_serialise_write_p99_us": round(qr[98] / 1000, 3),
-            "record_p99_over_serialise_write_p99": round(q[98] / qr[98], 2), "inserted": rec.stats.inserted}
+        out["inserted"] = rec.stats.inserted
+    print(json.dumps(out))
+
+
+def bench_record(n: int, rounds: int, baseline: str) -> dict[str, object]:
+    """``record()`` p50/p99/max per variant (see ``record_worker``), each round a fresh process per variant,
+    variants rotated between rounds; medians over rounds."""
+    runs: dict[str, list[dict]] = {v: [] for v in RECORD_VARIANTS}
+    with tempfile.TemporaryDirectory() as d:
+        pkg = baseline_tree(baseline, Path(d) / "baseline")
+        loads = []
+        for r in range(rounds):
+            order = RECORD_VARIANTS[r % 3:] + RECORD_VARIANTS[:r % 3]
+            for variant in order:
+                argv = [__file__, "--record-worker", variant, "--events", str(n), "--seed", str(r)]
+                cmd = ([sys.executable, *argv] if variant != "baseline" else
+                       [sys.executable, "-c", _BOOT.format(pkg=str(pkg), argv=argv, script=__file__)])
+                res = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
+                                     env={**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"})
+                if res.returncode != 0:
+                    raise RuntimeError(f"{variant} round {r} failed: {res.stderr[-3000:]}")
+                one = json.loads(res.stdout.strip().splitlines()[-1])
+                assert one["stored"] and one["inserted"] == 3 * n + 1, one
+                runs[variant].append(one)
+            loads.append(os.getloadavg()[0])
+    out: dict[str, object] = {"events_per_case": n, "rounds": rounds, "baseline_rev": baseline,
+                              "load_average_1m_per_round": loads, "cpus": os.cpu_count()}
+    for case in ("paced_busy", "paced_idle", "burst"):
+        table: dict[str, dict[str, float]] = {}
+        for variant, items in runs.items():
+            table[variant] = {k: round(statistics.median(x[case][k] for x in items), 2) for k in items[0][case]}
+            table[variant]["p99_all_rounds"] = [round(x[case]["p99_us"], 1) for x in items]  # type: ignore[assignment]
+        table["ratio_p99_process_vs_floor"] = round(table["process"]["p99_us"] / table["process"]["floor_p99_us"], 2)
+        table["ratio_p99_process_vs_thread"] = round(table["process"]["p99_us"] / table["thread"]["p99_us"], 2)
+        table["ratio_p99_process_vs_baseline"] = round(table["process"]["p99_us"] / table["baseline"]["p99_us"], 2)
+        out[case] = table
+    return out
 
 
 def main() -> None:
@@ -175,14 +252,26 @@ def main() -> None:
     parser.add_argument("--baseline", default="e4f2a42", help="git revision to compare with (default: the tree "
                                                               "before the issue 9 ingest work)")
     parser.add_argument("--record", action="store_true", help="also measure UsageRecorder.record() latency")
+    parser.add_argument("--record-only", action="store_true", help="only the record() latency")
+    parser.add_argument("--record-events", type=int, default=3000, help="events per record() case and round")
+    parser.add_argument("--record-rounds", type=int, default=3)
+    parser.add_argument("--record-baseline", default="e9da8e7", help="tree whose recorder is the 'baseline' "
+                                                                     "variant (default: the in-process writer)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--record-worker", choices=RECORD_VARIANTS, help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args.batch)
         return
-    result: dict[str, object] = {"ingest_sqlite": bench_ingest(args.events, args.batch, args.rounds, args.baseline)}
-    if args.record:
-        result["record"] = bench_record(args.events)
+    if args.record_worker:
+        record_worker(args.record_worker, args.events, args.seed)
+        return
+    result: dict[str, object] = {}
+    if not args.record_only:
+        result["ingest_sqlite"] = bench_ingest(args.events, args.batch, args.rounds, args.baseline)
+    if args.record or args.record_only:
+        result["record"] = bench_record(args.record_events, args.record_rounds, args.record_baseline)
     print(json.dumps(result, indent=2))
 
 

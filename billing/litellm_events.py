@@ -286,3 +286,23 @@ def event_from_callback(kwargs: Mapping[str, Any], response_obj: Any, *, outcome
         raw_usage=dict(raw_usage) if isinstance(raw_usage, Mapping) else None,
         attempt_key=_fit_opt(attempt_key, "attempt_key"),
     )
+
+
+def cut_stream_usage(prompt_tokens: int, streamed_tokens: int,
+                     prices: Mapping[str, Any]) -> tuple[dict[str, Any], Decimal | None]:
+    """The usage and provider cost of an attempt whose stream was cut after ``streamed_tokens`` output tokens.
+
+    Providers bill a cut stream like a finished one, for the tokens processed so far: the whole prompt (prefill
+    ran) and the output generated up to the cut. kvroute knows the output it relayed and estimates the prompt from
+    the request; no provider usage exists for it, so the cost is ``prompt × input_cost_per_token + output ×
+    output_cost_per_token`` (exact decimals of the deployment's prices; None without prices: the rate card
+    decides). The usage says it is an estimate (``kvroute_estimate``). The ledger books it non-final: its cost is
+    absorbed, the app is billed nothing for it.
+    """
+    prompt, output = max(int(prompt_tokens), 0), max(int(streamed_tokens), 0)
+    usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": output, "total_tokens": prompt + output,
+                             "kvroute_estimate": "stream_cut"}
+    rate_in, rate_out = _money(prices.get("input_cost_per_token")), _money(prices.get("output_cost_per_token"))
+    if rate_in is None or rate_out is None:
+        return usage, None
+    return usage, rate_in * prompt + rate_out * output

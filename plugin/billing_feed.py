@@ -138,7 +138,7 @@ class BillingFeed:
                 "raw_usage": as_mapping(usage)}
         try:
             self.recorder.dead_letter.append(json.dumps(line, default=str), f"invalid event: {exc}", "callback")
-            self.recorder.stats.dead_lettered += 1
+            self.recorder.note_dead_letter()
         except Exception:
             self._on_error("billing")
 
@@ -195,6 +195,38 @@ class BillingFeed:
             self.before_response += 1
         state.success_recorded = True
 
+    def stream_cut(self, request_data: Mapping[str, Any], relayed: int) -> None:
+        """The proxy stream failed after ``relayed`` chunks with output went to the client: they are the output
+        the current attempt was billed for (its failure is recorded by the failure hooks, with that cost)."""
+        try:
+            state = self.ids.state(request_metadata(request_data))
+            # the attempt relaying the stream: the last one sent upstream (the request's metadata may still name
+            # an earlier hop's ticket after a fallback)
+            attempt = next((a for a in reversed(state.attempts) if a.sent and a.backend), None) if state else None
+            if attempt is not None:
+                attempt.streamed = max(attempt.streamed, relayed)
+        except Exception:
+            self._on_error("billing")
+
+    def _paid(self, kwargs: dict, attempt: Attempt) -> tuple[dict, Any]:
+        """``kwargs`` and a response for a failed attempt: none for one that sent no output; for a stream cut
+        after output went out (the chunks the proxy relayed, else LiteLLM's count of the partial stream), what the
+        provider bills for it (``litellm_events.cut_stream_usage``)."""
+        slo = kwargs.get("standard_logging_object")
+        slo = slo if isinstance(slo, Mapping) else {}
+        output, prompt = attempt.streamed, slo.get("prompt_tokens")
+        if not output:  # LiteLLM's own count of a partial stream, in its failure payload
+            counted = slo.get("completion_tokens")
+            output = counted if isinstance(counted, int) and not isinstance(counted, bool) and counted > 0 else 0
+        if not output:
+            return kwargs, None
+        if not isinstance(prompt, int) or isinstance(prompt, bool) or prompt <= 0:
+            prompt = _prompt_tokens(kwargs, attempt.served)
+        usage, cost = self.events.cut_stream_usage(prompt, output, _prices(attempt.model_info))
+        if cost is not None:
+            kwargs = {**kwargs, "response_cost": cost}
+        return kwargs, {"usage": usage}
+
     def attempt_failed(self, request_data: Mapping[str, Any], exception: BaseException, ticket_id: str | None) -> None:
         """``async_post_call_failure_deployment_hook``: one failed upstream attempt, non-final."""
         found = self.ids.attempt_of(ticket_id)
@@ -202,8 +234,8 @@ class BillingFeed:
             return
         state, attempt = found
         status, _, _ = self.events.exception_status(exception, backend_called=True)  # the per-attempt hook
-        kwargs = {**dict(request_data), "exception": exception}
-        self._record(kwargs, None, outcome=status, state=state, attempt=attempt, final=False,
+        kwargs, response = self._paid({**dict(request_data), "exception": exception}, attempt)
+        self._record(kwargs, response, outcome=status, state=state, attempt=attempt, final=False,
                      backend=deployment_id(request_data) or attempt.backend)
 
     def superseded(self, ticket_id: str | None) -> None:
@@ -213,8 +245,9 @@ class BillingFeed:
             return
         state, attempt = found
         if attempt.sent and not attempt.recorded and attempt.backend:
-            kwargs = {"model": attempt.served or attempt.group, "model_info": attempt.model_info or {}}
-            self._record(kwargs, None, outcome="provider_failure", state=state, attempt=attempt, final=False,
+            kwargs, response = self._paid({"model": attempt.served or attempt.group,
+                                           "model_info": attempt.model_info or {}}, attempt)
+            self._record(kwargs, response, outcome="provider_failure", state=state, attempt=attempt, final=False,
                          backend=attempt.backend)
 
     def logged_failure(self, kwargs: Mapping[str, Any], exception: Any) -> None:
@@ -241,8 +274,9 @@ class BillingFeed:
             return
         attempt = state.latest(backend=deployment_id(kwargs), unrecorded=True)
         if attempt is not None and attempt.sent:
-            self._record({**kwargs, "exception": exception}, None, outcome=status, state=state, attempt=attempt,
-                         final=False, backend=attempt.backend)
+            paid_kwargs, response = self._paid({**kwargs, "exception": exception}, attempt)
+            self._record(paid_kwargs, response, outcome=status, state=state, attempt=attempt, final=False,
+                         backend=attempt.backend)
 
     def request_failed(self, data: Mapping[str, Any], exception: BaseException) -> None:
         """``async_post_call_failure_hook`` (proxy): the request failed for the client -- its final outcome row."""
@@ -256,6 +290,13 @@ class BillingFeed:
         if state.outcome_recorded or state.success_recorded:
             return
         last = state.latest(unrecorded=False)
+        if last is not None and last.sent and last.backend and not last.recorded and last.streamed:
+            # a stream cut after output went out (no per-attempt hook runs for it): the attempt's own row, paid
+            paid_kwargs, response = self._paid({**dict(data), "exception": exception,
+                                                "model": last.served or last.group,
+                                                "model_info": last.model_info or {}}, last)
+            self._record(paid_kwargs, response, outcome=status, state=state, attempt=last, final=False,
+                         backend=last.backend)
         # a router-level outcome (no deployment, a budget) called no upstream, whatever kvroute had picked
         routed = last is not None and bool(last.backend) and status != "no_route"
         backend = last.backend if routed else self.events.ROUTER_BACKEND
@@ -289,7 +330,7 @@ class RecorderCollector:
                  st.journal_errors)):
             yield CounterMetricFamily(name, doc, value=value)
         yield GaugeMetricFamily("kvroute_billing_journal_pending_bytes", "Journal bytes not yet in the ledger",
-                                value=self.recorder.journal.pending_bytes)
+                                value=self.recorder.pending_bytes)
         yield GaugeMetricFamily("kvroute_billing_db_up", "1 while the billing database is reachable",
                                 value=1.0 if self.recorder.db_available else 0.0)
 
@@ -342,3 +383,49 @@ def _safe_url(url: str) -> str:
         return make_url(url).render_as_string(hide_password=True)
     except Exception:
         return url.split("@")[-1]
+
+
+def _prompt_tokens(data: Mapping[str, Any], served: str | None) -> int:
+    """The request's prompt tokens as LiteLLM counts them for the served model (its estimate for streams without
+    usage); 0 when the request holds no messages or prompt."""
+    try:
+        import litellm
+
+        messages = data.get("messages")
+        if isinstance(messages, list):
+            return int(litellm.token_counter(model=served or "", messages=messages))
+        prompt = data.get("prompt")
+        if isinstance(prompt, str):
+            return int(litellm.token_counter(model=served or "", text=prompt))
+    except Exception:
+        log.debug("kvroute billing: prompt tokens of a cut stream unknown", exc_info=True)
+    return 0
+
+
+_PRICE_KEYS = ("input_cost_per_token", "output_cost_per_token")
+
+
+def _prices(model_info: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The deployment's per-token prices: its ``model_info``, else what LiteLLM registered under its id."""
+    info = model_info if isinstance(model_info, Mapping) else {}
+    found = {k: info.get(k) for k in _PRICE_KEYS if info.get(k) is not None}
+    if len(found) < len(_PRICE_KEYS) and info.get("id") is not None:
+        with contextlib.suppress(Exception):
+            import litellm
+
+            entry = litellm.model_cost.get(str(info["id"])) or {}
+            found = {k: found.get(k, entry.get(k)) for k in _PRICE_KEYS}
+    return {k: v for k, v in found.items() if v is not None}
+
+
+def chunk_has_output(chunk: Any) -> bool:
+    """Whether a stream chunk carries output tokens (text, reasoning or a tool call); one such chunk ≈ one token."""
+    choices = getattr(chunk, "choices", None)
+    if not choices:
+        return False
+    first = choices[0]
+    delta = getattr(first, "delta", None)
+    if delta is None:
+        return bool(getattr(first, "text", None))
+    return bool(getattr(delta, "content", None) or getattr(delta, "reasoning_content", None)
+                or getattr(delta, "tool_calls", None))

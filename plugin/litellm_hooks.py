@@ -21,7 +21,7 @@ from typing import Any
 from litellm.integrations.custom_logger import CustomLogger
 
 from kvroute.plugin import hybrid
-from kvroute.plugin.billing_feed import BillingFeed
+from kvroute.plugin.billing_feed import BillingFeed, chunk_has_output
 from kvroute.plugin.deployments import Backend, Deployments, litellm_cost_map
 from kvroute.plugin.hash_secret import resolve_chain_key
 from kvroute.plugin.hosted import forward_cache_key, provider_quote
@@ -564,6 +564,7 @@ class KvrouteCallback(CustomLogger):
         done = False
         first = True
         usage_chunk = None
+        relayed = 0  # chunks with output the client got: what a stream cut upstream still cost
         try:
             async for item in response:
                 if first:
@@ -571,6 +572,8 @@ class KvrouteCallback(CustomLogger):
                     self._first_token(request_data)
                 if getattr(item, "usage", None) is not None:
                     usage_chunk = item
+                if self.billing is not None and chunk_has_output(item):
+                    relayed += 1
                 yield item
             done = True
             if self.billing is not None and usage_chunk is not None:  # before the proxy sends [DONE]
@@ -581,6 +584,8 @@ class KvrouteCallback(CustomLogger):
                     self._count_error("billing")
         except Exception:
             done = True  # an upstream error: the failure hooks report it
+            if self.billing is not None and relayed:
+                self.billing.stream_cut(request_data, relayed)
             raise
         finally:
             if not done:  # GeneratorExit / CancelledError: the client went away

@@ -45,6 +45,7 @@ class Attempt:
     started_at: datetime | None = None
     model_info: dict[str, Any] | None = None
     served: str | None = None
+    streamed: int = 0  # chunks with output relayed from this attempt (≈ output tokens; billing of a cut stream)
 
 
 @dataclass(slots=True)

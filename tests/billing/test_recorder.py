@@ -17,7 +17,7 @@ from billing_helpers import event, wait_for
 
 from kvroute.billing.ledger import Ledger
 from kvroute.billing.recorder import UsageRecorder
-from kvroute.billing.spool import Journal
+from kvroute.billing.spool import is_live, segment_paths
 
 HERE = Path(__file__).parent
 WORKER = HERE / "recorder_worker.py"
@@ -73,7 +73,7 @@ def test_sqlite_unavailable_then_back(tmp_path: Path) -> None:
         for i in range(300):
             rec.record(event(i))
         assert not rec.flush(1)  # not stored, but journaled
-        assert rec.journal.pending_bytes > 0 and not rec.db_available
+        assert rec.pending_bytes > 0 and not rec.db_available
         blocker.unlink()
         blocker.mkdir()  # the database can be created now
         assert wait_for(lambda: rec.stats.inserted == 300, 20)
@@ -164,9 +164,9 @@ def test_postgres_outage_spools_and_replays(pg_url: str, tmp_path: Path) -> None
         for i in range(150, 500):
             rec.record(event(i))
         assert not rec.flush(2)
-        assert rec.journal.pending_bytes > 0
+        assert rec.pending_bytes > 0
         proxy.restore()
-        assert wait_for(lambda: rec.db_available and rec.journal.pending_bytes == 0, 30)
+        assert wait_for(lambda: rec.db_available and rec.pending_bytes == 0, 30)
         rec.record(event(500))
         assert rec.flush(30)
     finally:
@@ -187,7 +187,7 @@ def test_every_recorded_event_survives_a_kill_without_any_flush(tmp_path: Path, 
     try:
         line = proc.stdout.readline()  # type: ignore[union-attr]
         assert line.startswith("recorded 300"), proc.stderr.read()  # type: ignore[union-attr]
-        assert not list(Journal(journal).orphans()), "a live writer's journal was offered for replay"
+        assert all(is_live(p) for p in segment_paths(journal)), "a live writer's journal looked dead"
     finally:
         proc.send_signal(sig)
         proc.wait(10)
@@ -285,7 +285,10 @@ def test_a_bad_event_is_dead_lettered_and_never_blocks_the_others(db_url: str, t
     dead = DeadLetter(data)
     assert dead.path.parent == data and dead.path.stat().st_mode & 0o777 == 0o600
     entries = dead.entries()
-    assert len(entries) == 2 and all("refused by the database" in e.error for e in entries)
+    # the drainer reads them back from the journal, where the event checks refuse them before the database
+    assert len(entries) == 2 and all("invalid event" in e.error or "refused by the database" in e.error
+                                     for e in entries)
+    assert {e.error.split(":")[1].strip() for e in entries} <= {"attempt", "duration_ms"}
     # an operator fixes the lines, then retries: both go in, the file empties
     lines = [json.loads(e.line) for e in entries]
     for d in lines:
@@ -334,23 +337,76 @@ def test_two_processes_write_at_once(db_url: str, tmp_path: Path) -> None:
     assert not list((tmp_path / "journal").glob("journal-*.jsonl"))  # drained journals are removed
 
 
-def test_queue_overflow_falls_back_to_reading_the_journal(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path / 'billing.db'}"
-    rec = UsageRecorder(url, tmp_path / "journal", batch_size=50, flush_interval_s=0.05)
-    rec.journal.max_queue = 10  # tiny: most events must come back from the journal file
-    rec.start()
+def _alive(pid: int) -> bool:
     try:
-        for i in range(500):
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with contextlib.suppress(ChildProcessError):  # our own child: reap it once it exited
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return False
+    return True
+
+
+def test_one_drainer_process_per_folder_taken_over_after_kill_9(tmp_path: Path) -> None:
+    """Two recorders (two proxy workers) share one drainer process; kill -9 of it: a new one takes over."""
+    from kvroute.billing.drain import drainer_running, read_stats
+    url = f"sqlite:///{tmp_path / 'billing.db'}"
+    journal = tmp_path / "journal"
+    recs = [UsageRecorder(url, journal, batch_size=50, flush_interval_s=0.05).start() for _ in range(2)]
+    try:
+        for i in range(400):
+            recs[i % 2].record(event(i))
+        assert all(r.flush(30) for r in recs)
+        first = read_stats(journal)["pid"]
+        assert first != os.getpid() and drainer_running(journal) and _alive(first)
+        os.kill(first, signal.SIGKILL)
+        assert wait_for(lambda: not _alive(first), 10)
+        for i in range(400, 800):  # recorded while no drainer runs: journaled, stored once a new one started
+            recs[i % 2].record(event(i))
+        assert all(r.flush(30) for r in recs)
+        second = read_stats(journal)["pid"]
+        assert second not in (first, os.getpid())
+    finally:
+        for r in recs:
+            r.close()
+    ids = _ids(url)
+    assert len(ids) == len(set(ids)) == 800
+    assert wait_for(lambda: not _alive(second), 15), "the drainer outlived its writers"
+    assert not list(journal.glob("journal-*.jsonl"))
+
+
+def test_rotated_segments_are_drained_and_removed(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'billing.db'}"
+    journal = tmp_path / "journal"
+    rec = UsageRecorder(url, journal, batch_size=20, flush_interval_s=0.05, rotate_bytes=4000).start()
+    seen: set[str] = set()
+    try:
+        for i in range(600):
             rec.record(event(i))
+            if i % 50 == 0:
+                seen |= {p.name for p in journal.glob("journal-*.jsonl")}
+                rec.journal.rotate_if_large()
         assert rec.flush(30)
-        assert not rec.journal.from_disk  # caught up: queueing in memory again
-        for i in range(500, 520):
-            rec.record(event(i))
-        assert rec.flush(30)
+        assert wait_for(lambda: len(list(journal.glob("journal-*.jsonl"))) == 1, 10)  # only the open one
     finally:
         rec.close()
+    assert len(seen) > 3
     ids = _ids(url)
-    assert len(ids) == len(set(ids)) == 520 and rec.stats.drained == 520
+    assert len(ids) == len(set(ids)) == 600 and rec.pending_bytes == 0
+
+
+def test_embedded_thread_mode_is_the_same_drainer(db_url: str, tmp_path: Path) -> None:
+    from kvroute.billing.drain import read_stats
+    rec = UsageRecorder(db_url, tmp_path / "journal", batch_size=50, flush_interval_s=0.05, drain="thread").start()
+    try:
+        for i in range(300):
+            rec.record(event(i))
+        assert rec.flush(30)
+        assert read_stats(tmp_path / "journal")["pid"] == os.getpid()
+    finally:
+        rec.close()
+    assert rec.stats.inserted == 300 and len(_ids(db_url)) == 300
 
 
 def test_client_strings_over_column_limits_are_stored_alike(db_url: str, tmp_path: Path) -> None:
@@ -369,3 +425,34 @@ def test_client_strings_over_column_limits_are_stored_alike(db_url: str, tmp_pat
         rec.close()
     assert rec.stats.inserted == 1 and rec.stats.dead_lettered == 0
     assert _ids(db_url) == [e.event_id]
+
+
+def test_the_journal_line_reads_back_as_the_same_event() -> None:
+    """record() writes msgspec's encoding of the event; replay maps it to the documented form: the event reads back
+    exactly as its documented line does (where "" and absent mean the same)."""
+    from decimal import Decimal
+
+    from kvroute.billing.events import event_from_json
+    from kvroute.billing.spool import as_documented, encode_event
+    samples = [event(1), event(2, provider_cost=Decimal("0.0012345678"), end_user="", http_status=502,
+                                raw_usage={"prompt_tokens": 9, "completion_tokens": 2, "cost": 0.5,
+                                           "prompt_tokens_details": {"cached_tokens": None}}),
+               event(3, end_user="é", attempt_key="outcome", raw_usage={"prompt_tokens": 1, "completion_tokens": 1,
+                                                                         "note": "\ud800"})]  # msgspec refuses it
+    for e in samples:
+        line = encode_event(e)
+        assert line.endswith(b"\n") and line.count(b"\n") == 1
+        back = event_from_json(as_documented(json.loads(line)))
+        assert back == event_from_json(json.loads(e.to_bytes())), e  # as the documented line reads back
+        assert back.event_id == e.event_id and back.tokens == e.tokens and back.provider_cost == e.provider_cost
+    assert b'"tokens"' in encode_event(samples[0]) and b'"usage"' in encode_event(samples[2])
+
+
+def test_close_right_after_start_stores_everything(tmp_path: Path) -> None:
+    """close() without a flush, before the new drainer process even reached the database: nothing is left over."""
+    url = f"sqlite:///{tmp_path / 'billing.db'}"
+    rec = UsageRecorder(url, tmp_path / "journal").start()
+    for i in range(20):
+        rec.record(event(i))
+    rec.close()
+    assert len(_ids(url)) == 20 and not list((tmp_path / "journal").glob("journal-*.jsonl"))

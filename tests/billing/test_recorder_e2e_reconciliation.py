@@ -15,11 +15,14 @@ import importlib.util
 import os
 import signal
 from collections import Counter
+from datetime import UTC, datetime
+from decimal import Decimal
 from pathlib import Path
 
 import httpx
 import pytest
 
+from kvroute.billing.events import period_of
 from kvroute.billing.ledger import Ledger
 from kvroute.billing.recorder import UsageRecorder
 from kvroute.plugin.fake_faults import clear_fault, engine_stats, inject_fault
@@ -29,6 +32,8 @@ from kvroute.plugin.proxy_process import ModelGroup, ProxyProcess, build_proxy_c
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
 
 JUNK = ["x", {"a": 1}, [1, 2], 10**30, None, ""]
+CUTS, CUT_AFTER = 6, 3  # hosted cut faults (both replicas), chunks sent first (the role chunk, then 2 tokens)
+PRICE_IN, PRICE_OUT = Decimal("0.000001"), Decimal("0.000002")  # the hosted group's prices (per token)
 
 
 def _pg_server_class():
@@ -68,7 +73,9 @@ class Run:
                 async with client.stream("POST", self.proxy.base_url + "/v1/chat/completions", json=body,
                                          headers=headers) as r:
                     text = "".join([chunk async for chunk in r.aiter_text()])
-                    self.results[user] = r.status_code if "[DONE]" in text or r.status_code != 200 else "cut"
+                    # a stream cut upstream after output went out ends in an in-band error event (then [DONE])
+                    complete = "[DONE]" in text and 'data: {"error"' not in text
+                    self.results[user] = r.status_code if complete or r.status_code != 200 else "cut"
             else:
                 r = await client.post(self.proxy.base_url + "/v1/chat/completions", json=body, headers=headers)
                 self.results[user] = r.status_code
@@ -101,7 +108,25 @@ def _ledger_rows(url: str) -> list:
         with led.engine.connect() as conn:
             return list(conn.execute(select(E.end_user_id, E.status, E.is_final_attempt, E.backend_id, E.attempt_no,
                                             E.request_id, E.event_id, E.provider_cost, E.absorbed_cost,
-                                            E.provider)))
+                                            E.provider, E.billed_amount, E.input_uncached_tokens,
+                                            E.cache_read_tokens, E.output_tokens, E.occurred_at)))
+    finally:
+        led.close()
+
+
+def _period(at: datetime) -> str:
+    return period_of(at if at.tzinfo else at.replace(tzinfo=UTC))
+
+
+def _report_absorbed(url: str, periods: set[str]) -> Decimal:
+    """The absorbed cost of ``kvroute billing report margin``, summed over its rows of ``periods``."""
+    from kvroute.billing.reports import margin_report
+    led = Ledger.open(url)
+    try:
+        with led.engine.connect() as conn:
+            catalog = led.catalog()
+            return sum((row["absorbed_cost"] for p in periods for row in margin_report(conn, catalog, p)),
+                       Decimal(0))
     finally:
         led.close()
 
@@ -143,7 +168,8 @@ def test_every_200_billed_once_nothing_else_through_faults_kills_and_outages(db:
                 Fleet(2, engine="fake", options=opts, name_prefix="host") as hosted:
             groups = [ModelGroup("llama", reps.api_bases),
                       ModelGroup("hosted", hosted.api_bases, engine=None,
-                                 prices={"input_cost_per_token": 1e-6, "output_cost_per_token": 2e-6})]
+                                 prices={"input_cost_per_token": float(PRICE_IN),
+                                         "output_cost_per_token": float(PRICE_OUT)})]
             cfg = build_proxy_config(groups, fallbacks={"llama": ["hosted"]},
                                      router_settings={"num_retries": 1, "allowed_fails": 1, "cooldown_time": 1,
                                                       "retry_after": 0})
@@ -162,6 +188,12 @@ def test_every_200_billed_once_nothing_else_through_faults_kills_and_outages(db:
                 asyncio.run(run.batch("fallbacks", 50))
                 inject_fault(hosted.api_bases[0], "500", count=5)
                 asyncio.run(run.batch("hosted_fault", 30))
+                # streams cut by a priced hosted provider after output went out: paid failed attempts
+                for base in reps.api_bases:
+                    inject_fault(base, "500", count=None)
+                for base in hosted.api_bases:  # hosted-0 may still be cooling down from its 500s
+                    inject_fault(base, "cut", count=CUTS // 2, cut_after_chunks=CUT_AFTER)
+                asyncio.run(run.batch("stream_cut", 30, stream_every=1))
                 for base in (*reps.api_bases, *hosted.api_bases):
                     clear_fault(base)
                 fault_phases = (_faults(reps) + _faults(hosted)) - before
@@ -186,6 +218,7 @@ def test_every_200_billed_once_nothing_else_through_faults_kills_and_outages(db:
         assert rec.flush(60)
         rec.close()
         rows = _ledger_rows(url)
+        absorbed_in_report = _report_absorbed(url, {_period(r.occurred_at) for r in rows})
     finally:
         if pg is not None:
             pg.stop()
@@ -200,6 +233,9 @@ def test_every_200_billed_once_nothing_else_through_faults_kills_and_outages(db:
                          run.phase_of[u] in ("kill9", "sigterm")}
     failed_attempts = [r for r in rows if not r.is_final_attempt and r.status != "no_route"]
     router_hops = [r for r in rows if r.status == "no_route"]
+    paid_failed = [r for r in failed_attempts if r.output_tokens > 0]
+    cuts_served = sum(n for (_, mode), n in fault_phases.items() if mode == "cut")
+    absorbed_total = sum((r.absorbed_cost for r in rows), Decimal(0))
     by_phase = Counter(run.phase_of[u] for u in ok)
     lost_by_phase = Counter(run.phase_of[u] for u in lost)
     print(f"\n[{db}, {workers} worker(s)] requests {len(run.results)}, client 200s {len(ok)} {dict(by_phase)}; "
@@ -207,7 +243,9 @@ def test_every_200_billed_once_nothing_else_through_faults_kills_and_outages(db:
           f"billed but not received {len(not_received)} (all in flight at a kill: "
           f"{not_received <= in_flight_at_kill}); client errors {Counter(run.results.values())}; "
           f"failed attempt rows {len(failed_attempts)} vs injected faults served {sum(fault_phases.values())} "
-          f"{dict(fault_phases)}; router-level rows {len(router_hops)}; ledger rows {len(rows)}")
+          f"{dict(fault_phases)}; paid failed attempts {len(paid_failed)} vs stream cuts served {cuts_served}, "
+          f"absorbed cost {absorbed_total} (margin report {absorbed_in_report}); "
+          f"router-level rows {len(router_hops)}; ledger rows {len(rows)}")
     assert len(run.results) >= 300
     assert not dup, dup
     assert not lost, sorted(lost)[:10]
@@ -218,4 +256,13 @@ def test_every_200_billed_once_nothing_else_through_faults_kills_and_outages(db:
     assert len(failed_attempts) >= sum(fault_phases.values()), (len(failed_attempts), fault_phases)
     assert all(r.absorbed_cost == r.provider_cost for r in failed_attempts)
     assert all(r.backend_id == "router" and r.provider == "litellm-router" for r in router_hops)
+    # every stream cut after output went out is a paid failed attempt: the provider's cost for the prompt and the
+    # output relayed so far, absorbed (the app is billed 0 for it); the margin report's absorbed cost is the sum
+    assert cuts_served >= 1 and len(paid_failed) == cuts_served, (len(paid_failed), cuts_served)
+    for r in paid_failed:
+        assert r.output_tokens == CUT_AFTER - 1 and r.input_uncached_tokens + r.cache_read_tokens > 0, r
+        expected = PRICE_IN * (r.input_uncached_tokens + r.cache_read_tokens) + PRICE_OUT * r.output_tokens
+        assert r.provider_cost == r.absorbed_cost == expected and r.billed_amount == 0, (r, expected)
+    assert absorbed_total == sum((r.absorbed_cost for r in paid_failed), Decimal(0)) > 0
+    assert absorbed_in_report == absorbed_total, (absorbed_in_report, absorbed_total)
     assert not os.path.exists(data / "dead-letter.jsonl") or not (data / "dead-letter.jsonl").read_text()

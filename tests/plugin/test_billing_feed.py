@@ -146,3 +146,90 @@ def test_a_router_level_final_outcome_is_booked_on_the_router_not_on_the_pick() 
     feed.request_failed({"model": "llama", "metadata": meta}, _Exc("boom", 500))
     assert [(e.status, e.is_final, e.backend_id) for e in rec.events[1:]] == [
         ("provider_failure", False, "r-0"), ("provider_failure", True, "r-0")]
+
+
+class _Chunk:
+    """A stream chunk shaped like LiteLLM's ``ModelResponseStream`` (only what the feed reads)."""
+
+    def __init__(self, content: str | None) -> None:
+        self.choices = [type("Choice", (), {"delta": type("Delta", (), {"content": content})(), "text": None})()]
+
+
+def test_a_stream_cut_after_output_is_a_paid_failed_attempt_absorbed() -> None:
+    """The proxy relayed 2 output chunks from h-1 (a fallback hop), then the provider cut the stream: h-1's own
+    non-final row carries the prompt + 2 output tokens at its per-token prices; the outcome row costs nothing."""
+    from decimal import Decimal
+
+    from kvroute.billing.pricing import rate_event
+    from kvroute.plugin.billing_feed import BillingFeed, chunk_has_output
+    from kvroute.plugin.request_ids import RequestIds
+
+    ids, rec = RequestIds(), _Recorder()
+    feed = BillingFeed(rec, ids)
+    meta: dict = {}
+    a1, t1 = ids.new_attempt(meta, "llama", "r-0")
+    call1 = {"model": "openai/fake", "model_info": {"id": "r-0"}, "metadata": meta}
+    feed.attempt_started(a1, call1)
+    feed.attempt_failed(call1, _Exc("boom", 500), t1)  # no output: costs nothing
+    m2 = dict(meta)
+    a2, _ = ids.new_attempt(m2, "hosted", "h-1")
+    feed.attempt_started(a2, {"model": "openai/fake", "metadata": m2, "model_info": {
+        "id": "h-1", "input_cost_per_token": 1e-06, "output_cost_per_token": 2e-06}})
+    chunks = [_Chunk(""), _Chunk("Hello"), _Chunk(None), _Chunk(" world")]
+    assert [chunk_has_output(c) for c in chunks] == [False, True, False, True]
+    data = {"model": "llama", "metadata": meta, "user": "u1",  # the request's metadata names the first hop
+            "messages": [{"role": "user", "content": "one two three four five six seven eight"}]}
+    feed.stream_cut(data, sum(map(chunk_has_output, chunks)))
+    feed.request_failed(data, _Exc("litellm.APIConnectionError: Connection error.", 500))
+    rows = [(e.backend_id, e.is_final, e.attempt_key, e.tokens.prompt_total, e.tokens.output) for e in rec.events]
+    assert rows[0] == ("r-0", False, None, 0, 0) and rows[2][:2] == ("h-1", True) and rows[2][3:] == (0, 0)
+    paid = rec.events[1]
+    assert (paid.backend_id, paid.is_final, paid.status, paid.tokens.output) == ("h-1", False, "provider_failure", 2)
+    prompt = paid.tokens.prompt_total
+    assert prompt > 0 and paid.raw_usage["kvroute_estimate"] == "stream_cut"
+    assert paid.litellm_cost == Decimal("0.000001") * prompt + Decimal("0.000002") * 2
+    rating = rate_event(paid, None, None)
+    assert rating.billed_amount == 0 and rating.absorbed_cost == rating.provider_cost == paid.litellm_cost
+
+
+def test_cut_stream_usage_without_prices_leaves_the_cost_to_the_rate_card() -> None:
+    from kvroute.billing.litellm_events import cut_stream_usage
+    usage, cost = cut_stream_usage(40, 3, {"input_cost_per_token": 0.0})
+    assert (usage["prompt_tokens"], usage["completion_tokens"], cost) == (40, 3, None)
+    usage, cost = cut_stream_usage(-5, 2, {"input_cost_per_token": "0.5", "output_cost_per_token": 1})
+    assert usage["prompt_tokens"] == 0 and cost == 2
+
+
+def test_metrics_show_the_drainer_process_progress(tmp_path: Path) -> None:
+    """The proxy's billing metrics come from the out-of-process drainer: stored rows, journal lag, database up."""
+    import os
+    import time
+    from datetime import UTC, datetime
+
+    from kvroute.billing.drain import read_stats
+    from kvroute.billing.events import UsageEvent
+    from kvroute.billing.recorder import UsageRecorder
+    from kvroute.billing.usage import TokenBuckets
+    from kvroute.plugin.billing_feed import BillingFeed, RecorderCollector
+    from kvroute.plugin.request_ids import RequestIds
+
+    rec = UsageRecorder(f"sqlite:///{tmp_path / 'b.db'}", tmp_path / "journal", flush_interval_s=0.05).start()
+    try:
+        collector = RecorderCollector(BillingFeed(rec, RequestIds()))
+
+        def metrics() -> dict[str, float]:
+            return {m.name: m.samples[0].value for m in collector.collect()}
+
+        for i in range(50):
+            rec.record(UsageEvent(request_id=f"r{i}", app_id="acme", occurred_at=datetime.now(UTC), served_model="m",
+                                  provider="p", backend_id="b", tokens=TokenBuckets(5, 0, 0, 0, 2, 0)))
+        assert metrics()["kvroute_billing_events_recorded"] == 50
+        assert rec.flush(30)
+        deadline = time.monotonic() + 10
+        while metrics()["kvroute_billing_db_up"] != 1.0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        m = metrics()
+        assert m["kvroute_billing_events_inserted"] == 50 and m["kvroute_billing_journal_pending_bytes"] == 0
+        assert read_stats(tmp_path / "journal")["pid"] != os.getpid()
+    finally:
+        rec.close()
