@@ -43,11 +43,16 @@ log = logging.getLogger("kvroute.plugin")
 class BillingFeed:
     """Turns hook calls into ledger events and hands them to the recorder (never raises into a hook)."""
 
-    def __init__(self, recorder: Any, ids: RequestIds, *, on_error: Callable[[str], None] | None = None) -> None:
+    def __init__(self, recorder: Any, ids: RequestIds, *, on_error: Callable[[str], None] | None = None,
+                 admission: bool = False) -> None:
         from kvroute.billing import litellm_events
 
         self.recorder = recorder
         self.ids = ids
+        # proxy: only requests LiteLLM's auth admitted (``admit`` from ``async_pre_call_hook``) reach the ledger; a
+        # request refused at auth (a wrong key, a key over its budget) is not usage and must not add rows
+        self.admission = admission
+        self.refused_unadmitted = 0
         self.events = litellm_events
         self._on_error = on_error or (lambda hook: None)
         self._closed = False
@@ -74,7 +79,7 @@ class BillingFeed:
                 on_error("billing_start")
             return None
         log.warning("kvroute billing: recording to %s (journal %s, dead letters %s)", _safe_url(db), journal, dead)
-        feed = cls(recorder, ids, on_error=on_error)
+        feed = cls(recorder, ids, on_error=on_error, admission=in_proxy)
         feed._install_shutdown()
         return feed
 
@@ -149,6 +154,22 @@ class BillingFeed:
         info = kwargs.get("model_info")
         attempt.model_info = info if isinstance(info, dict) else {}  # the deployment's own dict: no copy
         attempt.served = kwargs.get("model")
+
+    def admit(self, data: Mapping[str, Any]) -> None:
+        """``async_pre_call_hook`` (proxy, after LiteLLM's auth): the request may reach the ledger; stamp its id."""
+        meta = request_metadata(data)
+        if isinstance(meta, dict):
+            self.ids.begin(meta)
+
+    def _unrouted_state(self, meta: Any) -> RequestState | None:
+        """The state of a request that failed before any pick: new for an admitted or SDK request, None (not
+        usage, counted) for a proxy request that never passed auth."""
+        if not isinstance(meta, dict):
+            return None
+        if self.admission and self.ids.request_of(meta) is None:
+            self.refused_unadmitted += 1
+            return None
+        return self.ids.begin(meta)
 
     def success(self, kwargs: Mapping[str, Any], response: Any, start: Any, end: Any, ticket_id: str | None) -> None:
         """``async_log_success_event``: the final success (a no-op when the pre-response record stored it)."""
@@ -260,9 +281,9 @@ class BillingFeed:
         group = str(slo.get("model_group") or kwargs.get("model") or "")
         if status == "no_route":
             if state is None:
-                if not isinstance(meta, dict):
+                state = self._unrouted_state(meta)
+                if state is None:
                     return
-                state = self.ids.begin(meta)
             hop = state.latest(group=group, unrecorded=True, hop=True) if group else None
             router_kwargs = {"model": group or "unknown", "litellm_params": {"metadata": meta},
                              "exception": exception, "user": kwargs.get("user")}
@@ -284,9 +305,11 @@ class BillingFeed:
         state = self.ids.state(meta)
         status, _, _ = self.events.exception_status(exception)
         if state is None:
-            if status != "no_route" or not isinstance(meta, dict):
-                return  # never routed (auth, validation): not usage
-            state = self.ids.begin(meta)
+            if status != "no_route":
+                return  # never routed (validation): not usage
+            state = self._unrouted_state(meta)
+            if state is None:
+                return  # refused at auth: not usage
         if state.outcome_recorded or state.success_recorded:
             return
         last = state.latest(unrecorded=False)
@@ -320,6 +343,9 @@ class RecorderCollector:
 
         yield CounterMetricFamily("kvroute_billing_recorded_before_response",
                                   "Successes journaled before the proxy answered", value=self.feed.before_response)
+        yield CounterMetricFamily("kvroute_billing_refused_unadmitted",
+                                  "Failed requests LiteLLM's auth never admitted (not usage: no ledger row)",
+                                  value=self.feed.refused_unadmitted)
         st = self.recorder.stats
         for name, doc, value in (
                 ("kvroute_billing_events_recorded", "Usage events journaled on the request path", st.recorded),

@@ -663,6 +663,15 @@ class KvrouteCallback(CustomLogger):
             self._count_error("billing")
         return None
 
+    async def async_pre_call_hook(self, user_api_key_dict: Any, cache: Any, data: dict, call_type: Any) -> None:
+        """Proxy, after LiteLLM's auth: the request is admitted to the ledger (never changes the request)."""
+        try:
+            if self.billing is not None:
+                self.billing.admit(data)
+        except Exception:
+            self._count_error("billing")
+        return None
+
     async def async_post_call_failure_hook(self, request_data: dict, original_exception: Exception,
                                            user_api_key_dict: Any, traceback_str: str | None = None) -> Any:
         """Proxy: the request failed for the client; record its final outcome (never changes the error)."""

@@ -233,3 +233,24 @@ def test_metrics_show_the_drainer_process_progress(tmp_path: Path) -> None:
         assert read_stats(tmp_path / "journal")["pid"] != os.getpid()
     finally:
         rec.close()
+
+
+def test_in_the_proxy_only_requests_auth_admitted_reach_the_ledger() -> None:
+    """A router-level failure of a request LiteLLM's auth never admitted (no ``async_pre_call_hook``) adds no row
+    and is counted; the same failure after ``admit`` is booked as ``no_route`` on ``router``."""
+    import litellm
+
+    from kvroute.plugin.billing_feed import BillingFeed
+    from kvroute.plugin.request_ids import RequestIds
+
+    rec = _Recorder()
+    feed = BillingFeed(rec, RequestIds(), admission=True)
+    refused = {"model": "hosted", "metadata": {"kvroute_request_id": "forged"}}
+    budget = litellm.BudgetExceededError(current_cost=1.0, max_budget=0.5)
+    feed.logged_failure(refused, budget)
+    feed.request_failed(refused, budget)
+    assert rec.events == [] and feed.refused_unadmitted == 2
+    admitted: dict = {"model": "hosted", "metadata": {}}
+    feed.admit(admitted)
+    feed.request_failed(admitted, budget)
+    assert [(e.status, e.is_final, e.backend_id) for e in rec.events] == [("no_route", True, "router")]
