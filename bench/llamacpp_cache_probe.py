@@ -75,11 +75,11 @@ def main() -> int:
     rows = []
     with Fleet(1, "llamacpp", opts, name_prefix="probe") as fleet, httpx.Client(trust_env=False, timeout=120) as http:
         url = fleet.base_urls[0] + "/v1/chat/completions"
-        msgs = [[{"role": "system", "content": t}, {"role": "user", "content": k}] for t, k, _ in sessions]
+        msgs = [[{"role": "system", "content": c.system}, {"role": "user", "content": c.turns[0]}] for c in sessions]
         lru = BlockLRU(cache_tokens(shape))
         shared = session_segments(shape)[0][0][0][1]  # the tools prefix, tokenizer-counted until measured
         for turn in range(shape.turns):
-            for s, (_tools, _task, outputs) in enumerate(sessions):
+            for s, outputs in enumerate(c.turns[1:] for c in sessions):
                 r = http.post(url, json={"model": fleet.model, "messages": msgs[s], "max_tokens": shape.max_tokens,
                                          "temperature": 0}).json()
                 t = r["timings"]

@@ -73,7 +73,7 @@ def _round_sessions(spec, round_tag: object) -> list:
     """The demo's sessions with system prompts no earlier round used (so no round reads another's cache)."""
     from dataclasses import replace
 
-    from kvroute.plugin.demo_workload import build_sessions
+    from kvroute.plugin.workloads import build_sessions
 
     return [replace(s, system=f"[round {round_tag}] {s.system}") for s in build_sessions(spec)]
 
@@ -84,9 +84,10 @@ def test_demo_on_fake_engines_beats_round_robin_on_ttft_p90_and_throughput():
     on medians: the engines' simulated prefill busy-seconds (noise cannot change what they computed) and, next
     to it, the client's TTFT p90 and requests/s as ratios of medians measured in this run."""
     from kvroute.plugin.demo import POLICIES, _replica_options
-    from kvroute.plugin.demo_workload import WorkloadSpec, replay, warm_up
+    from kvroute.plugin.demo_workload import replay, warm_up
     from kvroute.plugin.fleet import Fleet
     from kvroute.plugin.proxy_process import ModelGroup, ProxyProcess, build_proxy_config
+    from kvroute.plugin.workloads import WorkloadSpec
 
     spec = WorkloadSpec(requests=ROUND_REQUESTS)
     replica_options, capacity = _replica_options("fake", spec, 3, None)
@@ -101,14 +102,15 @@ def test_demo_on_fake_engines_beats_round_robin_on_ttft_p90_and_throughput():
             for _, group, _ in POLICIES:  # unmeasured: the proxy's first long prompts cost more, whoever runs first
                 asyncio.run(warm_up(proxy.base_url, key_of, group))
                 asyncio.run(replay(proxy.base_url, key_of, group, _round_sessions(WorkloadSpec(requests=8), "warm-up"),
-                                   spec))
+                                   spec.concurrency, spec.max_tokens))
             for round_no in range(ROUNDS):
                 sessions = _round_sessions(spec, round_no)
                 order = POLICIES if round_no % 2 == 0 else POLICIES[::-1]
                 for key, group, _ in order:
                     for url in fleet.base_urls:  # cold caches and zeroed counters for every run
                         httpx.post(url + "/admin/reset", trust_env=False, timeout=10).raise_for_status()
-                    report = asyncio.run(replay(proxy.base_url, key_of, group, sessions, spec))
+                    report = asyncio.run(replay(proxy.base_url, key_of, group, sessions, spec.concurrency,
+                                                spec.max_tokens))
                     runs[key].append({**report.as_dict(), **_engine_totals(fleet.base_urls),
                                       "load1": round(os.getloadavg()[0], 2)})
     kv, rr = runs["kvroute"], runs["round_robin"]
