@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import statistics
 import sys
@@ -161,7 +160,7 @@ def run_live(policy: str, engine: str, replicas: int, shape: AgentShape, session
 
     capacity = cache_tokens(shape)
     if engine == "llamacpp":
-        mib = max(1, math.ceil(capacity * PRESETS["small"].kv_bytes_per_token / (1024 * 1024)))
+        mib = PRESETS["small"].cache_ram_mib(capacity)
         opts = ReplicaOptions(cache_ram_mib=mib, threads=1, parallel=1,
                               extra_args=("--slot-prompt-similarity", str(similarity)))
     else:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 
@@ -67,8 +66,7 @@ def main() -> int:
     from kvroute.plugin.tiny_model import PRESETS
 
     shape = AgentShape(sessions=a.sessions, turns=a.turns)
-    mib = a.cache_ram_mib if a.cache_ram_mib is not None else max(
-        1, math.ceil(cache_tokens(shape) * PRESETS["small"].kv_bytes_per_token / (1024 * 1024)))
+    mib = a.cache_ram_mib if a.cache_ram_mib is not None else PRESETS["small"].cache_ram_mib(cache_tokens(shape))
     opts = ReplicaOptions(cache_ram_mib=mib, threads=1, parallel=1,
                           extra_args=("--slot-prompt-similarity", str(a.similarity)))
     sessions = build_sessions(shape)

@@ -54,7 +54,7 @@ def _replica_options(kind: str, spec: WorkloadSpec, replicas: int, cache_dir: st
 
     capacity = replica_capacity_tokens(spec, replicas)
     if kind == "llamacpp":
-        mib = max(1, math.ceil(capacity * PRESETS["small"].kv_bytes_per_token / (1024 * 1024)))
+        mib = PRESETS["small"].cache_ram_mib(capacity)
         return ReplicaOptions(cache_ram_mib=mib, threads=1, parallel=1, cache_dir=cache_dir), capacity
     return ReplicaOptions(capacity_tokens=capacity, block_tokens=16, prefill_tokens_per_s=8000.0, decode_ms=2.0,
                           slots=2), capacity
