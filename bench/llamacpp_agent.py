@@ -26,15 +26,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import statistics
 import sys
-import time
 from dataclasses import dataclass
 from functools import cache
 
-from kvroute.plugin.demo_workload import PolicyReport, _corpus, _one_request, warm_up
+from kvroute.plugin.demo_workload import PolicyReport, replay, warm_up
+from kvroute.plugin.workloads import Conversation, coding_agent_sessions
 
 DEPLOYABLE = ("cache_aware", "round_robin", "least_load", "session_affinity", "prefix_hash")
 
@@ -82,10 +81,11 @@ def token_count(text: str, engine: str = "llamacpp") -> int:
 def session_segments(shape: AgentShape) -> list[list[list[tuple[str, int]]]]:
     """Per turn, per session: the prompt as (segment id, tokens) pieces; the last turn's are the final contexts."""
     sessions = build_sessions(shape)
-    tools_n = token_count(sessions[0][0], shape.engine)
+    tools_n = token_count(sessions[0].system, shape.engine)
     answer_n = shape.max_tokens + TEMPLATE_TOKENS
     turns: list[list[list[tuple[str, int]]]] = [[] for _ in range(shape.turns)]
-    for s, (_tools, task, outputs) in enumerate(sessions):
+    for s, session in enumerate(sessions):
+        task, outputs = session.turns[0], session.turns[1:]
         segs = [("tools", tools_n), (f"task{s}", token_count(task, shape.engine))]
         for t in range(shape.turns):
             turns[t].append(list(segs))
@@ -94,23 +94,10 @@ def session_segments(shape: AgentShape) -> list[list[list[tuple[str, int]]]]:
     return turns
 
 
-def build_sessions(shape: AgentShape) -> list[tuple[str, str, list[str]]]:
-    """(tools prompt, task, tool outputs per turn) per session; deterministic text from the stdlib corpus."""
-    corpus = _corpus()
-
-    def piece(i: int, tokens: int) -> str:
-        chars = tokens * 4
-        start = (i * 7919 * 4) % max(1, len(corpus) - chars)
-        return corpus[start:start + chars]
-
-    tools = "You are a coding agent. Tools: read_file, run_tests, grep, edit.\n" + piece(1, shape.tools_tokens)
-    out = []
-    for s in range(shape.sessions):
-        task = f"Task {s}: fix the failing test in module {s}.\n" + piece(100 + s, shape.task_tokens)
-        outputs = [f"tool output {s}.{t}:\n" + piece(1000 + s * 97 + t, shape.tool_output_tokens)
-                   for t in range(shape.turns - 1)]
-        out.append((tools, task, outputs))
-    return out
+def build_sessions(shape: AgentShape) -> list[Conversation]:
+    """Per session: the shared tools prompt, then the task and the tool outputs as turns (stdlib text)."""
+    return coding_agent_sessions(shape.sessions, shape.turns, shape.tools_tokens, shape.task_tokens,
+                                 shape.tool_output_tokens)
 
 
 def simulate_ranking(shape: AgentShape, replicas: int) -> list[dict]:
@@ -149,37 +136,6 @@ def cache_tokens(shape: AgentShape) -> int:
     return 2 * shape.final_context()
 
 
-async def replay(base_url: str, api_key: str, model: str, sessions: list, shape: AgentShape) -> PolicyReport:
-    import httpx
-    from openai import AsyncOpenAI
-
-    report = PolicyReport()
-    queue: asyncio.Queue = asyncio.Queue()
-    for s in sessions:
-        queue.put_nowait(s)
-    async with httpx.AsyncClient(trust_env=False, timeout=httpx.Timeout(300.0)) as http:
-        client = AsyncOpenAI(base_url=base_url + "/v1", api_key=api_key or "none", http_client=http, max_retries=0)
-
-        async def worker() -> None:
-            while True:
-                try:
-                    tools, task, outputs = queue.get_nowait()
-                except asyncio.QueueEmpty:
-                    return
-                messages = [{"role": "system", "content": tools}, {"role": "user", "content": task}]
-                for t in range(shape.turns):
-                    result, answer = await _one_request(client, model, messages, shape.max_tokens)
-                    report.results.append(result)
-                    if t < len(outputs):
-                        messages += [{"role": "assistant", "content": answer or "(no answer)"},
-                                     {"role": "user", "content": outputs[t]}]
-
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(min(shape.concurrency, len(sessions)))))
-        report.wall_s = time.perf_counter() - start
-    return report
-
-
 def kvroute_cached(metrics_text: str, group: str) -> dict[str, float]:
     """kvroute's predicted (at pick time) and engine-confirmed cached tokens for ``group`` from its /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -204,7 +160,7 @@ def run_live(policy: str, engine: str, replicas: int, shape: AgentShape, session
 
     capacity = cache_tokens(shape)
     if engine == "llamacpp":
-        mib = max(1, math.ceil(capacity * PRESETS["small"].kv_bytes_per_token / (1024 * 1024)))
+        mib = PRESETS["small"].cache_ram_mib(capacity)
         opts = ReplicaOptions(cache_ram_mib=mib, threads=1, parallel=1,
                               extra_args=("--slot-prompt-similarity", str(similarity)))
     else:
@@ -223,7 +179,8 @@ def run_live(policy: str, engine: str, replicas: int, shape: AgentShape, session
             asyncio.run(warm_up(proxy.base_url, proxy.master_key or "", group))
             before = kvroute_cached(httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", trust_env=False).text,
                                     group)
-            report = asyncio.run(replay(proxy.base_url, proxy.master_key or "", group, sessions, shape))
+            report = asyncio.run(replay(proxy.base_url, proxy.master_key or "", group, sessions, shape.concurrency,
+                                        shape.max_tokens, timeout_s=300.0))
             after = kvroute_cached(httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", trust_env=False).text,
                                    group)
             return report, {k: after[k] - before[k] for k in after}

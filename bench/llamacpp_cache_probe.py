@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 
@@ -67,19 +66,18 @@ def main() -> int:
     from kvroute.plugin.tiny_model import PRESETS
 
     shape = AgentShape(sessions=a.sessions, turns=a.turns)
-    mib = a.cache_ram_mib if a.cache_ram_mib is not None else max(
-        1, math.ceil(cache_tokens(shape) * PRESETS["small"].kv_bytes_per_token / (1024 * 1024)))
+    mib = a.cache_ram_mib if a.cache_ram_mib is not None else PRESETS["small"].cache_ram_mib(cache_tokens(shape))
     opts = ReplicaOptions(cache_ram_mib=mib, threads=1, parallel=1,
                           extra_args=("--slot-prompt-similarity", str(a.similarity)))
     sessions = build_sessions(shape)
     rows = []
     with Fleet(1, "llamacpp", opts, name_prefix="probe") as fleet, httpx.Client(trust_env=False, timeout=120) as http:
         url = fleet.base_urls[0] + "/v1/chat/completions"
-        msgs = [[{"role": "system", "content": t}, {"role": "user", "content": k}] for t, k, _ in sessions]
+        msgs = [[{"role": "system", "content": c.system}, {"role": "user", "content": c.turns[0]}] for c in sessions]
         lru = BlockLRU(cache_tokens(shape))
         shared = session_segments(shape)[0][0][0][1]  # the tools prefix, tokenizer-counted until measured
         for turn in range(shape.turns):
-            for s, (_tools, _task, outputs) in enumerate(sessions):
+            for s, outputs in enumerate(c.turns[1:] for c in sessions):
                 r = http.post(url, json={"model": fleet.model, "messages": msgs[s], "max_tokens": shape.max_tokens,
                                          "temperature": 0}).json()
                 t = r["timings"]

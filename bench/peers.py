@@ -162,7 +162,7 @@ def _replica_options(kind: str, capacity: int, quick: bool) -> ReplicaOptions:
         return ReplicaOptions(capacity_tokens=capacity, block_tokens=16)
     from kvroute.plugin.tiny_model import PRESETS
 
-    mib = max(1, math.ceil(capacity * PRESETS["small"].kv_bytes_per_token / (1024 * 1024)))
+    mib = PRESETS["small"].cache_ram_mib(capacity)
     return ReplicaOptions(cache_ram_mib=mib, threads=1, parallel=1, ctx=4096 if quick else 8192)
 
 

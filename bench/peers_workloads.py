@@ -1,7 +1,8 @@
 """The three workloads of ``bench/peers.py`` as flows of chat turns, and the streaming client that replays them.
 
-A ``Flow`` is one conversation: it starts at ``start_s`` after the run begins and sends its turns one after
-another, each turn appending the previous answer and its own message. ``demo`` is the demo's closed-loop
+A flow is one ``Conversation`` (``kvroute.plugin.workloads``, where the builders live): it starts at ``start_s``
+after the run begins and sends its turns one after another, each turn appending the previous answer and its
+own message. ``demo`` is the demo's closed-loop
 shared-prefix chat; ``apps`` is several apps × multi-turn sessions with Poisson arrivals and 20 % unique prompts;
 ``agent`` is tool-calling loops whose context grows past one replica's cache. Every prompt of a run starts with
 the run's salt, so no run reuses the cache another run left behind.
@@ -11,28 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
-import random
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import httpx
 
-from kvroute.plugin.demo_workload import WorkloadSpec, build_sessions
+from kvroute.plugin import demo as _demo
+from kvroute.plugin.workloads import Conversation, WorkloadSpec, app_sessions, build_sessions, tool_loops
 
 WORKLOADS = ("demo", "apps", "agent")
-CHARS_PER_TOKEN = 4  # the fake engine's tokenizer; llama.cpp's tiny model is close enough for sizing
-
-
-@dataclass(frozen=True)
-class Flow:
-    """One conversation: a system prompt, then ``turns`` sent in order (each as a user or tool-result message)."""
-
-    flow_id: str
-    start_s: float
-    system: str
-    turns: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -40,7 +29,7 @@ class Workload:
     """The flows of one run, ``concurrency`` of them in flight at most (0: open loop, all at their start)."""
 
     name: str
-    flows: tuple[Flow, ...]
+    flows: tuple[Conversation, ...]
     concurrency: int = 0
     max_tokens: int = 8
 
@@ -75,13 +64,11 @@ class Size:
 
 
 def replica_capacity_tokens(size: Size, replicas: int) -> int:
-    """Cache room per replica: its share of the demo's shared prefixes plus one (as ``kvroute demo`` sizes it).
+    """Cache room per replica, as ``kvroute demo`` sizes it for the demo's shared prefixes.
 
     The apps' system prompts fit only when each app sticks to a replica; the agents' contexts outgrow it.
     """
-    spec = _demo_spec(size)
-    per_replica = math.ceil(spec.shared_prefixes / replicas) + 1
-    return per_replica * (spec.prefix_tokens + 64 * spec.turns + 64)
+    return _demo.replica_capacity_tokens(_demo_spec(size), replicas)
 
 
 def _demo_spec(size: Size) -> WorkloadSpec:
@@ -89,74 +76,24 @@ def _demo_spec(size: Size) -> WorkloadSpec:
                         max_tokens=8, concurrency=4, seed=0)
 
 
-def _text(rng: random.Random, tokens: int, vocabulary: Sequence[str]) -> str:
-    words: list[str] = []
-    chars = 0
-    while chars < tokens * CHARS_PER_TOKEN:
-        word = rng.choice(vocabulary)
-        words.append(word)
-        chars += len(word) + 1
-    return " ".join(words)
-
-
-_VOCABULARY = tuple(f"{w}{i}" for i in range(40) for w in ("req", "ctx", "kv", "node", "span", "row", "tool"))
-
-
 def demo(size: Size) -> Workload:
-    """The demo's sessions (``plugin/demo_workload.py``): shared long system prompts, 4 turns, 4 sessions at once."""
+    """The demo's sessions: shared long system prompts, 4 turns, 4 sessions at once."""
     spec = _demo_spec(size)
-    flows = tuple(Flow(f"demo-{s.sid}", 0.0, s.system, s.questions) for s in build_sessions(spec))
-    return Workload("demo", flows, concurrency=spec.concurrency, max_tokens=spec.max_tokens)
-
-
-_APP_TURNS_PER_FLOW = 2.5  # 20 % one-off flows of 1 turn, as many sessions of 4 turns on average
+    return Workload("demo", tuple(build_sessions(spec, id_prefix="demo-")), concurrency=spec.concurrency,
+                    max_tokens=spec.max_tokens)
 
 
 def apps(size: Size, seed: int = 1) -> Workload:
-    """Several apps, each with its own long system prompt; sessions of 2–6 turns and one-off unique prompts
-    (20 % of requests) arrive as a Poisson process at ``app_rate_per_s`` requests per second."""
-    rng = random.Random(seed)
-    systems = [f"You are app {a}'s assistant. Policy and reference:\n" + _text(rng, size.prefix_tokens, _VOCABULARY)
-               for a in range(size.apps)]
-    weights = [1.0 / (a + 1) for a in range(size.apps)]  # a few popular apps, a long tail
-    flows: list[Flow] = []
-    unique_left = round(0.2 * size.app_requests)
-    shared_left = size.app_requests - unique_left
-    t = 0.0
-    n = 0
-    while unique_left or shared_left:
-        if unique_left and (not shared_left or rng.random() < unique_left / (unique_left + shared_left)):
-            turns: tuple[str, ...] = (_text(rng, size.prefix_tokens // 2, _VOCABULARY),)
-            system = f"One-off request {n}."
-            unique_left -= 1
-        else:
-            app = rng.choices(range(size.apps), weights)[0]
-            k = min(shared_left, rng.randint(2, 6))
-            turns = tuple(f"Session {n}, turn {i}: explain item {rng.randint(1, 999)} briefly." for i in range(k))
-            system = systems[app]
-            shared_left -= k
-        flows.append(Flow(f"apps-{n}", t, system, turns))
-        t += rng.expovariate(size.app_rate_per_s / _APP_TURNS_PER_FLOW)
-        n += 1
-    return Workload("apps", tuple(flows), concurrency=0, max_tokens=8)
+    """Several apps × multi-turn sessions with Poisson arrivals and 20 % one-off prompts."""
+    return Workload("apps", tuple(app_sessions(size.apps, size.app_requests, size.app_rate_per_s,
+                                               size.prefix_tokens, seed)), concurrency=0, max_tokens=8)
 
 
 def agent(size: Size, capacity_tokens: int, seed: int = 2) -> Workload:
-    """Agent loops: a tools-heavy system prompt, then tool results appended step after step until the context
-    is about 1.3 × one replica's cache; agents start as a Poisson process at ``agent_rate_per_s``."""
-    rng = random.Random(seed)
-    tools = "Tools:\n" + "\n".join(f"- tool_{i}(arg, ctx): " + _text(rng, size.prefix_tokens // 16, _VOCABULARY)
-                                  for i in range(12))
-    system = "You are a coding agent. Call one tool per step.\n" + tools
-    step_tokens = max(32, int((1.3 * capacity_tokens - size.prefix_tokens) / max(1, size.agent_steps)))
-    flows = []
-    t = 0.0
-    for a in range(size.agents):
-        turns = tuple(f"tool_{rng.randint(0, 11)} result for agent {a} step {s}:\n"
-                      + _text(rng, step_tokens, _VOCABULARY) for s in range(size.agent_steps))
-        flows.append(Flow(f"agent-{a}", t, system, turns))
-        t += rng.expovariate(size.agent_rate_per_s)
-    return Workload("agent", tuple(flows), concurrency=0, max_tokens=8)
+    """Tool-calling loops whose context grows to about 1.3 × one replica's cache."""
+    return Workload("agent", tuple(tool_loops(size.agents, size.agent_steps, size.agent_rate_per_s,
+                                              size.prefix_tokens, 1.3 * capacity_tokens, seed)),
+                    concurrency=0, max_tokens=8)
 
 
 def build(name: str, size: Size, capacity_tokens: int) -> Workload:
@@ -232,13 +169,13 @@ async def replay(base_url: str, headers: Mapping[str, str], model: str, workload
                                  trust_env=False) as client:
         start = time.perf_counter()
 
-        async def run_flow(flow: Flow) -> None:
+        async def run_flow(flow: Conversation) -> None:
             delay = flow.start_s - (time.perf_counter() - start)
             if delay > 0:
                 await asyncio.sleep(delay)
             async with gate:
                 messages: list[dict] = [{"role": "system", "content": f"[{salt}] {flow.system}"}]
-                session = {"x-litellm-session-id": f"{salt}-{flow.flow_id}"}
+                session = {"x-litellm-session-id": f"{salt}-{flow.conv_id}"}
                 for turn in flow.turns:
                     messages.append({"role": "user", "content": turn})
                     body = {"model": model, "messages": messages, "max_tokens": workload.max_tokens,

@@ -17,7 +17,14 @@ from pathlib import Path
 
 import httpx
 
-from kvroute.plugin.child_processes import ChildOwner, ChildStartError, log_tail, spawn, terminate, wait_until_ready
+from kvroute.plugin.child_processes import (
+    ChildOwner,
+    ChildStartError,
+    spawn,
+    start_with_port_retry,
+    terminate,
+    wait_until_ready,
+)
 from kvroute.plugin.proxy_process import free_port
 
 SGLANG_ROUTER_PIN = "sglang-router==0.3.2"
@@ -67,19 +74,15 @@ class SglangRouter(ChildOwner):
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> SglangRouter:
-        for attempt in range(3):
+        def launch() -> subprocess.Popen:
             self.port = free_port()
-            cmd = [str(self.binary), "launch", "--host", "127.0.0.1", "--port", str(self.port),
-                   "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-                   "--policy", self.policy, "--log-level", self.log_level, "--worker-urls", *self.worker_urls]
-            self.process = spawn(cmd, self.log_path)
-            try:
-                self._wait_ready()
-                return self
-            except ChildStartError:
-                terminate(self.process)
-                if "address already in use" not in log_tail(self.log_path).lower() or attempt == 2:
-                    raise
+            self.process = spawn([str(self.binary), "launch", "--host", "127.0.0.1", "--port", str(self.port),
+                                  "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+                                  "--policy", self.policy, "--log-level", self.log_level,
+                                  "--worker-urls", *self.worker_urls], self.log_path)
+            return self.process
+
+        start_with_port_retry(launch, self._wait_ready, self.log_path)
         return self
 
     def _wait_ready(self) -> None:

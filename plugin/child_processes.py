@@ -153,6 +153,27 @@ def wait_until_ready(proc: subprocess.Popen, log_path: Path, ready: Callable[[],
         time.sleep(poll_s)
 
 
+def start_with_port_retry(launch: Callable[[], subprocess.Popen], wait: Callable[[], None], log_path: Path,
+                          attempts: int = 3) -> subprocess.Popen:
+    """``launch()`` a child (on a port it picks), then ``wait()`` until it is ready; a child that failed because
+    another process took its port meanwhile ("address already in use" in its log) is stopped and launched again,
+    ``attempts`` times in all. Any other failure, or the last clash, raises ``wait``'s ``ChildStartError``."""
+    for attempt in range(attempts):
+        proc = launch()
+        try:
+            wait()
+            return proc
+        except ChildStartError:
+            terminate(proc)
+            try:
+                clash = "address already in use" in log_path.read_text(errors="replace").lower()
+            except OSError:
+                clash = False
+            if not clash or attempt == attempts - 1:
+                raise
+    raise ValueError("attempts must be >= 1")
+
+
 def write_ready_file(path: str | Path, port: int, name: str) -> None:
     """Atomically publish ``{"port", "pid", "name"}`` so a parent knows the server is listening."""
     target = Path(path)

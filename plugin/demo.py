@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 import typer
 
-from kvroute.plugin.demo_workload import PolicyReport, WorkloadSpec, build_sessions, replay, warm_up
+from kvroute.plugin.demo_workload import PolicyReport, replay, warm_up
 from kvroute.plugin.extras import MissingExtra, require
+from kvroute.plugin.workloads import WorkloadSpec, build_sessions
 from kvroute.policies.errors import KvrouteError
 
 POLICIES = (("kvroute", "demo-kvroute", "cache_aware"), ("round_robin", "demo-round-robin", "round_robin"))
@@ -53,7 +54,7 @@ def _replica_options(kind: str, spec: WorkloadSpec, replicas: int, cache_dir: st
 
     capacity = replica_capacity_tokens(spec, replicas)
     if kind == "llamacpp":
-        mib = max(1, math.ceil(capacity * PRESETS["small"].kv_bytes_per_token / (1024 * 1024)))
+        mib = PRESETS["small"].cache_ram_mib(capacity)
         return ReplicaOptions(cache_ram_mib=mib, threads=1, parallel=1, cache_dir=cache_dir), capacity
     return ReplicaOptions(capacity_tokens=capacity, block_tokens=16, prefill_tokens_per_s=8000.0, decode_ms=2.0,
                           slots=2), capacity
@@ -98,8 +99,8 @@ def run_demo(options: DemoOptions, status=None, progress=None) -> dict:
                         progress(key, done, spec.requests)
 
                 say(f"replaying {spec.requests} requests with {key.replace('_', ' ')}")
-                reports[key] = asyncio.run(replay(proxy.base_url, proxy.master_key or "", group, sessions, spec,
-                                                  on_result))
+                reports[key] = asyncio.run(replay(proxy.base_url, proxy.master_key or "", group, sessions,
+                                                  spec.concurrency, spec.max_tokens, on_result))
     return {"engine": ENGINE_LABEL[kind], "replicas": options.replicas, "requests": spec.requests,
             "policies": {key: reports[key].as_dict() for key, _, _ in POLICIES}}
 

@@ -1,93 +1,16 @@
-"""The demo's workload: sessions sharing a few long system prompts, several turns each, replayed through the
-official ``openai`` client with streaming; per-policy figures (cached-token share, TTFT p50/p90, requests/s).
+"""Replaying conversations (``kvroute.plugin.workloads``) through the official ``openai`` client with streaming,
+and the per-policy figures of a replay (cached-token share, TTFT p50/p90, requests/s).
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvroute.policies.errors import ConfigError
-
-_FALLBACK_TEXT = " ".join(f"def handler_{i}(request, context): return route(request, context, {i})"
-                          for i in range(400))
-
-
-@dataclass(frozen=True)
-class WorkloadSpec:
-    """Shape of the replayed traffic; ``requests`` is per policy."""
-
-    requests: int = 48
-    turns: int = 4
-    prefixes: int = 6
-    prefix_tokens: int = 1024
-    max_tokens: int = 8
-    concurrency: int = 4
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        for key in ("requests", "turns", "prefixes", "prefix_tokens", "max_tokens", "concurrency"):
-            if getattr(self, key) <= 0:
-                raise ConfigError(key, "must be a positive integer")
-
-    @property
-    def sessions(self) -> int:
-        return math.ceil(self.requests / self.turns)
-
-    @property
-    def shared_prefixes(self) -> int:
-        """Distinct system prompts actually used: at most one per two sessions, so every prefix is shared."""
-        return max(1, min(self.prefixes, self.sessions // 2))
-
-
-@dataclass(frozen=True)
-class Session:
-    """One conversation: a shared system prompt and the user turns sent one after another."""
-
-    sid: int
-    prefix_id: int
-    system: str
-    questions: tuple[str, ...]
-
-
-def _corpus() -> str:
-    from kvroute.plugin.tiny_model import stdlib_sources
-
-    parts = []
-    for path in stdlib_sources()[::-1][:40]:
-        try:
-            parts.append(path.read_text(encoding="utf-8", errors="ignore"))
-        except OSError:
-            continue
-    text = "".join(parts)
-    return text if len(text) > 100_000 else (_FALLBACK_TEXT * 20)
-
-
-def build_sessions(spec: WorkloadSpec) -> list[Session]:
-    """Deterministic sessions totalling exactly ``spec.requests`` requests, shared prefixes interleaved."""
-    corpus = _corpus()
-    chars = spec.prefix_tokens * 4
-    rng = random.Random(spec.seed)
-    prefixes = []
-    for p in range(spec.shared_prefixes):
-        start = (p * chars * 3) % max(1, len(corpus) - chars)
-        prefixes.append(f"You are assistant #{p}. Answer questions about this code.\n" + corpus[start:start + chars])
-    sessions = []
-    remaining = spec.requests
-    sid = 0
-    while remaining > 0:
-        turns = min(spec.turns, remaining)
-        prefix_id = sid % spec.shared_prefixes
-        questions = tuple(f"Session {sid}, question {t}: what does line {rng.randint(1, 400)} do, and why?"
-                          for t in range(turns))
-        sessions.append(Session(sid, prefix_id, prefixes[prefix_id], questions))
-        remaining -= turns
-        sid += 1
-    return sessions
+from kvroute.plugin.workloads import Conversation
 
 
 @dataclass
@@ -170,17 +93,19 @@ async def _one_request(client, model: str, messages: list[dict], max_tokens: int
     return result, "".join(text_parts)
 
 
-async def replay(base_url: str, api_key: str, model: str, sessions: list[Session], spec: WorkloadSpec,
-                 on_result: Callable[[RequestResult], None] | None = None) -> PolicyReport:
-    """Send every session's turns through the proxy at ``base_url`` with ``spec.concurrency`` sessions in flight."""
+async def replay(base_url: str, api_key: str, model: str, sessions: Sequence[Conversation], concurrency: int,
+                 max_tokens: int, on_result: Callable[[RequestResult], None] | None = None,
+                 timeout_s: float = 120.0) -> PolicyReport:
+    """Send every session's turns through the proxy at ``base_url``, ``concurrency`` sessions in flight, each turn
+    after the previous answer."""
     import httpx
     from openai import AsyncOpenAI
 
     report = PolicyReport()
-    queue: asyncio.Queue[Session] = asyncio.Queue()
+    queue: asyncio.Queue[Conversation] = asyncio.Queue()
     for session in sessions:
         queue.put_nowait(session)
-    async with httpx.AsyncClient(trust_env=False, timeout=httpx.Timeout(120.0)) as http:
+    async with httpx.AsyncClient(trust_env=False, timeout=httpx.Timeout(timeout_s)) as http:
         client = AsyncOpenAI(base_url=base_url + "/v1", api_key=api_key or "none", http_client=http, max_retries=0)
 
         async def worker() -> None:
@@ -190,16 +115,16 @@ async def replay(base_url: str, api_key: str, model: str, sessions: list[Session
                 except asyncio.QueueEmpty:
                     return
                 messages: list[dict] = [{"role": "system", "content": session.system}]
-                for question in session.questions:
-                    messages.append({"role": "user", "content": question})
-                    result, answer = await _one_request(client, model, messages, spec.max_tokens)
+                for turn in session.turns:
+                    messages.append({"role": "user", "content": turn})
+                    result, answer = await _one_request(client, model, messages, max_tokens)
                     report.results.append(result)
                     if on_result is not None:
                         on_result(result)
                     messages.append({"role": "assistant", "content": answer or "(no answer)"})
 
         start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(min(spec.concurrency, len(sessions)))))
+        await asyncio.gather(*(worker() for _ in range(min(concurrency, len(sessions)))))
         report.wall_s = time.perf_counter() - start
     return report
 

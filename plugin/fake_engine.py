@@ -93,6 +93,7 @@ class EngineStats:
     cached_tokens: int = 0
     completion_tokens: int = 0
     prefill_seconds: float = 0.0
+    queue_seconds: float = 0.0  # simulated time prefills waited behind this replica's earlier prefills
     last_request: dict = field(default_factory=dict)
 
 
@@ -160,6 +161,7 @@ class FakeEngine:
         """Queue ``seconds`` of prefill behind the prefills already queued on this replica and wait for it."""
         loop = asyncio.get_running_loop()
         now = loop.time()
+        self.stats.queue_seconds += max(0.0, self._compute_free_at - now)
         done = max(now, self._compute_free_at) + seconds
         self._compute_free_at = done
         await asyncio.sleep(done - now)

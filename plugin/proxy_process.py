@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -22,8 +23,8 @@ import yaml
 
 from kvroute.plugin.child_processes import (
     ChildOwner,
-    ChildStartError,
     spawn,
+    start_with_port_retry,
     terminate,
     wait_until_ready,
 )
@@ -184,20 +185,15 @@ class ProxyProcess(ChildOwner):
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.config_path.write_text(yaml.safe_dump(self.config, sort_keys=False))
         env = self.env()
-        attempts = 1 if self._fixed_port else 3
-        for attempt in range(attempts):
+
+        def launch() -> subprocess.Popen:
             if not self._fixed_port:
                 self.port = free_port()
             self.process = spawn([*litellm_command(), "--config", str(self.config_path), "--host", "127.0.0.1",
                                   "--port", str(self.port), *self.extra_args], self.log_path, env=env, cwd=self.workdir)
-            try:
-                self._wait_ready()
-                return self
-            except ChildStartError:
-                terminate(self.process)
-                clash = "address already in use" in self.log_text().lower()
-                if not clash or attempt == attempts - 1:
-                    raise
+            return self.process
+
+        start_with_port_retry(launch, self._wait_ready, self.log_path, attempts=1 if self._fixed_port else 3)
         return self
 
     def _wait_ready(self) -> None:

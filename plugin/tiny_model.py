@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shutil
 import sysconfig
 import tempfile
@@ -53,6 +54,10 @@ class TinyModelSpec:
     def kv_bytes_per_token(self) -> int:
         """Bytes of f16 K+V cache per token (what sizes llama.cpp's prompt cache per cached token)."""
         return self.layers * 2 * self.kv_heads * (self.hidden // self.heads) * 2
+
+    def cache_ram_mib(self, tokens: int) -> int:
+        """llama.cpp ``--cache-ram`` (MiB, at least 1) that holds ``tokens`` cached tokens of this model."""
+        return max(1, math.ceil(tokens * self.kv_bytes_per_token / (1024 * 1024)))
 
     @property
     def digest(self) -> str:

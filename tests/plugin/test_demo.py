@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from kvroute.plugin.demo import DemoOptions, render, replica_capacity_tokens
-from kvroute.plugin.demo_workload import PolicyReport, RequestResult, WorkloadSpec, build_sessions
+from kvroute.plugin.demo_workload import PolicyReport, RequestResult
+from kvroute.plugin.workloads import WorkloadSpec, build_sessions
 from kvroute.policies.errors import ConfigError
 
 POLICY_KEYS = {"cached_token_share", "ttft_p50_s", "ttft_p90_s", "requests_per_s", "failed"}
@@ -19,13 +20,13 @@ POLICY_KEYS = {"cached_token_share", "ttft_p50_s", "ttft_p90_s", "requests_per_s
 def test_sessions_total_the_requested_count_and_share_prefixes():
     spec = WorkloadSpec(requests=50, turns=4, prefixes=6)
     sessions = build_sessions(spec)
-    assert sum(len(s.questions) for s in sessions) == 50
+    assert sum(len(s.turns) for s in sessions) == 50
     assert len(sessions) == 13 and spec.shared_prefixes == 6
     by_prefix: dict[int, set[str]] = {}
     for s in sessions:
-        by_prefix.setdefault(s.prefix_id, set()).add(s.system)
+        by_prefix.setdefault(s.system_id, set()).add(s.system)
     assert all(len(v) == 1 for v in by_prefix.values())  # one text per prefix id
-    assert all(sum(1 for s in sessions if s.prefix_id == p) >= 2 for p in by_prefix)  # every prefix is shared
+    assert all(sum(1 for s in sessions if s.system_id == p) >= 2 for p in by_prefix)  # every prefix is shared
     assert build_sessions(spec) == sessions  # deterministic
     small = WorkloadSpec(requests=8, turns=4, prefixes=6)
     assert small.shared_prefixes == 1 and len(build_sessions(small)) == 2

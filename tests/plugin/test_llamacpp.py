@@ -32,6 +32,11 @@ def test_spec_validation_names_the_key():
     assert PRESETS["small"].kv_bytes_per_token == 4 * 2 * 256 * 2
 
 
+def test_cache_ram_mib_holds_the_tokens_rounded_up_to_at_least_one_mib():
+    small = PRESETS["small"]  # 4,096 bytes a token: 256 tokens a MiB
+    assert [small.cache_ram_mib(n) for n in (0, 1, 256, 257, 4032)] == [1, 1, 1, 2, 16]
+
+
 def test_generation_is_deterministic_and_cached(model_cache, tmp_path):
     model = ensure_tiny_model(PRESETS["small"], model_cache)
     assert model.gguf.stat().st_size > 10_000_000

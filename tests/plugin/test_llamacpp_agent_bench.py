@@ -19,9 +19,9 @@ import llamacpp_agent as bench  # noqa: E402
 def test_sessions_grow_turn_by_turn_past_the_replica_cache():
     shape = bench.AgentShape()  # the bench's default shape
     sessions = bench.build_sessions(shape)
-    assert len(sessions) == shape.sessions and all(len(outputs) == shape.turns - 1 for _, _, outputs in sessions)
-    assert len({tools for tools, _, _ in sessions}) == 1  # one shared tools prompt
-    assert len({task for _, task, _ in sessions}) == shape.sessions
+    assert len(sessions) == shape.sessions and all(len(s.turns) == shape.turns for s in sessions)  # task + outputs
+    assert len({s.system for s in sessions}) == 1  # one shared tools prompt
+    assert len({s.turns[0] for s in sessions}) == shape.sessions
     # contexts grow every turn, and a replica's cache holds fewer than three sessions' final contexts
     assert shape.final_context() > 2 * (shape.tools_tokens + shape.task_tokens)
     assert 2 * shape.final_context() <= bench.cache_tokens(shape) < 3 * shape.final_context()
