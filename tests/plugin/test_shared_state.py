@@ -156,6 +156,7 @@ def test_redis_outage_routes_locally_and_converges(own_redis, workers):
     others = ["B", "C", "D"]
     req, d = r1.route(chat("during"), others, request_id="d1")
     assert d.backend in others and d.fallback is None
+    r1.on_complete("d1", cached_tokens=0)  # the next turn follows the answer (a sibling racing it may spill)
     _, again = r1.route(chat("during", 2), others, request_id="d2")
     assert again.backend == d.backend and again.reason == "prefix_match"
     assert wait_until(lambda: r2.load.inflight("A") == 0, timeout=3)
@@ -166,7 +167,7 @@ def test_redis_outage_routes_locally_and_converges(own_redis, workers):
     assert wait_until(lambda: s1.connected and s2.connected, timeout=10)
     # Worker 1's updates made during the outage reach worker 2; load converges again.
     assert wait_until(lambda: r2.index.match(req.keys, BACKENDS, time.monotonic()).get(d.backend, 0) > 0)
-    assert wait_until(lambda: r2.load.inflight("A") == 1 and r2.load.inflight(d.backend) == 2)
+    assert wait_until(lambda: r2.load.inflight("A") == 1 and r2.load.inflight(d.backend) == 1)
     assert s1.counters["connects"] >= 2 and s1.counters["errors"] >= 1
 
 
