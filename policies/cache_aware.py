@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from kvroute.policies.base import RoutingState, least_load_decision
 from kvroute.policies.decision import Decision
 from kvroute.policies.filters import busy_limit
+from kvroute.policies.hashing import Rendezvous
 from kvroute.policies.load import SCORING_FIELDS, BackendLoad
 from kvroute.policies.request import RoutingRequest
 from kvroute.policies.scorers import FLEET_SCORERS, SCORERS, Candidate, own_prefill, slot_wait
@@ -35,6 +36,7 @@ _PRIOR = EngineSpeed()
 RESIDENT_SCORERS = frozenset({"evict"})
 _IDLE = BackendLoad(0, 0, 0.0, 0, 0.0, float("-inf"))
 _WORK, _QUEUED, _DECODE = (SCORING_FIELDS.index(n) for n in ("work_s", "queued", "decode_s"))
+_MEMO_MAX = 4096  # entries per memo of pure functions (cleared when full)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +101,8 @@ class CacheAware:
         # of the per-backend cost terms, those that read no ``resident_tokens`` are computed once per class
         # (their weighted value is added per backend in the same place of the sum: the same floats)
         self._member_resident = tuple(n in RESIDENT_SCORERS for n in names[max(r, k):])
+        self._idle_memo: dict[tuple[int, float, int, float], tuple[float, float]] = {}
+        self._first_memo: dict[tuple[object, ...], str] = {}
 
     def _cold_cannot_win(self, holders: Sequence[str], busy_of: dict[str, float], limit: float | None,
                          ttft_of: dict[str, float], cost_of: dict[str, float], prompt: int, factor: float,
@@ -128,6 +132,20 @@ class CacheAware:
                 least_ttft = t if t < least_ttft else least_ttft
         if best == math.inf:
             return False
+        memo_key = (prompt, factor, best_matched, best_own)
+        idle = self._idle_memo.get(memo_key)
+        if idle is None:
+            idle = self._idle_memo[memo_key] = self._idle_scores(prompt, factor, best_matched, best_own, own_by_match)
+            if len(self._idle_memo) > _MEMO_MAX:
+                self._idle_memo.clear()
+        if not idle[0] >= least_ttft:
+            return False
+        return idle[1] > best + max(cfg.tie_s, cfg.tie_fraction * best)
+
+    def _idle_scores(self, prompt: int, factor: float, best_matched: int, best_own: float,
+                     own_by_match: dict[int, float]) -> tuple[float, float]:
+        """(TTFT, cost) of a backend with no match, no load, no queue, no cache and unknown capacity: a pure
+        function of these arguments (the scorers and speed are fixed per policy), so ``_idle_memo`` keeps it."""
         own0 = own_by_match.get(0)
         if own0 is None:
             own0 = own_by_match[0] = self.speed.prefill_s(prompt, 0)
@@ -136,11 +154,23 @@ class CacheAware:
         t = 0.0
         for f, w in self.scorers:
             t += w * f(c, speed)
-        if not t >= least_ttft:
-            return False
+        u = t
         for f, w in self.fleet_scorers:
-            t += w * f(c, speed)
-        return t > best + max(cfg.tie_s, cfg.tie_fraction * best)
+            u += w * f(c, speed)
+        return t, u
+
+    def _first_in_order(self, rendezvous: Rendezvous, key: int, holders: list[str]) -> str:
+        """``rendezvous.order(key, holders)[0]``, remembered per (key, holders): the order is a pure function
+        of them for the stock ``Rendezvous`` (a subclass is always asked)."""
+        if type(rendezvous) is not Rendezvous:
+            return rendezvous.order(key, holders)[0]
+        memo_key = (key, *holders)
+        first = self._first_memo.get(memo_key)
+        if first is None:
+            first = self._first_memo[memo_key] = rendezvous.order(key, holders)[0]
+            if len(self._first_memo) > _MEMO_MAX:
+                self._first_memo.clear()
+        return first
 
     def select(
         self, request: RoutingRequest, candidates: Sequence[str], state: RoutingState, now: float
@@ -280,7 +310,8 @@ class CacheAware:
         if best_match > 0:
             holders = [b for b in near if matched[b] == best_match]
             # several: the first in the prefix's rendezvous order (highest weight, then name)
-            backend = holders[0] if len(holders) == 1 else state.rendezvous.order(request.keys[0], holders)[0]
+            backend = (holders[0] if len(holders) == 1
+                       else self._first_in_order(state.rendezvous, request.keys[0], holders))
             reason = "prefix_match" if best_match >= top_holder else "prefix_spill"
         else:
             backend = min(near, key=lambda b: (load.busy(b, now), load.last_pick(b), costs[b], b))

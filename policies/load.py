@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 
@@ -217,19 +218,10 @@ class LoadTracker:
 
     def busy_many(self, backends: Sequence[str], now: float) -> list[float]:
         """``[busy(b, now) for b in backends]`` in one call (the same arithmetic, no per-backend calls)."""
-        get = self._busy.get
         half = self.busy_half_life_s
         pw = math.pow
-        out: list[float] = []
-        append = out.append
-        for b in backends:
-            got = get(b)
-            if got is None:
-                append(0.0)
-                continue
-            age = now - got[1]
-            append(got[0] * (1.0 if age <= 0 else pw(0.5, age / half)))
-        return out
+        return [0.0 if got is None else got[0] * (1.0 if now - got[1] <= 0 else pw(0.5, (now - got[1]) / half))
+                for got in map(self._busy.get, backends)]
 
     def _decay(self, age_s: float) -> float:
         return 1.0 if age_s <= 0 else math.pow(0.5, age_s / self.busy_half_life_s)
@@ -302,6 +294,14 @@ class LoadTracker:
         pick_of = self._last_pick.get
         decode_all = self._decode_all
         never = -math.inf
+        if not self._signals:  # no engine signal: every column by one C-level map, zipped into the rows
+            inflights = list(map(inflight_of, backends, repeat(0)))
+            prefills = list(map(prefill_of, backends, repeat(0)))
+            decode = 0.0 if decode_all is None else decode_all  # no backend has one without the fleet's
+            return (list(zip(inflights, prefills, map(float, prefills), inflights, repeat(0.0),
+                             map(work_of, backends, repeat(0.0)), map(queued_of, backends, repeat(0)),
+                             map(decode_of, backends, repeat(decode)))),
+                    list(map(pick_of, backends, repeat(never))))
         states = []
         append = states.append
         for b in backends:

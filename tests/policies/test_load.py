@@ -55,7 +55,8 @@ def test_scoring_inputs_and_busy_many_equal_the_one_backend_getters():
             return BackendLoad(v.inflight + 1, v.prefill_tokens, v.queue_tokens, v.running, v.kv_usage, v.last_pick)
 
     rng = random.Random(3)
-    for tracker in (LoadTracker(), Raised()):
+    # the last tracker never sees an engine signal (the columnar path of scoring_inputs)
+    for tracker, signals in ((LoadTracker(), True), (Raised(), True), (LoadTracker(), False)):
         backends = [f"b{i}" for i in range(12)]
         now = 0.0
         for i in range(400):
@@ -66,14 +67,15 @@ def test_scoring_inputs_and_busy_many_equal_the_one_backend_getters():
                 tracker.first_token(f"r{rng.randrange(i + 1)}", now)
             if rng.random() < 0.4:
                 tracker.release(f"r{rng.randrange(i + 1)}", now + rng.random())
-            if rng.random() < 0.1:
+            if signals and rng.random() < 0.1:
                 tracker.observe(rng.choice(backends), ExternalSignal(now - rng.random(), rng.choice([None, 3.0]),
                                                                      rng.choice([None, 7.0]), rng.random()))
             ask = rng.sample([*backends, "never-seen"], 6)
             states, picks = tracker.scoring_inputs(ask, now)
             for b2, st, lp in zip(ask, states, picks, strict=True):
                 v = tracker.view(b2, now)
-                assert st == (v.inflight, v.prefill_tokens, v.queue_tokens, v.running, v.kv_usage,
-                              tracker.work_s(b2), tracker.queued(b2), tracker.decode_s(b2))
+                want = (v.inflight, v.prefill_tokens, v.queue_tokens, v.running, v.kv_usage,
+                        tracker.work_s(b2), tracker.queued(b2), tracker.decode_s(b2))
+                assert st == want and [type(x) for x in st] == [type(x) for x in want]
                 assert lp == tracker.last_pick(b2)
             assert tracker.busy_many(ask, now) == [tracker.busy(b2, now) for b2 in ask]
