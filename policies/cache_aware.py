@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 
 from kvroute.policies.base import RoutingState, least_load_decision
 from kvroute.policies.decision import Decision
@@ -26,7 +27,7 @@ from kvroute.policies.filters import busy_limit
 from kvroute.policies.hashing import Rendezvous
 from kvroute.policies.load import SCORING_FIELDS, BackendLoad
 from kvroute.policies.request import RoutingRequest
-from kvroute.policies.scorers import FLEET_SCORERS, SCORERS, Candidate, own_prefill, slot_wait
+from kvroute.policies.scorers import FLEET_SCORERS, SCORERS, Candidate, eviction, own_prefill, slot_wait
 from kvroute.policies.speed import EngineSpeed
 
 _PRIOR = EngineSpeed()
@@ -36,6 +37,7 @@ _PRIOR = EngineSpeed()
 RESIDENT_SCORERS = frozenset({"evict"})
 _IDLE = BackendLoad(0, 0, 0.0, 0, 0.0, float("-inf"))
 _WORK, _QUEUED, _DECODE = (SCORING_FIELDS.index(n) for n in ("work_s", "queued", "decode_s"))
+_VALUE = itemgetter(1)  # a (backend, score) item's score
 _MEMO_MAX = 4096  # entries per memo of pure functions (cleared when full)
 
 
@@ -263,7 +265,18 @@ class CacheAware:
                         t += w * f(c, speed)
                     u = t
                 for f, w in tail:
-                    u += w if f is None else w * f(c, speed)
+                    if f is None:
+                        u += w
+                    elif f is eviction:  # eviction(c, speed) inline, the same arithmetic (tests/policies check it)
+                        cap_t = c.capacity_tokens
+                        if cap_t <= 0:
+                            u += w * 0.0
+                        else:
+                            free = cap_t - res
+                            evicted = c.uncached - (free if free > 0.0 else 0.0)
+                            u += w * (0.0 if evicted <= 0 else c.factor * prefill_s(evicted))
+                    else:
+                        u += w * f(c, speed)
                 ttft_of[b] = t
                 cost_of[b] = u
                 cand_of[b] = c
@@ -323,7 +336,7 @@ class CacheAware:
         factor = chosen.factor or 1.0
         scores = (
             costs if len(costs) <= cfg.max_scores
-            else dict(sorted(costs.items(), key=lambda kv: kv[1])[: cfg.max_scores])
+            else dict(sorted(costs.items(), key=_VALUE)[: cfg.max_scores])
         )
         own = own_prefill(chosen, speed) / factor
         queued = max(chosen.work_s, chosen.view.queue_tokens / speed.prefill_tok_s)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from itertools import repeat
 from typing import Any
 
 
@@ -294,14 +293,6 @@ class LoadTracker:
         pick_of = self._last_pick.get
         decode_all = self._decode_all
         never = -math.inf
-        if not self._signals:  # no engine signal: every column by one C-level map, zipped into the rows
-            inflights = list(map(inflight_of, backends, repeat(0)))
-            prefills = list(map(prefill_of, backends, repeat(0)))
-            decode = 0.0 if decode_all is None else decode_all  # no backend has one without the fleet's
-            return (list(zip(inflights, prefills, map(float, prefills), inflights, repeat(0.0),
-                             map(work_of, backends, repeat(0.0)), map(queued_of, backends, repeat(0)),
-                             map(decode_of, backends, repeat(decode)))),
-                    list(map(pick_of, backends, repeat(never))))
         states = []
         append = states.append
         for b in backends:

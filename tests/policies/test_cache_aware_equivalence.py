@@ -85,6 +85,9 @@ def test_random_fleets_with_signals_and_load_pick_identically(seed: int) -> None
     dual = Dual(CacheAwareConfig(max_scored=rng.choice([4, 8, 12])))
     backends = [f"b{i}" for i in range(rng.choice([3, 16, 40]))]
     prefixes = [[rng.getrandbits(63) for _ in range(rng.randrange(4, 80))] for _ in range(12)]
+    for b in backends:  # caches that fill up: the eviction term is priced (and computed inline) there
+        if rng.random() < 0.5:
+            router.index.set_capacity(b, 64 * rng.randrange(20, 200))
     open_ids: list[str] = []
     for i in range(600):
         now[0] += rng.expovariate(20.0)
