@@ -256,10 +256,25 @@ class CacheAware:
                     # per-backend cost terms: (scorer, weight) where it reads the residency, else (None, value)
                     tail = tuple((f, w) if per_backend else (None, w * f(c, speed))
                                  for (f, w), per_backend in zip(member_more, member_resident, strict=True))
-                    classes[key] = got = (c, t, u, tail)
+                    # the class's cost where the eviction term is 0 (new blocks fit): the same sum, once
+                    u0 = None
+                    if not member_ttft and all(f is None or f is eviction for f, _ in tail):
+                        u0 = u
+                        for f, w in tail:
+                            u0 += w if f is None else w * 0.0
+                    cap_t = cap_blocks * bt
+                    unc = prompt - m
+                    classes[key] = got = (c, t, u, tail, u0, cap_t, unc)
                 else:
-                    c, t, u, tail = got
+                    c, t, u, tail, u0, cap_t, unc = got
                     c.resident_tokens = res
+                if u0 is not None:
+                    free = cap_t - res
+                    if cap_t <= 0 or (free if free > 0.0 else 0.0) >= unc:  # eviction() is 0 here
+                        ttft_of[b] = t
+                        cost_of[b] = u0
+                        cand_of[b] = c
+                        continue
                 if member_ttft:
                     for f, w in member_ttft:
                         t += w * f(c, speed)
