@@ -202,7 +202,7 @@ class CacheAware:
                 m = int(blocks * bt)
                 m = top if m > top else m
                 matched[b] = m if m > 0 else 0
-        best_matched = max(matched[b] for b in holders) if holders else 0
+        best_matched = max(map(matched.__getitem__, holders)) if holders else 0
         best_own = speed.prefill_s(prompt - best_matched, best_matched)
         factor = load.factor(candidates[0])  # fleet-wide (see LoadTracker.factor)
         own_by_match: dict[int, float] = {best_matched: best_own}
@@ -334,7 +334,7 @@ class CacheAware:
         band = max(cfg.tie_s, cfg.tie_fraction * best_cost)
         threshold = best_cost + band
         near = [b for b, cost in costs.items() if cost <= threshold]
-        best_match = max([matched[b] for b in near])
+        best_match = max(map(matched.__getitem__, near))
         if best_match > 0:
             holders = [b for b in near if matched[b] == best_match]
             # several: the first in the prefix's rendezvous order (highest weight, then name)
