@@ -79,3 +79,28 @@ def test_scoring_inputs_and_busy_many_equal_the_one_backend_getters():
                 assert st == want and [type(x) for x in st] == [type(x) for x in want]
                 assert lp == tracker.last_pick(b2)
             assert tracker.busy_many(ask, now) == [tracker.busy(b2, now) for b2 in ask]
+
+
+def test_busy_decays_with_one_epoch_and_rebases_without_overflow() -> None:
+    """Busy seconds kept against one epoch equal the per-backend decay (halving every ``busy_half_life_s``),
+    across a rebase far past the epoch (days of uptime), without overflow."""
+    import math
+
+    from kvroute.policies.load import LoadTracker
+
+    t = LoadTracker()
+    h = t.busy_half_life_s
+    t.add_busy("a", 2.0, 100.0)
+    t.add_busy("b", 1.0, 130.0)
+    t.add_busy("a", 1.0, 160.0)
+    now = 220.0
+    want_a = 2.0 * 0.5 ** ((now - 100.0) / h) + 1.0 * 0.5 ** ((now - 160.0) / h)
+    want_b = 1.0 * 0.5 ** ((now - 130.0) / h)
+    assert math.isclose(t.busy("a", now), want_a, rel_tol=1e-12)
+    assert t.busy_many(["a", "b", "c"], now) == [t.busy("a", now), t.busy("b", now), 0.0]
+    assert math.isclose(t.busy_many(["b"], now)[0], want_b, rel_tol=1e-12)
+    later = 100.0 + 3 * 86400.0  # thousands of half-lives: the epoch moves, values stay finite
+    t.add_busy("b", 4.0, later)
+    assert math.isclose(t.busy("b", later), 4.0, rel_tol=1e-12)  # the old 1 s decayed to nothing
+    assert math.isfinite(t.busy("a", later)) and t.busy("a", later) < 1e-300
+    assert math.isclose(t.busy("b", later + h), 2.0, rel_tol=1e-12)
