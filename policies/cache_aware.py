@@ -19,13 +19,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 
 from kvroute.policies.base import RoutingState, least_load_decision
 from kvroute.policies.decision import Decision
 from kvroute.policies.filters import busy_limit
+from kvroute.policies.hashing import Rendezvous
 from kvroute.policies.load import SCORING_FIELDS, BackendLoad
 from kvroute.policies.request import RoutingRequest
-from kvroute.policies.scorers import FLEET_SCORERS, SCORERS, Candidate, own_prefill, slot_wait
+from kvroute.policies.scorers import FLEET_SCORERS, SCORERS, Candidate, eviction, own_prefill, slot_wait
 from kvroute.policies.speed import EngineSpeed
 
 _PRIOR = EngineSpeed()
@@ -35,6 +37,8 @@ _PRIOR = EngineSpeed()
 RESIDENT_SCORERS = frozenset({"evict"})
 _IDLE = BackendLoad(0, 0, 0.0, 0, 0.0, float("-inf"))
 _WORK, _QUEUED, _DECODE = (SCORING_FIELDS.index(n) for n in ("work_s", "queued", "decode_s"))
+_VALUE = itemgetter(1)  # a (backend, score) item's score
+_MEMO_MAX = 4096  # entries per memo of pure functions (cleared when full)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +103,8 @@ class CacheAware:
         # of the per-backend cost terms, those that read no ``resident_tokens`` are computed once per class
         # (their weighted value is added per backend in the same place of the sum: the same floats)
         self._member_resident = tuple(n in RESIDENT_SCORERS for n in names[max(r, k):])
+        self._idle_memo: dict[tuple[int, float, int, float], tuple[float, float]] = {}
+        self._first_memo: dict[tuple[object, ...], str] = {}
 
     def _cold_cannot_win(self, holders: Sequence[str], busy_of: dict[str, float], limit: float | None,
                          ttft_of: dict[str, float], cost_of: dict[str, float], prompt: int, factor: float,
@@ -128,6 +134,20 @@ class CacheAware:
                 least_ttft = t if t < least_ttft else least_ttft
         if best == math.inf:
             return False
+        memo_key = (prompt, factor, best_matched, best_own)
+        idle = self._idle_memo.get(memo_key)
+        if idle is None:
+            idle = self._idle_memo[memo_key] = self._idle_scores(prompt, factor, best_matched, best_own, own_by_match)
+            if len(self._idle_memo) > _MEMO_MAX:
+                self._idle_memo.clear()
+        if not idle[0] >= least_ttft:
+            return False
+        return idle[1] > best + max(cfg.tie_s, cfg.tie_fraction * best)
+
+    def _idle_scores(self, prompt: int, factor: float, best_matched: int, best_own: float,
+                     own_by_match: dict[int, float]) -> tuple[float, float]:
+        """(TTFT, cost) of a backend with no match, no load, no queue, no cache and unknown capacity: a pure
+        function of these arguments (the scorers and speed are fixed per policy), so ``_idle_memo`` keeps it."""
         own0 = own_by_match.get(0)
         if own0 is None:
             own0 = own_by_match[0] = self.speed.prefill_s(prompt, 0)
@@ -136,11 +156,23 @@ class CacheAware:
         t = 0.0
         for f, w in self.scorers:
             t += w * f(c, speed)
-        if not t >= least_ttft:
-            return False
+        u = t
         for f, w in self.fleet_scorers:
-            t += w * f(c, speed)
-        return t > best + max(cfg.tie_s, cfg.tie_fraction * best)
+            u += w * f(c, speed)
+        return t, u
+
+    def _first_in_order(self, rendezvous: Rendezvous, key: int, holders: list[str]) -> str:
+        """``rendezvous.order(key, holders)[0]``, remembered per (key, holders): the order is a pure function
+        of them for the stock ``Rendezvous`` (a subclass is always asked)."""
+        if type(rendezvous) is not Rendezvous:
+            return rendezvous.order(key, holders)[0]
+        memo_key = (key, *holders)
+        first = self._first_memo.get(memo_key)
+        if first is None:
+            first = self._first_memo[memo_key] = rendezvous.order(key, holders)[0]
+            if len(self._first_memo) > _MEMO_MAX:
+                self._first_memo.clear()
+        return first
 
     def select(
         self, request: RoutingRequest, candidates: Sequence[str], state: RoutingState, now: float
@@ -170,7 +202,7 @@ class CacheAware:
                 m = int(blocks * bt)
                 m = top if m > top else m
                 matched[b] = m if m > 0 else 0
-        best_matched = max(matched[b] for b in holders) if holders else 0
+        best_matched = max(map(matched.__getitem__, holders)) if holders else 0
         best_own = speed.prefill_s(prompt - best_matched, best_matched)
         factor = load.factor(candidates[0])  # fleet-wide (see LoadTracker.factor)
         own_by_match: dict[int, float] = {best_matched: best_own}
@@ -224,16 +256,42 @@ class CacheAware:
                     # per-backend cost terms: (scorer, weight) where it reads the residency, else (None, value)
                     tail = tuple((f, w) if per_backend else (None, w * f(c, speed))
                                  for (f, w), per_backend in zip(member_more, member_resident, strict=True))
-                    classes[key] = got = (c, t, u, tail)
+                    # the class's cost where the eviction term is 0 (new blocks fit): the same sum, once
+                    u0 = None
+                    if not member_ttft and all(f is None or f is eviction for f, _ in tail):
+                        u0 = u
+                        for f, w in tail:
+                            u0 += w if f is None else w * 0.0
+                    cap_t = cap_blocks * bt
+                    unc = prompt - m
+                    classes[key] = got = (c, t, u, tail, u0, cap_t, unc)
                 else:
-                    c, t, u, tail = got
+                    c, t, u, tail, u0, cap_t, unc = got
                     c.resident_tokens = res
+                if u0 is not None:
+                    free = cap_t - res
+                    if cap_t <= 0 or (free if free > 0.0 else 0.0) >= unc:  # eviction() is 0 here
+                        ttft_of[b] = t
+                        cost_of[b] = u0
+                        cand_of[b] = c
+                        continue
                 if member_ttft:
                     for f, w in member_ttft:
                         t += w * f(c, speed)
                     u = t
                 for f, w in tail:
-                    u += w if f is None else w * f(c, speed)
+                    if f is None:
+                        u += w
+                    elif f is eviction:  # eviction(c, speed) inline, the same arithmetic (tests/policies check it)
+                        cap_t = c.capacity_tokens
+                        if cap_t <= 0:
+                            u += w * 0.0
+                        else:
+                            free = cap_t - res
+                            evicted = c.uncached - (free if free > 0.0 else 0.0)
+                            u += w * (0.0 if evicted <= 0 else c.factor * prefill_s(evicted))
+                    else:
+                        u += w * f(c, speed)
                 ttft_of[b] = t
                 cost_of[b] = u
                 cand_of[b] = c
@@ -276,11 +334,12 @@ class CacheAware:
         band = max(cfg.tie_s, cfg.tie_fraction * best_cost)
         threshold = best_cost + band
         near = [b for b, cost in costs.items() if cost <= threshold]
-        best_match = max([matched[b] for b in near])
+        best_match = max(map(matched.__getitem__, near))
         if best_match > 0:
             holders = [b for b in near if matched[b] == best_match]
             # several: the first in the prefix's rendezvous order (highest weight, then name)
-            backend = holders[0] if len(holders) == 1 else state.rendezvous.order(request.keys[0], holders)[0]
+            backend = (holders[0] if len(holders) == 1
+                       else self._first_in_order(state.rendezvous, request.keys[0], holders))
             reason = "prefix_match" if best_match >= top_holder else "prefix_spill"
         else:
             backend = min(near, key=lambda b: (load.busy(b, now), load.last_pick(b), costs[b], b))
@@ -292,7 +351,7 @@ class CacheAware:
         factor = chosen.factor or 1.0
         scores = (
             costs if len(costs) <= cfg.max_scores
-            else dict(sorted(costs.items(), key=lambda kv: kv[1])[: cfg.max_scores])
+            else dict(sorted(costs.items(), key=_VALUE)[: cfg.max_scores])
         )
         own = own_prefill(chosen, speed) / factor
         queued = max(chosen.work_s, chosen.view.queue_tokens / speed.prefill_tok_s)

@@ -17,6 +17,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+_REBASE_HALVINGS = 256.0  # 2**256 of scale stays far from float overflow (2**1024)
+
 
 @dataclass(slots=True)
 class ExternalSignal:
@@ -73,7 +75,10 @@ class LoadTracker:
         self._log_factor_all: float | None = None
         self._decode_s: dict[str, float] = {}
         self._decode_all: float | None = None
-        self._busy: dict[str, tuple[float, float]] = {}  # backend -> (decayed busy seconds, at)
+        # backend -> busy seconds scaled to the epoch ``_busy_ref``: busy(now) = value * 0.5 ** ((now - ref) / half),
+        # so a pick decays every backend's busy time with one pow (rebased before the scale could overflow)
+        self._busy: dict[str, float] = {}
+        self._busy_ref: float | None = None
         self._requests: dict[str, _Inflight] = {}
         self._inflight: dict[str, int] = {}
         self._prefill: dict[str, int] = {}
@@ -205,34 +210,35 @@ class LoadTracker:
         return self._work.get(backend, 0.0)
 
     def add_busy(self, backend: str, seconds: float, now: float) -> None:
-        v, at = self._busy.get(backend, (0.0, now))
-        self._busy[backend] = (v * self._decay(now - at) + seconds, max(at, now))
+        ref = self._busy_ref
+        if ref is None:
+            ref = self._busy_ref = now
+        elif (now - ref) / self.busy_half_life_s > _REBASE_HALVINGS:
+            ref = self._rebase(now)
+        grow = math.pow(2.0, (now - ref) / self.busy_half_life_s)
+        self._busy[backend] = self._busy.get(backend, 0.0) + seconds * grow
+
+    def _rebase(self, now: float) -> float:
+        """Move the epoch to ``now`` (every stored value times the decay since the old epoch)."""
+        k = self._scale(now)
+        self._busy = {b: v * k for b, v in self._busy.items()}
+        self._busy_ref = now
+        return now
+
+    def _scale(self, now: float) -> float:
+        ref = self._busy_ref
+        return 1.0 if ref is None or now <= ref else math.pow(0.5, (now - ref) / self.busy_half_life_s)
 
     def busy(self, backend: str, now: float) -> float:
         """Busy seconds assigned to ``backend`` recently (decayed with ``busy_half_life_s``)."""
-        got = self._busy.get(backend)
-        if got is None:
-            return 0.0
-        return got[0] * self._decay(now - got[1])
+        v = self._busy.get(backend)
+        return 0.0 if v is None else v * self._scale(now)
 
     def busy_many(self, backends: Sequence[str], now: float) -> list[float]:
-        """``[busy(b, now) for b in backends]`` in one call (the same arithmetic, no per-backend calls)."""
+        """``[busy(b, now) for b in backends]`` in one call: one decay factor for all of them."""
+        k = self._scale(now)
         get = self._busy.get
-        half = self.busy_half_life_s
-        pw = math.pow
-        out: list[float] = []
-        append = out.append
-        for b in backends:
-            got = get(b)
-            if got is None:
-                append(0.0)
-                continue
-            age = now - got[1]
-            append(got[0] * (1.0 if age <= 0 else pw(0.5, age / half)))
-        return out
-
-    def _decay(self, age_s: float) -> float:
-        return 1.0 if age_s <= 0 else math.pow(0.5, age_s / self.busy_half_life_s)
+        return [get(b, 0.0) * k for b in backends]
 
     def backend_of(self, request_id: str) -> str | None:
         req = self._requests.get(request_id)

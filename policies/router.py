@@ -182,6 +182,8 @@ class Router:
         return lo
 
     def _mark_provisional(self, backend: str, keys: Sequence[int], start: int) -> None:
+        if start >= len(keys):  # every block already held: nothing of this request is being computed
+            return
         prov = self._provisional.setdefault(backend, {})
         get = prov.get
         for key in keys[start:]:

@@ -85,6 +85,9 @@ def test_random_fleets_with_signals_and_load_pick_identically(seed: int) -> None
     dual = Dual(CacheAwareConfig(max_scored=rng.choice([4, 8, 12])))
     backends = [f"b{i}" for i in range(rng.choice([3, 16, 40]))]
     prefixes = [[rng.getrandbits(63) for _ in range(rng.randrange(4, 80))] for _ in range(12)]
+    for b in backends:  # caches that fill up: the eviction term is priced (and computed inline) there
+        if rng.random() < 0.5:
+            router.index.set_capacity(b, 64 * rng.randrange(20, 200))
     open_ids: list[str] = []
     for i in range(600):
         now[0] += rng.expovariate(20.0)
@@ -144,3 +147,23 @@ def _idle_candidate(policy):
     from kvroute.policies.scorers import Candidate
 
     return Candidate("", 8000, 0, _IDLE, 1.0, 0.0, 0, 0.0, 0.0, 0.0, 7936, policy.speed.prefill_s(8000, 0), 0.01)
+
+
+def test_remembered_rendezvous_first_equals_a_fresh_order() -> None:
+    from kvroute.policies import cache_aware
+    from kvroute.policies.hashing import Rendezvous
+
+    class Reversed(Rendezvous):  # a subclass is always asked (its order may not be a pure function)
+        def order(self, key: int | str, backends: Sequence[str]) -> list[str]:
+            return super().order(key, backends)[::-1]
+
+    policy = CacheAware()
+    rng = random.Random(5)
+    names = [f"replica-{i}" for i in range(12)]
+    stock, other = Rendezvous(), Reversed()
+    for i in range(3 * cache_aware._MEMO_MAX):  # past the bound: the memo is cleared and refilled
+        key = rng.randrange(40) if i % 3 else rng.getrandbits(64)
+        holders = rng.sample(names, rng.randrange(2, 6))
+        assert policy._first_in_order(stock, key, holders) == Rendezvous().order(key, holders)[0]
+        assert policy._first_in_order(other, key, holders) == Reversed().order(key, holders)[0]
+    assert 0 < len(policy._first_memo) <= cache_aware._MEMO_MAX + 1

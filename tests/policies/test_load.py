@@ -55,7 +55,8 @@ def test_scoring_inputs_and_busy_many_equal_the_one_backend_getters():
             return BackendLoad(v.inflight + 1, v.prefill_tokens, v.queue_tokens, v.running, v.kv_usage, v.last_pick)
 
     rng = random.Random(3)
-    for tracker in (LoadTracker(), Raised()):
+    # the last tracker never sees an engine signal (the columnar path of scoring_inputs)
+    for tracker, signals in ((LoadTracker(), True), (Raised(), True), (LoadTracker(), False)):
         backends = [f"b{i}" for i in range(12)]
         now = 0.0
         for i in range(400):
@@ -66,14 +67,40 @@ def test_scoring_inputs_and_busy_many_equal_the_one_backend_getters():
                 tracker.first_token(f"r{rng.randrange(i + 1)}", now)
             if rng.random() < 0.4:
                 tracker.release(f"r{rng.randrange(i + 1)}", now + rng.random())
-            if rng.random() < 0.1:
+            if signals and rng.random() < 0.1:
                 tracker.observe(rng.choice(backends), ExternalSignal(now - rng.random(), rng.choice([None, 3.0]),
                                                                      rng.choice([None, 7.0]), rng.random()))
             ask = rng.sample([*backends, "never-seen"], 6)
             states, picks = tracker.scoring_inputs(ask, now)
             for b2, st, lp in zip(ask, states, picks, strict=True):
                 v = tracker.view(b2, now)
-                assert st == (v.inflight, v.prefill_tokens, v.queue_tokens, v.running, v.kv_usage,
-                              tracker.work_s(b2), tracker.queued(b2), tracker.decode_s(b2))
+                want = (v.inflight, v.prefill_tokens, v.queue_tokens, v.running, v.kv_usage,
+                        tracker.work_s(b2), tracker.queued(b2), tracker.decode_s(b2))
+                assert st == want and [type(x) for x in st] == [type(x) for x in want]
                 assert lp == tracker.last_pick(b2)
             assert tracker.busy_many(ask, now) == [tracker.busy(b2, now) for b2 in ask]
+
+
+def test_busy_decays_with_one_epoch_and_rebases_without_overflow() -> None:
+    """Busy seconds kept against one epoch equal the per-backend decay (halving every ``busy_half_life_s``),
+    across a rebase far past the epoch (days of uptime), without overflow."""
+    import math
+
+    from kvroute.policies.load import LoadTracker
+
+    t = LoadTracker()
+    h = t.busy_half_life_s
+    t.add_busy("a", 2.0, 100.0)
+    t.add_busy("b", 1.0, 130.0)
+    t.add_busy("a", 1.0, 160.0)
+    now = 220.0
+    want_a = 2.0 * 0.5 ** ((now - 100.0) / h) + 1.0 * 0.5 ** ((now - 160.0) / h)
+    want_b = 1.0 * 0.5 ** ((now - 130.0) / h)
+    assert math.isclose(t.busy("a", now), want_a, rel_tol=1e-12)
+    assert t.busy_many(["a", "b", "c"], now) == [t.busy("a", now), t.busy("b", now), 0.0]
+    assert math.isclose(t.busy_many(["b"], now)[0], want_b, rel_tol=1e-12)
+    later = 100.0 + 3 * 86400.0  # thousands of half-lives: the epoch moves, values stay finite
+    t.add_busy("b", 4.0, later)
+    assert math.isclose(t.busy("b", later), 4.0, rel_tol=1e-12)  # the old 1 s decayed to nothing
+    assert math.isfinite(t.busy("a", later)) and t.busy("a", later) < 1e-300
+    assert math.isclose(t.busy("b", later + h), 2.0, rel_tol=1e-12)
