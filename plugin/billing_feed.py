@@ -102,15 +102,19 @@ class BillingFeed:
         if not self.db_url:
             return {}
         try:
-            from kvroute.billing.catalog import Catalog
-            from kvroute.billing.ledger import Ledger
+            from sqlalchemy import inspect
 
-            ledger = Ledger.open(self.db_url)
+            from kvroute.billing.catalog import Catalog
+            from kvroute.billing.db import make_engine
+
+            engine = make_engine(self.db_url)  # read only: migrating is the recorder's job
             try:
-                with ledger.engine.connect() as conn:
+                if not inspect(engine).has_table("cost_rate"):
+                    return {}  # a ledger not created yet holds no cards
+                with engine.connect() as conn:
                     catalog = Catalog.load(conn)
             finally:
-                ledger.close()
+                engine.dispose()
         except Exception as exc:
             log.warning("kvroute billing: rate cards unreadable (%s); replicas keep their model_list prices", exc)
             return {}

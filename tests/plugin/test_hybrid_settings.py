@@ -115,7 +115,7 @@ def test_a_replicas_rate_card_in_the_ledger_wins_over_its_model_list_price(tmp_p
     assert hybrid.route_kind(None) is None
     broken = BillingFeed(None, RequestIds())
     broken.db_url = f"sqlite:///{tmp_path / 'missing' / 'x.db'}"
-    assert broken.rate_cards(["gpu-1"]) == {}  # unreadable ledger: the replicas keep their model_list prices
+    assert broken.rate_cards(["gpu-1"]) == {}  # no ledger yet: the replicas keep their model_list prices
 
 
 def test_the_ledger_route_kind_comes_from_the_deployment_unless_model_info_names_one():
@@ -143,3 +143,13 @@ def test_the_ledger_route_kind_comes_from_the_deployment_unless_model_info_names
                      None, None, None, ticket)
     assert [(e.backend_id, e.route_kind) for e in rec.events] == [
         ("gpu-1", "self_hosted"), ("prov", "direct"), ("gpu-1", "marketplace")]
+
+
+def test_an_unreadable_ledger_leaves_the_model_list_prices(tmp_path, caplog):
+    from kvroute.plugin.billing_feed import BillingFeed
+    from kvroute.plugin.request_ids import RequestIds
+
+    feed = BillingFeed(None, RequestIds())
+    feed.db_url = "postgresql+psycopg://nobody@127.0.0.1:1/none"  # nothing listens there
+    assert feed.rate_cards(["gpu-1"]) == {}
+    assert "rate cards unreadable" in caplog.text
