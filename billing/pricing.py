@@ -2,9 +2,9 @@
 
 Formulas (research §8.3), all in ``Decimal`` at scale 1e-10, never rounded to cents here:
 ``provider_cost`` = reported cost, else LiteLLM's cost before its margin, else Σ tokens × rate / 1e6 + per_request;
-a self-hosted amortised card (``source="self_hosted_amortized"``, e.g. a ``GpuRateCard``) comes first (a replica
-reports no cost of its own: LiteLLM's cost, also copied into ``usage.cost``, is only the per-token price typed into
-``model_list``), so the card is the one unit of self-hosted cost the ledger and the hybrid router share;
+a self-hosted amortised card (``source="self_hosted_amortized"``, e.g. a ``GpuRateCard``) comes before LiteLLM's
+cost (which for a replica is only the per-token price typed into ``model_list``), so the card is the one unit of
+self-hosted cost the ledger and the hybrid router share;
 ``billed`` = clamp(cost + cost × markup + Σ tokens × surcharge / 1e6 + fee, min, max), or 0 for non-final attempts
 and zero completions unless the rule bills them.
 
@@ -236,10 +236,10 @@ def rate_event(e: UsageEvent, cost_rate: CostRate | None, book: PriceBook | None
                                          f"but app {e.app_id!r} is billed in {target}; amounts are never converted")
         computed = None  # a figure in another currency is not kept beside the reported cost
     amortized = computed is not None and cost_rate is not None and cost_rate.source == "self_hosted_amortized"
-    if amortized:  # our own GPU's cost: no one else can report it (a "reported" figure is a typed price)
-        cost, source = computed, "self_hosted_amortized"
-    elif e.provider_cost is not None:
+    if e.provider_cost is not None:
         cost, source = fix(e.provider_cost), "provider_reported"
+    elif amortized:  # our own GPU's cost beats the per-token price typed into model_list
+        cost, source = computed, "self_hosted_amortized"
     elif e.litellm_cost is not None:
         cost, source = fix(e.litellm_cost), "litellm"
     elif computed is not None:

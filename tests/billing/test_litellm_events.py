@@ -71,6 +71,10 @@ def test_litellm_margin_is_taken_out_and_reported_cost_wins() -> None:
     openrouter = {**RESPONSE, "usage": {**RESPONSE["usage"], "cost": 0.00492}}
     e = event_from_callback(kw, openrouter)
     assert e is not None and e.provider_cost == Decimal("0.00492")
+    # LiteLLM stamps its own bill (margin included) on a streamed usage.cost: LiteLLM's cost, not a report
+    stamped = {**RESPONSE, "usage": {**RESPONSE["usage"], "cost": 0.00816}}
+    e = event_from_callback(kw, stamped)
+    assert e is not None and e.provider_cost is None and e.litellm_cost == Decimal("0.0068")
 
 
 def test_unpriced_zero_cost_is_unknown() -> None:

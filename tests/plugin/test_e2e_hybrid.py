@@ -25,6 +25,7 @@ import httpx
 import pytest
 
 from kvroute.billing.ledger import Ledger
+from kvroute.billing.money import fix
 from kvroute.billing.pricing import GpuRateCard
 from kvroute.billing.recorder import UsageRecorder
 from kvroute.billing.reports import margin_report, usage_report
@@ -245,7 +246,11 @@ def test_burst_overflows_holds_the_target_returns_and_the_ledger_shows_both_side
             for r in booked:  # prompts are unique: no cached tokens, every prompt token at the input price
                 assert r.cache_read_tokens == 0  # LiteLLM's cost (it copies it into usage.cost) without a card
                 assert r.cost_source == source if source else r.cost_source in ("litellm", "provider_reported")
-                assert r.provider_cost == decided[0] * r.input_uncached_tokens + decided[1] * r.output_tokens
+                per_token = fix(decided[0] * r.input_uncached_tokens + decided[1] * r.output_tokens)  # 1e-10
+                if source:  # the card: the very same Decimal amount
+                    assert r.provider_cost == per_token, (b, r.provider_cost, per_token)
+                else:  # LiteLLM's float cost of the same per-token prices
+                    assert abs(r.provider_cost - per_token) <= Decimal("1e-10"), (b, r.provider_cost, per_token)
     print(f"one unit: chat replicas decided and booked at the GPU-hour card {card_in}/{card_out} per token, "
           f"capped replicas at their model_list price {model_list[0]}/{model_list[1]}")
 

@@ -55,7 +55,7 @@ def stack(tmp_path_factory):
                                                   "share_min_requests": 1, "spend_window_s": SPEND_WINDOW_S,
                                                   "max_hosted_spend_per_hour": str(per_hour)}}},
                    "breaker": {"consecutive_failures": 1, "min_requests": 1, "base_cooldown_s": 600,
-                               "jitter": 0},
+                               "max_cooldown_s": 600, "jitter": 0},
                    "endpoint_auth": "open"}
         proxy = es.enter_context(ProxyProcess(cfg, kvroute_settings=kvroute, inherit_kvroute_env=False,
                                               env={"KVROUTE_DATA_DIR": str(data)}))
