@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
 HOSTED_PRICE = {"input_cost_per_token": 2e-6, "output_cost_per_token": 8e-6}
 SELF_PRICE = {"input_cost_per_token": 2e-7, "output_cost_per_token": 8e-7}
 SPEND_WINDOW_S = 600.0
-BUDGET = Decimal("0.012")  # the window's hosted budget: about three 1,800-token requests at the hosted price
+BUDGET = Decimal("0.012")  # the window's hosted budget: two or three 1,800-token requests at the hosted price
 REQUESTS = 12
 
 
@@ -93,7 +93,8 @@ def test_no_replica_left_fails_over_hosted_until_the_spend_cap_then_refuses(stac
     served = [b for code, b in outcomes if code == 200]
     print(f"outcomes {outcomes}; reasons {hy['reasons']}; hosted spend {hy['hosted_spend_window']} of {BUDGET}")
     assert served and set(served) == {"dhosted-0"}  # only the hosted route answered (the replicas are down)
-    assert hy["reasons"].get("self_hosted_unavailable", 0) == len(served) >= 3  # past the 10 % share cap
+    # two hosted of the group's first four decisions: a 10 % share cap would have refused the second
+    assert hy["reasons"].get("self_hosted_unavailable", 0) == len(served) >= 2
     assert hy["reasons"].get("no_acceptable_provider:guard_spend", 0) > 0  # then the spend cap refused
     assert outcomes[-1][0] != 200  # refused: no deployment was sent hosted past the cap
     assert Decimal(hy["hosted_spend_window"]) <= BUDGET
