@@ -267,7 +267,7 @@ def event_from_callback(kwargs: Mapping[str, Any], response_obj: Any, *, outcome
     if reported is not None and (reported == litellm_cost or kind == "self_hosted"):
         # LiteLLM stamps its own bill on a streamed usage.cost, and a replica reports no cost of its own: either
         # way the figure is LiteLLM's (the model_list price), not a provider's report
-        litellm_cost = reported if litellm_cost is None else litellm_cost
+        litellm_cost = litellm_cost or reported  # a stream's hidden cost may still be 0
         reported = None
     breakdown = _dict(slo.get("cost_breakdown"))
     margin = _money(breakdown.get("margin_total_amount"))

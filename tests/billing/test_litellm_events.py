@@ -78,6 +78,11 @@ def test_litellm_margin_is_taken_out_and_reported_cost_wins() -> None:
     replica = event_from_callback(kw, {**RESPONSE, "usage": {**RESPONSE["usage"], "cost": 0.005}},
                                   route_kind="self_hosted")
     assert replica is not None and replica.provider_cost is None  # a replica reports no cost of its own
+    kw = payload(slo={"response_cost": 0.0})  # a stream's hidden params before LiteLLM priced it
+    kw["response_cost"] = 0.0
+    replica = event_from_callback(kw, {**RESPONSE, "usage": {**RESPONSE["usage"], "cost": 0.005}},
+                                  route_kind="self_hosted")
+    assert replica is not None and replica.litellm_cost == Decimal("0.005") and replica.provider_cost is None
 
 
 def test_unpriced_zero_cost_is_unknown() -> None:
