@@ -7,9 +7,12 @@ Attribution: the app comes from the authenticated key -- key metadata ``kvroute_
 key alias. A client-supplied app (request ``metadata.kvroute_app`` or header ``x-kvroute-app``) is honoured only
 when the key's metadata lists it in ``kvroute_trusted_apps`` (or holds ``"*"``). The end user comes from ``user``.
 
-Provider cost, in order: the provider's reported cost (``usage.cost``, e.g. OpenRouter), LiteLLM's cost with
-LiteLLM's own margin taken out (``response_cost - cost_breakdown.margin_total_amount``), then the ledger's rate
-card. A LiteLLM cost of 0 for tokens is "unpriced", not free.
+Provider cost, in order: the provider's reported cost (``usage.cost``, e.g. OpenRouter; a ``usage.cost`` equal
+to LiteLLM's own ``response_cost``, LiteLLM's stamp of its bill on a stream, or on a ``self_hosted`` row, counts as
+LiteLLM's),
+LiteLLM's cost with LiteLLM's own margin taken out (``response_cost - cost_breakdown.margin_total_amount``),
+then the ledger's rate card (a self-hosted amortised card comes before LiteLLM's cost, see ``pricing``).
+A LiteLLM cost of 0 for tokens is "unpriced", not free.
 
 Ids (see ``kvroute.billing.events.event_id_for``): ``request_id`` is the ledger request id kvroute assigned to the
 client request and ``attempt`` kvroute's own attempt counter -- the plugin always passes both. Without them (a bare
@@ -261,6 +264,11 @@ def event_from_callback(kwargs: Mapping[str, Any], response_obj: Any, *, outcome
     if reported is None:
         reported = _money(raw_usage.get("cost")) if isinstance(raw_usage, Mapping) else None
     litellm_cost = _money(_first(kwargs.get("response_cost"), slo.get("response_cost")))
+    if reported is not None and (reported == litellm_cost or kind == "self_hosted"):
+        # LiteLLM stamps its own bill on a streamed usage.cost, and a replica reports no cost of its own: either
+        # way the figure is LiteLLM's (the model_list price), not a provider's report
+        litellm_cost = litellm_cost or reported  # a stream's hidden cost may still be 0
+        reported = None
     breakdown = _dict(slo.get("cost_breakdown"))
     margin = _money(breakdown.get("margin_total_amount"))
     if litellm_cost is not None and margin:

@@ -175,12 +175,13 @@ def _backend(item: Mapping[str, Any], key: str, currency: str) -> tuple[BackendS
     provider = item.get("provider")
     if not isinstance(provider, str) or not provider:
         raise ConfigError(f"{key}.provider", "is required (a non-empty string)")
-    route_kind = item.get("route_kind", "direct")
-    if route_kind not in ROUTE_KINDS:
-        raise ConfigError(f"{key}.route_kind", f"must be one of {', '.join(ROUTE_KINDS)}, got {route_kind!r}")
     rates = []
     for j, rate in enumerate(_list(item.get("rates"), f"{key}.rates")):
         rates.append(_rate(_mapping(rate, f"{key}.rates[{j}]"), f"{key}.rates[{j}]", backend_id, currency))
+    amortized = any(r.source == "self_hosted_amortized" for r in rates)  # a GPU-hour card: a replica of ours
+    route_kind = item.get("route_kind", "self_hosted" if amortized else "direct")
+    if route_kind not in ROUTE_KINDS:
+        raise ConfigError(f"{key}.route_kind", f"must be one of {', '.join(ROUTE_KINDS)}, got {route_kind!r}")
     if len({r.effective_from for r in rates}) != len(rates):
         raise ConfigError(f"{key}.rates", "two rate cards start at the same time")
     return BackendSpec(backend_id, provider, item.get("served_model"), route_kind, item.get("endpoint")), rates

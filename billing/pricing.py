@@ -2,6 +2,9 @@
 
 Formulas (research §8.3), all in ``Decimal`` at scale 1e-10, never rounded to cents here:
 ``provider_cost`` = reported cost, else LiteLLM's cost before its margin, else Σ tokens × rate / 1e6 + per_request;
+a self-hosted amortised card (``source="self_hosted_amortized"``, e.g. a ``GpuRateCard``) comes before LiteLLM's
+cost (which for a replica is only the per-token price typed into ``model_list``), so the card is the one unit of
+self-hosted cost the ledger and the hybrid router share;
 ``billed`` = clamp(cost + cost × markup + Σ tokens × surcharge / 1e6 + fee, min, max), or 0 for non-final attempts
 and zero completions unless the rule bills them.
 
@@ -55,6 +58,10 @@ class CostRate:
         else:
             total += t.output * output_rate
         return total / MILLION + self.per_request
+
+    def per_token(self) -> tuple[Decimal, Decimal]:
+        """(uncached input, output) price per token: what the hybrid router's ``SelfHostedRate`` takes."""
+        return self.input_per_mtok / MILLION, self.output_per_mtok / MILLION
 
 
 #: Rounding of the per-Mtok prices a GPU-hour card yields: 1e-6 of the currency per Mtok, half-even.
@@ -228,8 +235,11 @@ def rate_event(e: UsageEvent, cost_rate: CostRate | None, book: PriceBook | None
             raise InputError("currency", f"the rate card of backend {e.backend_id!r} is in {cost_rate.currency} "
                                          f"but app {e.app_id!r} is billed in {target}; amounts are never converted")
         computed = None  # a figure in another currency is not kept beside the reported cost
+    amortized = computed is not None and cost_rate is not None and cost_rate.source == "self_hosted_amortized"
     if e.provider_cost is not None:
         cost, source = fix(e.provider_cost), "provider_reported"
+    elif amortized:  # our own GPU's cost beats the per-token price typed into model_list
+        cost, source = computed, "self_hosted_amortized"
     elif e.litellm_cost is not None:
         cost, source = fix(e.litellm_cost), "litellm"
     elif computed is not None:

@@ -28,7 +28,7 @@ import atexit
 import contextlib
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -56,6 +56,10 @@ class BillingFeed:
         self.events = litellm_events
         self._on_error = on_error or (lambda hook: None)
         self._closed = False
+        #: backend id -> ledger route kind (``self_hosted``/``marketplace``/``direct``), set by the plugin from its
+        #: deployments; ``model_info.kvroute_route_kind`` still wins
+        self.kind_of: Callable[[str], str | None] = lambda backend: None
+        self.db_url: str | None = None
         self.before_response = 0  # successes recorded before the client got them (streams: before [DONE])
 
     # --- setup -------------------------------------------------------------------------------------
@@ -80,6 +84,7 @@ class BillingFeed:
             return None
         log.warning("kvroute billing: recording to %s (journal %s, dead letters %s)", _safe_url(db), journal, dead)
         feed = cls(recorder, ids, on_error=on_error, admission=in_proxy)
+        feed.db_url = db
         feed._install_shutdown()
         return feed
 
@@ -96,11 +101,39 @@ class BillingFeed:
             self.recorder.close()
 
     # --- events ------------------------------------------------------------------------------------
+    def rate_cards(self, backend_ids: Iterable[str], at: datetime | None = None) -> dict[str, Any]:
+        """The ledger's rate cards (``CostRate``) in force ``at`` (now) for ``backend_ids``: the price file loaded
+        with ``kvroute billing load-prices``, read from the same catalog the ledger rates with ({} when unreadable)."""
+        if not self.db_url:
+            return {}
+        try:
+            from sqlalchemy import inspect
+
+            from kvroute.billing.catalog import Catalog
+            from kvroute.billing.db import make_engine
+
+            engine = make_engine(self.db_url)  # read only: migrating is the recorder's job
+            try:
+                if not inspect(engine).has_table("cost_rate"):
+                    return {}  # a ledger not created yet holds no cards
+                with engine.connect() as conn:
+                    catalog = Catalog.load(conn)
+            finally:
+                engine.dispose()
+        except Exception as exc:
+            log.warning("kvroute billing: rate cards unreadable (%s); replicas keep their model_list prices", exc)
+            return {}
+        when = at or datetime.now(UTC)
+        found = {b: catalog.rate_for(b, when) for b in backend_ids}
+        return {b: r for b, r in found.items() if r is not None}
+
     def _record(self, kwargs: Mapping[str, Any], response: Any, *, outcome: str, state: RequestState,
                 attempt: Attempt | None, final: bool, backend: str | None = None, route_kind: str | None = None,
                 attempt_key: str | None = None, start: Any = None, end: Any = None) -> bool:
         from kvroute.policies.errors import InputError
 
+        if route_kind is None and backend and not _dict_get(kwargs, "kvroute_route_kind"):
+            route_kind = self.kind_of(backend)
         try:
             try:
                 event = self.events.event_from_callback(
@@ -371,6 +404,16 @@ def _success_kwargs(data: Mapping[str, Any], meta: Any, attempt: Attempt, hidden
     return {"litellm_params": {"metadata": meta if isinstance(meta, Mapping) else {},
                                "model_info": attempt.model_info or {}},
             "standard_logging_object": slo, "response_cost": cost, "user": data.get("user")}
+
+
+def _dict_get(kwargs: Mapping[str, Any], key: str) -> Any:
+    """``key`` of the deployment's ``model_info`` in a hook payload (None when absent)."""
+    params = kwargs.get("litellm_params") if isinstance(kwargs.get("litellm_params"), Mapping) else {}
+    for holder in (params, kwargs, params.get("metadata"), kwargs.get("metadata")):
+        info = holder.get("model_info") if isinstance(holder, Mapping) else None
+        if isinstance(info, Mapping) and info.get(key) is not None:
+            return info.get(key)
+    return None
 
 
 def _served_model(model: Any) -> str | None:

@@ -1,5 +1,6 @@
 """Hybrid groups in the proxy: tell the ``hybrid`` policy which deployments are hosted and what a self-hosted
-token costs (the price book's per-token rate, the unit the ledger uses), and show its state.
+token costs (the ledger's rate card for the replica when the price file has one, else its ``model_list``
+per-token price: the same precedence the ledger rates with), and show its state.
 
 A hybrid group is one LiteLLM model group that lists both kinds of deployment; kvroute picks among all of
 them in ``async_filter_deployments`` (the one per-request choice LiteLLM 1.110.2 supports), so breakers,
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from decimal import Decimal
 from typing import Any
 
@@ -22,15 +23,44 @@ from kvroute.policies.hybrid import Hybrid, SelfHostedRate
 log = logging.getLogger("kvroute.plugin")
 
 
-def attach_fleet(policy: Any, backends: Sequence[Backend]) -> None:
-    """Mark the group's hosted deployments and give each priced self-hosted replica its rate."""
+def attach_fleet(policy: Any, backends: Sequence[Backend], cards: Mapping[str, Any] | None = None) -> None:
+    """Mark the group's hosted deployments and give each self-hosted replica its rate: its rate card from the
+    ledger's catalog (``cards``: backend id -> ``CostRate``, e.g. a GPU-hour card) when it has one, else its
+    ``model_list`` price (the ledger's fallback too, as LiteLLM's cost)."""
     if not isinstance(policy, Hybrid):
         return
     policy.mark_hosted(b.id for b in backends if not b.self_hosted)
     for b in backends:
-        if b.self_hosted and (b.input_price is not None or b.output_price is not None):
-            policy.set_self_hosted_rate(b.id, SelfHostedRate(b.input_price or Decimal(0), b.output_price or Decimal(0),
-                                                             b.currency))
+        if not b.self_hosted:
+            continue
+        rate = self_hosted_rate(b, (cards or {}).get(b.id))
+        if rate is not None:
+            policy.set_self_hosted_rate(b.id, rate)
+
+
+def self_hosted_rate(backend: Backend, card: Any = None) -> SelfHostedRate | None:
+    """The replica's cost per token: ``card.per_token()`` (a ``CostRate``) when given, else the ``model_list``
+    price, else None (unpriced)."""
+    if card is not None:
+        input_price, output_price = card.per_token()
+        return SelfHostedRate(input_price, output_price, card.currency)
+    if backend.input_price is None and backend.output_price is None:
+        return None
+    return SelfHostedRate(backend.input_price or Decimal(0), backend.output_price or Decimal(0), backend.currency)
+
+
+def route_kind(backend: Backend | None) -> str | None:
+    """The ledger's route kind of a deployment: ``self_hosted`` for a replica, ``marketplace`` for a
+    marketplace provider, ``direct`` for any other hosted one (None: not a deployment kvroute knows)."""
+    if backend is None:
+        return None
+    if backend.self_hosted:
+        return "self_hosted"
+    return "marketplace" if backend.provider == "marketplace" else "direct"
+
+
+def is_hybrid(policy: Any) -> bool:
+    return isinstance(policy, Hybrid)
 
 
 def share_group_state(rule_policy: Any, group_policy: Any) -> None:

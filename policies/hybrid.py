@@ -42,7 +42,8 @@ from kvroute.policies.speed import EngineSpeed
 __all__ = ["HostedQuote", "Hybrid", "HybridConfig", "OverflowGuard", "SelfHostedRate"]
 
 REASONS = ("self_hosted", "overflow_latency", "session_hosted", "guard_share", "guard_spend",
-           "no_hosted_meets_target", "self_hosted_unavailable", "no_acceptable_route")
+           "no_hosted_meets_target", "self_hosted_unavailable", "no_acceptable_provider:no_acceptable_route",
+           "no_acceptable_provider:guard_spend")
 
 
 def _target(value: Any, where: str) -> float:
@@ -332,11 +333,7 @@ class Hybrid:
             why["routes"] = {q.backend: {"price": str(q.price), "ttft_s": _round(q.ttft_s)}
                              for q in quotes[: cfg.max_routes_shown]}
         if not own:
-            if not quotes:
-                return self._done(Decision(None, self.name, "no_acceptable_route", prompt_tokens=request.prompt_tokens,
-                                           request_id=request.request_id), why, now, hosted=False)
-            meeting = [q for q in quotes if q.meets(target)] or quotes
-            return self._hosted_pick(request, meeting[0], "self_hosted_unavailable", why, now, reserve=True)
+            return self._failover(request, quotes, target, why, now)
         sd = self.self_policy.select(request, own, state, now)
         predicted = self.predicted_self_s(sd, request, state)
         margin = self.errors.margin(now) if self.errors is not None else 1.0
@@ -368,6 +365,26 @@ class Hybrid:
         if blocked is not None:
             return self._self(sd, blocked, why, now)
         return self._hosted_pick(request, best, "overflow_latency", why, now)
+
+    def _failover(self, request: RoutingRequest, quotes: list[HostedQuote], target: float, why: dict[str, Any],
+                  now: float) -> Decision:
+        """No replica left: the cheapest acceptable hosted route that meets the target, else the cheapest one,
+        within the spend cap (the share cap does not apply: the replicas cannot take the rest). Nothing
+        acceptable or affordable: ``no_acceptable_provider:<why>`` with no backend (the proxy sends none, so
+        LiteLLM ``fallbacks`` decide), never a route the app's rules or the spend cap refused."""
+        if not quotes:
+            return self._refuse(request, "no_acceptable_route", why, now)
+        ordered = [q for q in quotes if q.meets(target)] + [q for q in quotes if not q.meets(target)]
+        for q in ordered:
+            if self.guard.check(now, q.price, share=False) is None:
+                return self._hosted_pick(request, q, "self_hosted_unavailable", why, now, reserve=True)
+        return self._refuse(request, "guard_spend", why, now)
+
+    def _refuse(self, request: RoutingRequest, why_word: str, why: dict[str, Any], now: float) -> Decision:
+        why["refused"] = why_word
+        return self._done(Decision(None, self.name, f"no_acceptable_provider:{why_word}",
+                                   prompt_tokens=request.prompt_tokens, request_id=request.request_id),
+                          why, now, hosted=False)
 
     def _self(self, decision: Decision, reason: str, why: dict[str, Any], now: float) -> Decision:
         if self.errors is not None and isinstance(why.get("predicted_s"), float):
@@ -404,7 +421,9 @@ class Hybrid:
                 "hosted_spend_window": str(self.guard.spent(now)),
                 "hosted_budget_window": None if budget is None else str(budget),
                 "hosted_spend_total": str(self.guard.total_spent),
-                "currency": self.config.currency, "reasons": dict(self.reasons), "last": self.last_why}
+                "currency": self.config.currency, "reasons": dict(self.reasons), "last": self.last_why,
+                "self_hosted_rates": {b: {"input": str(r.input_price), "output": str(r.output_price),
+                                          "currency": r.currency} for b, r in sorted(self._rates.items())}}
 
 
 def _round(value: float | None) -> float | None:

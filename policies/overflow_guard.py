@@ -122,9 +122,10 @@ class OverflowGuard:
         return self.max_spend_per_hour * Decimal(str(self.spend_window_s)) / Decimal(str(HOUR_S))
 
     # --- the answer -----------------------------------------------------------------------------
-    def check(self, now: float, price: Decimal) -> str | None:
-        """None when one more request at ``price`` may overflow, else ``guard_share`` or ``guard_spend``."""
-        if self.max_share < 1.0:
+    def check(self, now: float, price: Decimal, *, share: bool = True) -> str | None:
+        """None when one more request at ``price`` may overflow, else ``guard_share`` or ``guard_spend``
+        (``share=False``: the spend cap only, for a failover with no replica left)."""
+        if share and self.max_share < 1.0:
             self._trim_share(now)
             n = max(len(self._decisions) + 1, self.min_requests)
             if (self._hosted + 1) / n > self.max_share:

@@ -12,14 +12,12 @@ only from picks and responses.
 
 from __future__ import annotations
 
-import heapq
 import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvroute.policies import (
-    ExternalSignal,
     Policy,
     PrefixIndexConfig,
     Router,
@@ -28,11 +26,12 @@ from kvroute.policies import (
     build_policy,
 )
 from kvroute.policies.precise_index import PreciseIndex, PreciseIndexConfig
+from kvroute.sim.event_loop import CALLER_KINDS, ReplicaLoop
 from kvroute.sim.presets import Preset
 from kvroute.sim.replica import Live, Replica
 from kvroute.sim.workload import Workload
 
-_ARRIVE, _PLAN, _END = 0, 1, 2
+_ARRIVE = CALLER_KINDS
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +99,8 @@ def simulate(workload: Workload, policy: Policy | str, fleet: FleetConfig,
     bt = workload.block_tokens
     capacity = fleet.capacity_tokens
     names = _backend_names(fleet.replicas)
-    now = 0.0
+    replicas = [Replica(n, fleet.preset.cost, capacity // bt, bt) for n in names]
+    loop = ReplicaLoop(replicas, fleet.metrics_interval_s)
     index_config = PrefixIndexConfig(capacity_tokens=capacity, block_tokens=float(bt))
     event_delay = getattr(policy, "event_delay_s", None)
     precise = None
@@ -108,8 +108,7 @@ def simulate(workload: Workload, policy: Policy | str, fleet: FleetConfig,
         precise = PreciseIndex(PreciseIndexConfig(fallback=index_config))
         for name in names:
             precise.attach(name, name)
-    router = Router(RouterConfig(index=index_config), clock=lambda: now, index=precise)
-    replicas = [Replica(n, fleet.preset.cost, capacity // bt, bt) for n in names]
+    router = Router(RouterConfig(index=index_config), clock=lambda: loop.now, index=precise)
     in_transit: deque[tuple[float, str, list[tuple[bool, int]]]] = deque()
     if precise is not None:
         for rep in replicas:
@@ -137,123 +136,78 @@ def simulate(workload: Workload, policy: Policy | str, fleet: FleetConfig,
     reqs = workload.requests
     n = len(reqs)
     lives: list[Live | None] = [None] * n
-    successors: dict[int, list[int]] = {}
-    heap: list[tuple[float, int, int, int, int]] = []
-    seq = 0
-    for i, spec in enumerate(reqs):
-        if spec.follows is None:
-            heap.append((spec.arrival, seq, _ARRIVE, i, 0))
-            seq += 1
-        else:
-            if not 0 <= spec.follows < i:
-                raise ValueError(f"request {i}: follows={spec.follows} must name an earlier request")
-            successors.setdefault(spec.follows, []).append(i)
-    heapq.heapify(heap)
-    # a request must fit an empty replica with its output (blocks minus the admission watermark)
-    usable_blocks = replicas[0].capacity - replicas[0].watermark - 1
-    max_tokens = min(fleet.preset.max_model_len, usable_blocks * bt)
+    successors = successors_of(workload, loop, _ARRIVE)
+    max_tokens = max_request_tokens(replicas[0], fleet.preset.max_model_len)
     reasons: Counter[str] = Counter()
     queue_samples: list[int] = []
     replica_requests = [0] * len(replicas)
     dropped = 0
     routed = 0
-    last_obs = -1e18
-    interval = fleet.metrics_interval_s
-    plan_pending = [False] * len(replicas)
     cap = workload.max_concurrency
     client_queue: deque[int] = deque()
     in_flight = 0
-    push, pop = heapq.heappush, heapq.heappop
+    schedule = loop.schedule
 
     def release_successors(i: int, at: float) -> None:
-        nonlocal seq, in_flight
+        nonlocal in_flight
         in_flight -= 1
         for j in successors.pop(i, ()):
-            push(heap, (at + reqs[j].delay, seq, _ARRIVE, j, 0))
-            seq += 1
+            schedule(at + reqs[j].delay, _ARRIVE, j)
         if client_queue:
-            push(heap, (at, seq, _ARRIVE, client_queue.popleft(), 1))
-            seq += 1
+            schedule(at, _ARRIVE, client_queue.popleft(), 1)
 
-    while heap:
-        t, _, kind, x, ver = pop(heap)
-        now = t
-        if kind == _ARRIVE:
-            if cap is not None and in_flight >= cap and ver == 0:
-                client_queue.append(x)
-                continue
-            in_flight += 1
-            spec = reqs[x]
-            rid = f"r{x}"
-            if in_transit:
-                deliver_events(now)
-            if interval is not None and now - last_obs >= interval:
-                last_obs = now
-                for rep in replicas:
-                    router.observe(rep.name, ExternalSignal(at=now, queue_depth=len(rep.waiting),
-                                                            running=len(rep.admitted), kv_usage=rep.kv_usage()))
-            live = Live(x, rid, spec.prompt_tokens, max(1, spec.output_tokens), spec.keys, now)
-            lives[x] = live
-            if spec.prompt_tokens + spec.output_tokens > max_tokens:
-                # over the context window: rejected before routing (LiteLLM's pre-call context check), so
-                # no policy's index records a prompt no engine will run
-                dropped += 1
-                live.done_at = now
-                release_successors(x, now)
-                continue
-            tags = {} if spec.cache_prefix_blocks is None else {"cache_prefix_blocks": str(spec.cache_prefix_blocks)}
-            request = RoutingRequest(model="sim", keys=spec.keys, block_tokens=bt, prompt_tokens=spec.prompt_tokens,
-                                     session_key=spec.session, app=spec.app, request_id=rid, tags=tags,
-                                     kind="completion", key_space="tokens")
-            decision = router.pick(request, names, policy=policy)
-            reasons[decision.reason] += 1
-            routed += 1
-            if decision.backend is None:
-                dropped += 1
-                router.on_failure(rid)
-                if done_hook is not None:
-                    done_hook(rid, decision.backend, now)
-                live.done_at = now
-                release_successors(x, now)
-                continue
-            ri = by_name[decision.backend]
-            rep = replicas[ri]
-            replica_requests[ri] += 1
-            queue_samples.append(sum(len(r.waiting) for r in replicas))
-            rep.enqueue(live)
-            if rep.step is None:
-                if not plan_pending[ri]:
-                    plan_pending[ri] = True
-                    push(heap, (now, seq, _PLAN, ri, 0))
-                    seq += 1
-            elif rep.interrupt(now):
-                push(heap, (rep.step.end, seq, _END, ri, rep.version))
-                seq += 1
-            if progress is not None and routed % 2000 == 0:
-                progress(routed, n)
-            continue
-        rep = replicas[x]
-        if kind == _PLAN:
-            plan_pending[x] = False
-            if rep.step is not None:
-                continue
-        else:
-            if rep.step is None or ver != rep.version:
-                continue
-            first, done = rep.finish(now)
-            for r in first:
-                router.on_first_token(r.rid)
-            for r in done:
-                router.on_complete(r.rid, cached_tokens=r.hit_tokens)
-                if done_hook is not None:
-                    done_hook(r.rid, rep.name, now)
-                release_successors(r.idx, now)
-        step = rep.plan(now)
-        if step is not None:
-            push(heap, (step.end, seq, _END, x, rep.version))
-            seq += 1
-        if precise is not None:
-            ship_events(rep, now)
+    def arrive(kind: int, x: int, ver: int, now: float) -> None:
+        nonlocal in_flight, dropped, routed
+        if cap is not None and in_flight >= cap and ver == 0:
+            client_queue.append(x)
+            return
+        in_flight += 1
+        spec = reqs[x]
+        rid = f"r{x}"
+        if in_transit:
+            deliver_events(now)
+        loop.scrape(router, now)
+        live = Live(x, rid, spec.prompt_tokens, max(1, spec.output_tokens), spec.keys, now)
+        lives[x] = live
+        if spec.prompt_tokens + spec.output_tokens > max_tokens:
+            # over the context window: rejected before routing (LiteLLM's pre-call context check), so
+            # no policy's index records a prompt no engine will run
+            dropped += 1
+            live.done_at = now
+            release_successors(x, now)
+            return
+        tags = {} if spec.cache_prefix_blocks is None else {"cache_prefix_blocks": str(spec.cache_prefix_blocks)}
+        request = RoutingRequest(model="sim", keys=spec.keys, block_tokens=bt, prompt_tokens=spec.prompt_tokens,
+                                 session_key=spec.session, app=spec.app, request_id=rid, tags=tags,
+                                 kind="completion", key_space="tokens")
+        decision = router.pick(request, names, policy=policy)
+        reasons[decision.reason] += 1
+        routed += 1
+        if decision.backend is None:
+            dropped += 1
+            router.on_failure(rid)
+            if done_hook is not None:
+                done_hook(rid, decision.backend, now)
+            live.done_at = now
+            release_successors(x, now)
+            return
+        ri = by_name[decision.backend]
+        replica_requests[ri] += 1
+        queue_samples.append(sum(len(r.waiting) for r in replicas))
+        loop.admit(ri, live, now)
+        if progress is not None and routed % 2000 == 0:
+            progress(routed, n)
+
+    def step_done(rep: Replica, first: list[Live], done: list[Live], now: float) -> None:
+        for r in first:
+            router.on_first_token(r.rid)
+        for r in done:
+            router.on_complete(r.rid, cached_tokens=r.hit_tokens)
+            if done_hook is not None:
+                done_hook(r.rid, rep.name, now)
+            release_successors(r.idx, now)
+
+    sim_end = loop.run(arrive, step_done, ship_events if precise is not None else None)
     if progress is not None:
         progress(n, n)
     finished = [r for r in lives if r is not None]
@@ -271,8 +225,27 @@ def simulate(workload: Workload, policy: Policy | str, fleet: FleetConfig,
         preemptions=sum(r.preemptions for r in replicas),
         evictions=sum(r.evictions for r in replicas),
         wall_s=time.perf_counter() - t0,
-        sim_end=now,
+        sim_end=sim_end,
         router_errors=router.errors,
         notes=list(workload.notes),
         final_blocks=[(len(r.pinned), r.private, len(r.evictable)) for r in replicas],
     )
+
+
+def successors_of(workload: Workload, loop: ReplicaLoop, arrive_kind: int) -> dict[int, list[int]]:
+    """Schedule the arrivals that follow nothing; the others wait for the request they follow (returned map)."""
+    successors: dict[int, list[int]] = {}
+    for i, spec in enumerate(workload.requests):
+        if spec.follows is None:
+            loop.initial(spec.arrival, arrive_kind, i)
+        else:
+            if not 0 <= spec.follows < i:
+                raise ValueError(f"request {i}: follows={spec.follows} must name an earlier request")
+            successors.setdefault(spec.follows, []).append(i)
+    return successors
+
+
+def max_request_tokens(replica: Replica, max_model_len: int) -> int:
+    """The longest prompt + output an empty replica can hold (its blocks minus the admission watermark)."""
+    usable_blocks = replica.capacity - replica.watermark - 1
+    return min(max_model_len, usable_blocks * replica.block_tokens)

@@ -8,15 +8,15 @@ untried backend of the same tier, then on the next tier; when every backend was 
 open) it waits for the shortest Retry-After it was given (or the soonest breaker cooldown) and starts over, up
 to ``max_attempts``; then it fails (TTFT = ∞).
 
-Replicas are ``sim.replica.Replica`` (queueing, chunked prefill, decode, prefix cache), exactly as in
-``sim.engine.simulate``; hosted routes are ``sim.hosted.HostedBackend``. Each request's cost comes from
-``billing.pricing.token_cost`` on the backend's rate card (replicas: the GPU-hour card). Policies that learn
-from outcomes get them through ``record_success`` / ``record_failure`` (hybrid, marketplace).
+Replicas are ``sim.replica.Replica`` (queueing, chunked prefill, decode, prefix cache), stepped by the
+same ``sim.event_loop.ReplicaLoop`` as in ``sim.engine.simulate``; hosted routes are
+``sim.hosted.HostedBackend``. Each request's cost comes from ``billing.pricing.token_cost`` on the backend's
+rate card (replicas: the GPU-hour card). Policies that learn from outcomes get them through
+``record_success`` / ``record_failure`` (hybrid, marketplace).
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections import Counter
 from collections.abc import Sequence
@@ -25,7 +25,6 @@ from decimal import Decimal
 
 from kvroute.billing.pricing import CostRate, token_cost
 from kvroute.policies import (
-    ExternalSignal,
     HealthBoard,
     Outcome,
     Policy,
@@ -34,12 +33,13 @@ from kvroute.policies import (
     RouterConfig,
     RoutingRequest,
 )
-from kvroute.sim.engine import FleetConfig
+from kvroute.sim.engine import FleetConfig, max_request_tokens, successors_of
+from kvroute.sim.event_loop import CALLER_KINDS, ReplicaLoop
 from kvroute.sim.hosted import HostedBackend, HostedSpec
 from kvroute.sim.replica import Live, Replica
 from kvroute.sim.workload import Workload
 
-_ARRIVE, _PLAN, _END, _HOSTED_FIRST, _HOSTED_DONE, _FAILED = range(6)
+_ARRIVE, _HOSTED_FIRST, _HOSTED_DONE, _FAILED = range(CALLER_KINDS, CALLER_KINDS + 4)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,10 +123,10 @@ def simulate_mixed(workload: Workload, strategy: Strategy, fleet: FleetConfig, h
     bt = workload.block_tokens
     capacity = fleet.capacity_tokens
     names = _names(fleet.replicas)
-    now = 0.0
-    router = Router(RouterConfig(index=PrefixIndexConfig(capacity_tokens=capacity, block_tokens=float(bt))),
-                    clock=lambda: now)
     replicas = [Replica(n, fleet.preset.cost, capacity // bt, bt) for n in names]
+    loop = ReplicaLoop(replicas, fleet.metrics_interval_s)
+    router = Router(RouterConfig(index=PrefixIndexConfig(capacity_tokens=capacity, block_tokens=float(bt))),
+                    clock=lambda: loop.now)
     by_replica = {r.name: i for i, r in enumerate(replicas)}
     routes = {s.name: HostedBackend(s, bt, seed) for s in hosted}
     known = set(by_replica) | set(routes)
@@ -145,33 +145,14 @@ def simulate_mixed(workload: Workload, strategy: Strategy, fleet: FleetConfig, h
     reqs = workload.requests
     tracks: list[Track] = []
     requests: list[RoutingRequest | None] = [None] * len(reqs)
-    successors: dict[int, list[int]] = {}
-    heap: list[tuple[float, int, int, int, int]] = []
-    seq = 0
-    for i, spec in enumerate(reqs):
-        tracks.append(Track(i, spec.arrival, spec.prompt_tokens, max(1, spec.output_tokens)))
-        if spec.follows is None:
-            heap.append((spec.arrival, seq, _ARRIVE, i, 0))
-            seq += 1
-        else:
-            if not 0 <= spec.follows < i:
-                raise ValueError(f"request {i}: follows={spec.follows} must name an earlier request")
-            successors.setdefault(spec.follows, []).append(i)
-    heapq.heapify(heap)
-    usable = replicas[0].capacity - replicas[0].watermark - 1
-    max_tokens = min(fleet.preset.max_model_len, usable * bt)
+    tracks.extend(Track(i, spec.arrival, spec.prompt_tokens, max(1, spec.output_tokens))
+                  for i, spec in enumerate(reqs))
+    successors = successors_of(workload, loop, _ARRIVE)
+    max_tokens = max_request_tokens(replicas[0], fleet.preset.max_model_len)
     reasons: Counter[str] = Counter()
     failures: Counter[str] = Counter()
-    plan_pending = [False] * len(replicas)
     pending_attempt: dict[int, tuple[str, object]] = {}
-    last_obs = -1e18
-    interval = fleet.metrics_interval_s
-    push, pop = heapq.heappush, heapq.heappop
-
-    def schedule(at: float, kind: int, x: int, ver: int = 0) -> None:
-        nonlocal seq
-        push(heap, (at, seq, kind, x, ver))
-        seq += 1
+    schedule = loop.schedule
 
     def finish(tr: Track, at: float) -> None:
         for j in successors.pop(tr.idx, ()):
@@ -268,32 +249,20 @@ def simulate_mixed(workload: Workload, strategy: Strategy, fleet: FleetConfig, h
                 continue
             live = Live(tr.idx, rid, tr.prompt, tr.output, request.keys, tr.arrival)
             tr.live, tr.backend, tr.hosted = live, backend, False
-            rep.enqueue(live)
-            if rep.step is None:
-                if not plan_pending[ri]:
-                    plan_pending[ri] = True
-                    schedule(at, _PLAN, ri)
-            elif rep.interrupt(at):
-                schedule(rep.step.end, _END, ri, rep.version)
+            loop.admit(ri, live, at)
             return
 
-    while heap:
-        t, _, kind, x, ver = pop(heap)
-        now = t
+    def on_event(kind: int, x: int, ver: int, now: float) -> None:
         if kind == _ARRIVE:
             tr = tracks[x]
             spec = reqs[x]
             if ver == 0:
-                if interval is not None and now - last_obs >= interval:
-                    last_obs = now
-                    for rep in replicas:
-                        router.observe(rep.name, ExternalSignal(at=now, queue_depth=len(rep.waiting),
-                                                                running=len(rep.admitted), kv_usage=rep.kv_usage()))
+                loop.scrape(router, now)
                 if spec.prompt_tokens + spec.output_tokens > max_tokens:
                     failures["too_long"] += 1
                     tr.done_at = now
                     finish(tr, now)
-                    continue
+                    return
                 tags = {} if spec.cache_prefix_blocks is None else {
                     "cache_prefix_blocks": str(spec.cache_prefix_blocks)}
                 requests[x] = RoutingRequest(model="sim", keys=spec.keys, block_tokens=bt,
@@ -301,15 +270,12 @@ def simulate_mixed(workload: Workload, strategy: Strategy, fleet: FleetConfig, h
                                              app=spec.app, request_id=f"r{x}", tags=tags, kind="completion",
                                              key_space="tokens")
             route(tr, now)
-            continue
-        if kind == _FAILED:
+        elif kind == _FAILED:
             backend, att = pending_attempt.pop(x)
             fail_attempt(tracks[x], backend, now, att.kind, att.retry_after_s)  # type: ignore[attr-defined]
-            continue
-        if kind == _HOSTED_FIRST:
+        elif kind == _HOSTED_FIRST:
             router.on_first_token(f"r{x}")
-            continue
-        if kind == _HOSTED_DONE:
+        else:  # _HOSTED_DONE
             tr = tracks[x]
             request = requests[x]
             assert request is not None and tr.backend is not None
@@ -317,33 +283,24 @@ def simulate_mixed(workload: Workload, strategy: Strategy, fleet: FleetConfig, h
             health.record(tr.backend, Outcome.SUCCESS, now, ttft_s=tr.attempt_ttft)
             outcome(strategy.tiers[tr.tier].policy, tr.backend, True, now, tr, request)
             finish(tr, now)
-            continue
-        rep = replicas[x]
-        if kind == _PLAN:
-            plan_pending[x] = False
-            if rep.step is not None:
-                continue
-        else:
-            if rep.step is None or ver != rep.version:
-                continue
-            first, done = rep.finish(now)
-            for r in first:
-                router.on_first_token(r.rid)
-                tracks[r.idx].first_token_at = now
-            for r in done:
-                tr = tracks[r.idx]
-                tr.done_at = now
-                tr.cached_tokens = max(0, r.hit_tokens)
-                tr.cost = token_cost(replica_rate, input_uncached=r.prompt - tr.cached_tokens,
-                                     cache_read=tr.cached_tokens, output=r.output)
-                router.on_complete(r.rid, cached_tokens=r.hit_tokens)
-                health.record(rep.name, Outcome.SUCCESS, now, ttft_s=tr.attempt_ttft)
-                request = requests[r.idx]
-                assert request is not None
-                outcome(strategy.tiers[tr.tier].policy, rep.name, True, now, tr, request)
-                finish(tr, now)
-        step = rep.plan(now)
-        if step is not None:
-            schedule(step.end, _END, x, rep.version)
+
+    def on_step(rep: Replica, first: list[Live], done: list[Live], now: float) -> None:
+        for r in first:
+            router.on_first_token(r.rid)
+            tracks[r.idx].first_token_at = now
+        for r in done:
+            tr = tracks[r.idx]
+            tr.done_at = now
+            tr.cached_tokens = max(0, r.hit_tokens)
+            tr.cost = token_cost(replica_rate, input_uncached=r.prompt - tr.cached_tokens,
+                                 cache_read=tr.cached_tokens, output=r.output)
+            router.on_complete(r.rid, cached_tokens=r.hit_tokens)
+            health.record(rep.name, Outcome.SUCCESS, now, ttft_s=tr.attempt_ttft)
+            request = requests[r.idx]
+            assert request is not None
+            outcome(strategy.tiers[tr.tier].policy, rep.name, True, now, tr, request)
+            finish(tr, now)
+
+    now = loop.run(on_event, on_step)
     return MixedResult(strategy.name, workload.name, tracks, fleet.replicas, now, reasons, failures,
                        [r.busy_time for r in replicas], list(workload.notes))

@@ -69,8 +69,20 @@ def test_litellm_margin_is_taken_out_and_reported_cost_wins() -> None:
     e = event_from_callback(kw, RESPONSE)
     assert e is not None and e.litellm_cost == Decimal("0.0068")
     openrouter = {**RESPONSE, "usage": {**RESPONSE["usage"], "cost": 0.00492}}
-    e = event_from_callback(kw, openrouter)
+    e = event_from_callback(kw, openrouter, route_kind="marketplace")  # a provider that reports its own cost
     assert e is not None and e.provider_cost == Decimal("0.00492")
+    # LiteLLM stamps its own bill (margin included) on a streamed usage.cost: LiteLLM's cost, not a report
+    stamped = {**RESPONSE, "usage": {**RESPONSE["usage"], "cost": 0.00816}}
+    e = event_from_callback(kw, stamped, route_kind="marketplace")
+    assert e is not None and e.provider_cost is None and e.litellm_cost == Decimal("0.0068")
+    replica = event_from_callback(kw, {**RESPONSE, "usage": {**RESPONSE["usage"], "cost": 0.005}},
+                                  route_kind="self_hosted")
+    assert replica is not None and replica.provider_cost is None  # a replica reports no cost of its own
+    kw = payload(slo={"response_cost": 0.0})  # a stream's hidden params before LiteLLM priced it
+    kw["response_cost"] = 0.0
+    replica = event_from_callback(kw, {**RESPONSE, "usage": {**RESPONSE["usage"], "cost": 0.005}},
+                                  route_kind="self_hosted")
+    assert replica is not None and replica.litellm_cost == Decimal("0.005") and replica.provider_cost is None
 
 
 def test_unpriced_zero_cost_is_unknown() -> None:

@@ -118,3 +118,31 @@ def test_reports_split_self_hosted_and_hosted_spend_per_app(db_url: str) -> None
     assert (m["self_hosted_cost"], m["hosted_cost"]) == (acme["self_hosted_cost"], acme["hosted_cost"])
     total = totals(by_app)[0]
     assert total["self_hosted_cost"] == acme["self_hosted_cost"] + beta["self_hosted_cost"]
+
+
+def test_a_gpu_hour_card_wins_over_litellms_model_list_cost_and_is_the_fallback_otherwise() -> None:
+    pf = parse_price_data(card_prices(gpu_hour="3.60 USD", prefill_tok_s=10000, decode_tok_s=1000))
+    card = pf.rates[0]
+    tokens = TokenBuckets(1000, 0, 0, 0, 400, 0)
+    typed = Decimal("0.123")  # what LiteLLM computed from the replica's model_list per-token price
+    e = event(1, backend_id="vllm-a", provider="vllm", route_kind="self_hosted", served_model="llama-8b",
+              tokens=tokens, litellm_cost=typed)
+    rating = rate_event(e, card, None)
+    assert (rating.provider_cost, rating.cost_source) == (Decimal("0.0005"), "self_hosted_amortized")
+    inp, out = card.per_token()  # the price the hybrid router takes: the same amount for the same tokens
+    assert inp * 1000 + out * 400 == rating.provider_cost
+    assert rate_event(e, None, None).provider_cost == typed  # no card: the model_list price books
+    manual = parse_price_data(card_prices(input_per_mtok="0.1", output_per_mtok="1")).rates[0]
+    assert rate_event(e, manual, None).cost_source == "litellm"  # only an amortised card comes first
+    reported = event(2, backend_id="vllm-a", provider="vllm", tokens=tokens, provider_cost=Decimal("0.9"))
+    assert rate_event(reported, card, None).cost_source == "provider_reported"  # an explicit figure still wins
+
+
+def test_a_backend_with_a_gpu_hour_card_is_self_hosted_unless_the_file_says_otherwise() -> None:
+    prices = card_prices(gpu_hour="3.60 USD", prefill_tok_s=10000, decode_tok_s=1000)
+    del prices["backends"][0]["route_kind"]
+    del prices["backends"][1]["route_kind"]
+    kinds = {b.backend_id: b.route_kind for b in parse_price_data(prices).backends}
+    assert kinds == {"vllm-a": "self_hosted", "or-claude": "direct"}
+    prices["backends"][0]["route_kind"] = "direct"
+    assert parse_price_data(prices).backends[0].route_kind == "direct"

@@ -5,6 +5,10 @@ self-hosted-only group of identical replicas. The hybrid group overflows to the 
 its time to first token stays near the target while the fleet-only group queues), traffic returns to the
 replicas after the burst, the ledger holds rows on both sides with their costs (the hosted ones equal to what the
 hybrid guard counted), and a group with a small hosted spend cap stops overflowing once the cap is spent.
+One unit of cost: the ``chat`` replicas have a GPU-hour card in the price file loaded into the ledger before the
+proxy starts; the decision prices them at the card and the ledger books the card (not their ``model_list``
+price); the ``capped`` replicas have no card and both sides use the ``model_list`` price. The usage and margin
+reports split each app's rows into self-hosted and hosted without any route kind set by the user.
 Assertions are shares and ratios against the same run's baseline, never wall-clock limits.
 """
 
@@ -21,7 +25,10 @@ import httpx
 import pytest
 
 from kvroute.billing.ledger import Ledger
+from kvroute.billing.money import fix
+from kvroute.billing.pricing import GpuRateCard
 from kvroute.billing.recorder import UsageRecorder
+from kvroute.billing.reports import margin_report, usage_report
 from kvroute.plugin.fleet import Fleet, ReplicaOptions
 from kvroute.plugin.proxy_process import ModelGroup, ProxyProcess, build_proxy_config
 
@@ -37,6 +44,7 @@ CAPPED_BUDGET = Decimal("0.02")  # hosted spend the capped group may have in one
 BURST, BURST_RATE = 32, 8.0  # 8 requests/s for 4 s: 2.4x the fleet's capacity
 AFTER, AFTER_RATE = 12, 1.0
 ROUNDS = 3
+CARD = {"gpu_hour": "2.00 USD", "gpus": 1, "prefill_tok_s": 3000, "decode_tok_s": 1000}  # != SELF_PRICE
 
 
 def _prompt() -> str:
@@ -47,6 +55,7 @@ def _prompt() -> str:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     data = tmp_path_factory.mktemp("hybrid-data")
+    _load_cards(data, ("self-0", "self-1"))
     fleet_opts = ReplicaOptions(capacity_tokens=400_000, prefill_tokens_per_s=SELF_TPS, decode_ms=1.0, slots=64,
                                 extra_args=("--context-cost", "0"))
     fast = ReplicaOptions(capacity_tokens=400_000, prefill_tokens_per_s=1_000_000, decode_ms=1.0, slots=256,
@@ -72,6 +81,20 @@ def stack(tmp_path_factory):
         proxy = es.enter_context(ProxyProcess(cfg, kvroute_settings=kvroute, inherit_kvroute_env=False,
                                               env={"KVROUTE_DATA_DIR": str(data)}))
         yield {"proxy": proxy, "data": data}
+
+
+def _load_cards(data: Path, backends: tuple[str, ...]) -> None:
+    """The price file of the ``chat`` replicas (a GPU-hour card each, no route kind), loaded into the ledger."""
+    from kvroute.billing.price_file import parse_price_data
+    from kvroute.billing.price_store import store_prices
+
+    pf = parse_price_data({"currency": "USD", "backends": [
+        {"id": b, "provider": "vllm", "rates": [{"effective_from": "2020-01-01", **CARD}]} for b in backends]})
+    led = Ledger.open(f"sqlite:///{data / 'billing.db'}")
+    try:
+        store_prices(led, pf)
+    finally:
+        led.close()
 
 
 async def _one(c: httpx.AsyncClient, proxy: ProxyProcess, group: str) -> tuple[str | None, float | None, int]:
@@ -117,7 +140,7 @@ def _status(proxy: ProxyProcess) -> dict:
     return httpx.get(proxy.base_url + "/kvroute/status", trust_env=False, timeout=30).json()
 
 
-def _ledger_rows(data: Path) -> list:
+def _ledger_rows(data: Path) -> tuple[list, dict]:
     url = f"sqlite:///{data / 'billing.db'}"
     rec = UsageRecorder(url, data / "journal", dead_letter=data).start()  # replays what the proxy journaled
     assert rec.flush(60)
@@ -127,8 +150,16 @@ def _ledger_rows(data: Path) -> list:
         from sqlalchemy import select
 
         from kvroute.billing.models import UsageEventRow as E
+        catalog = led.catalog(refresh=True)
         with led.engine.connect() as conn:
-            return list(conn.execute(select(E.backend_id, E.route_kind, E.status, E.provider_cost)))
+            rows = list(conn.execute(select(E.backend_id, E.route_kind, E.status, E.provider_cost, E.cost_source,
+                                            E.input_uncached_tokens, E.cache_read_tokens, E.output_tokens,
+                                            E.occurred_at)))
+            period = rows[0].occurred_at.strftime("%Y-%m")
+            reports = {"usage": usage_report(conn, catalog, period, by="app"),
+                       "margin": margin_report(conn, catalog, period, by="app"),
+                       "backend": usage_report(conn, catalog, period, by="backend")}
+            return rows, reports
     finally:
         led.close()
 
@@ -180,7 +211,7 @@ def test_burst_overflows_holds_the_target_returns_and_the_ledger_shows_both_side
     assert capped["reasons"].get("guard_spend", 0) > 0 and capped["reasons"].get("overflow_latency", 0) > 0
     assert Decimal(capped["hosted_spend_window"]) <= CAPPED_BUDGET
 
-    rows = _ledger_rows(stack["data"])
+    rows, reports = _ledger_rows(stack["data"])
     by_backend: dict[str, list] = {}
     for row in rows:
         by_backend.setdefault(row.backend_id, []).append(row)
@@ -198,3 +229,48 @@ def test_burst_overflows_holds_the_target_returns_and_the_ledger_shows_both_side
     assert abs(hosted_cost - counted) <= Decimal("1e-9") * max(hosted_cost, Decimal(1))  # decision and ledger agree
     capped_cost = sum((r.provider_cost for r in by_backend.get("chosted-0", [])), Decimal(0))
     assert 0 < capped_cost <= CAPPED_BUDGET
+
+    # one unit of cost: the per-token price each decision used for a replica is what the ledger booked for it
+    from collections import Counter
+    print("rows by backend, kind, cost source:", dict(Counter((r.backend_id, r.route_kind, r.cost_source, r.status)
+                                                             for r in rows)))
+    statuses = _status(proxy)["groups"]
+    card_in, card_out = GpuRateCard(Decimal("2.00"), Decimal(3000), Decimal(1000)).per_token()
+    model_list = (Decimal(str(SELF_PRICE["input_cost_per_token"])), Decimal(str(SELF_PRICE["output_cost_per_token"])))
+    for group, replicas, expected, source in (("chat", ("self-0", "self-1"), (card_in, card_out),
+                                               "self_hosted_amortized"),
+                                              ("capped", ("cself-0", "cself-1"), model_list, None)):
+        used = statuses[group]["hybrid"]["self_hosted_rates"]
+        for b in replicas:
+            decided = (Decimal(used[b]["input"]), Decimal(used[b]["output"]))
+            assert decided == expected, (group, b, decided)
+            booked = [r for r in by_backend.get(b, []) if r.status == "success"]
+            assert booked, b
+            for r in booked:  # prompts are unique: no cached tokens, every prompt token at the input price
+                assert r.cache_read_tokens == 0  # LiteLLM's cost (it copies it into usage.cost) without a card
+                assert (r.cost_source == source) if source else (r.cost_source == "litellm"), (b, r.cost_source)
+                per_token = fix(decided[0] * r.input_uncached_tokens + decided[1] * r.output_tokens)  # 1e-10
+                if source:  # the card: the very same Decimal amount
+                    assert r.provider_cost == per_token, (b, r.provider_cost, per_token)
+                else:  # LiteLLM's float cost of the same per-token prices
+                    assert abs(r.provider_cost - per_token) <= Decimal("1e-10"), (b, r.provider_cost, per_token)
+    print(f"one unit: chat replicas decided and booked at the GPU-hour card {card_in}/{card_out} per token, "
+          f"capped replicas at their model_list price {model_list[0]}/{model_list[1]}")
+
+    # route kinds: derived from the deployments (no kvroute_route_kind, no route_kind in the price file)
+    kinds = {b: {r.route_kind for r in rs} for b, rs in by_backend.items() if b != "router"}
+    assert all(kinds[b] == {"self_hosted"} for b in ("self-0", "self-1", "cself-0", "cself-1", "base-0", "base-1"))
+    assert kinds["hosted-0"] == {"direct"} and kinds["chosted-0"] == {"direct"}
+    self_ids = {b for b in kinds if kinds[b] == {"self_hosted"}}
+    for kind in ("usage", "margin"):
+        for app_row in reports[kind]:
+            app = app_row["app_id"]
+            mine = [r for r in reports["backend"] if r["app_id"] == app]
+            want_self = sum((r["provider_cost"] + r["absorbed_cost"] for r in mine if r["backend_id"] in self_ids),
+                            Decimal(0))
+            want_hosted = sum((r["provider_cost"] + r["absorbed_cost"] for r in mine
+                               if r["backend_id"] not in self_ids), Decimal(0))
+            print(f"{kind} report, app {app}: self-hosted {app_row['self_hosted_cost']}, "
+                  f"hosted {app_row['hosted_cost']}")
+            assert (app_row["self_hosted_cost"], app_row["hosted_cost"]) == (want_self, want_hosted)
+            assert want_self > 0 and want_hosted > 0

@@ -76,3 +76,80 @@ def test_the_fleet_tells_the_policy_which_backends_are_hosted_and_what_a_replica
     assert rule_policy.guard is policy.guard and rule_policy.market is policy.market
     assert hybrid.status_of(policy, 0.0)["hybrid"]["mode"] == "normal"
     assert hybrid.status_of(object(), 0.0) == {}
+
+
+def test_a_replicas_rate_card_in_the_ledger_wins_over_its_model_list_price(tmp_path):
+    from kvroute.billing.ledger import Ledger
+    from kvroute.billing.price_file import parse_price_data
+    from kvroute.billing.price_store import store_prices
+    from kvroute.billing.pricing import GpuRateCard
+    from kvroute.plugin import hybrid
+    from kvroute.plugin.billing_feed import BillingFeed
+    from kvroute.plugin.deployments import Backend
+    from kvroute.plugin.request_ids import RequestIds
+
+    url = f"sqlite:///{tmp_path / 'billing.db'}"
+    card = {"gpu_hour": "2.00 USD", "prefill_tok_s": 3000, "decode_tok_s": 1000}
+    led = Ledger.open(url)
+    store_prices(led, parse_price_data({"backends": [
+        {"id": "gpu-1", "provider": "vllm", "rates": [{"effective_from": "2020-01-01", **card}]}]}))
+    led.close()
+    feed = BillingFeed(None, RequestIds())
+    feed.db_url = url
+    fleet = [Backend("gpu-1", "chat", "m", "self_hosted", "vllm", input_price=Decimal("2e-7"),
+                     output_price=Decimal("8e-7")),
+             Backend("gpu-2", "chat", "m", "self_hosted", "vllm", input_price=Decimal("2e-7"),
+                     output_price=Decimal("8e-7")),
+             Backend("prov", "chat", "m", "hosted", "openai_compatible", input_price=Decimal("2e-6"))]
+    cards = feed.rate_cards(b.id for b in fleet if b.self_hosted)
+    assert set(cards) == {"gpu-1"}
+    policy = Router().set_policy("chat", "hybrid", {})
+    hybrid.attach_fleet(policy, fleet, cards)
+    expected = GpuRateCard(Decimal("2.00"), Decimal(3000), Decimal(1000)).per_token()
+    assert (policy.self_rate("gpu-1").input_price, policy.self_rate("gpu-1").output_price) == expected
+    assert policy.self_rate("gpu-2").input_price == Decimal("2e-7")  # no card: the model_list price
+    rates = hybrid.status_of(policy, 0.0)["hybrid"]["self_hosted_rates"]
+    assert rates["gpu-1"]["input"] == str(expected[0]) and "prov" not in rates
+    assert [hybrid.route_kind(b) for b in fleet] == ["self_hosted", "self_hosted", "direct"]
+    assert hybrid.route_kind(Backend("m", "chat", "m", "hosted", "marketplace")) == "marketplace"
+    assert hybrid.route_kind(None) is None
+    broken = BillingFeed(None, RequestIds())
+    broken.db_url = f"sqlite:///{tmp_path / 'missing' / 'x.db'}"
+    assert broken.rate_cards(["gpu-1"]) == {}  # no ledger yet: the replicas keep their model_list prices
+
+
+def test_the_ledger_route_kind_comes_from_the_deployment_unless_model_info_names_one():
+    from kvroute.plugin.billing_feed import BillingFeed
+    from kvroute.plugin.request_ids import RequestIds
+
+    class Rec:
+        def __init__(self):
+            self.events = []
+
+        def record(self, e):
+            self.events.append(e)
+
+    rec, ids = Rec(), RequestIds()
+    feed = BillingFeed(rec, ids)
+    feed.kind_of = {"gpu-1": "self_hosted", "prov": "direct"}.get
+    for backend, info in (("gpu-1", {"id": "gpu-1"}), ("prov", {"id": "prov"}),
+                          ("gpu-1", {"id": "gpu-1", "kvroute_route_kind": "marketplace"})):
+        meta: dict = {"user_api_key_alias": "acme"}
+        attempt, ticket = ids.new_attempt(meta, "chat", backend)
+        call = {"model": "openai/m", "model_info": info, "metadata": meta}
+        feed.attempt_started(attempt, call)
+        feed.success({"litellm_params": {"metadata": meta, "model_info": info}, "model": "m",
+                      "standard_logging_object": {"model": "m", "model_id": backend, "model_group": "chat"}},
+                     None, None, None, ticket)
+    assert [(e.backend_id, e.route_kind) for e in rec.events] == [
+        ("gpu-1", "self_hosted"), ("prov", "direct"), ("gpu-1", "marketplace")]
+
+
+def test_an_unreadable_ledger_leaves_the_model_list_prices(tmp_path, caplog):
+    from kvroute.plugin.billing_feed import BillingFeed
+    from kvroute.plugin.request_ids import RequestIds
+
+    feed = BillingFeed(None, RequestIds())
+    feed.db_url = "postgresql+psycopg://nobody@127.0.0.1:1/none"  # nothing listens there
+    assert feed.rate_cards(["gpu-1"]) == {}
+    assert "rate cards unreadable" in caplog.text

@@ -203,7 +203,41 @@ def test_hosted_serves_when_no_self_hosted_replica_is_left():
         board.record("h1", Outcome.PROVIDER_FAILURE, 0.0)
         board.record("h2", Outcome.PROVIDER_FAILURE, 0.0)
     d = pick(hy, router, req(), candidates=["h1", "h2"], now=0.1)
-    assert d.backend is None and d.reason == "no_acceptable_route" and d.why["rejected"] == {"unhealthy": 2}
+    assert d.backend is None and d.reason == "no_acceptable_provider:no_acceptable_route"
+    assert d.why["rejected"] == {"unhealthy": 2}
+
+
+def test_failover_with_no_replica_left_keeps_the_spend_cap_and_the_app_rules_not_the_share_cap():
+    # a window budget of 0.03: about three 4000-token requests at h1's price (~0.0096 each with its output)
+    hy, router = setup(max_overflow_share=0.1, max_hosted_spend_per_hour="0.03", spend_window_s=3600.0,
+                       apps={"strict": {"deny": ["h1", "h2"]}, "no-h1": {"deny": ["h1"]}})
+    teach_ttft(hy, "h1", 0.4)
+    teach_ttft(hy, "h2", 0.4)
+    d = pick(hy, router, req("only-h2", app="no-h1"), candidates=["h1", "h2"])
+    assert (d.backend, d.reason) == ("h2", "self_hosted_unavailable")  # the app's deny holds in failover
+    d = pick(hy, router, req("strict", app="strict"), candidates=["h1", "h2"])
+    assert d.backend is None and d.reason == "no_acceptable_provider:no_acceptable_route"
+    served, refused = [], []
+    for i in range(8):  # the share cap (10 %) would refuse these at once; the spend cap stops them when spent
+        d = pick(hy, router, req(f"f{i}"), candidates=["h1", "h2"], now=0.01 * i)
+        (served if d.backend else refused).append(d)
+    assert served and refused and all(d.reason == "self_hosted_unavailable" for d in served)
+    assert all(d.reason == "no_acceptable_provider:guard_spend" and d.why["refused"] == "guard_spend"
+               for d in refused)
+    assert hy.guard.spent(0.1) <= hy.guard.budget()
+    assert served[0].backend == "h1"  # cheapest route meeting the target first
+
+
+def test_failover_takes_a_route_missing_the_target_before_refusing():
+    hy, router = setup()
+    teach_ttft(hy, "h1", 9.0)  # the cheap route misses the 1.5 s target, the dear one meets it
+    teach_ttft(hy, "h2", 0.4)
+    assert pick(hy, router, req("a"), candidates=["h1", "h2"]).backend == "h2"
+    hy.attach_health(HealthBoard(BreakerConfig(min_requests=1, consecutive_failures=1)))
+    for _ in range(5):
+        hy.health.record("h2", Outcome.PROVIDER_FAILURE, 0.0)
+    d = pick(hy, router, req("b"), candidates=["h1", "h2"], now=0.1)
+    assert (d.backend, d.reason) == ("h1", "self_hosted_unavailable")  # late beats no answer
 
 
 def test_max_price_rule_and_unpriced_routes_never_overflow():
