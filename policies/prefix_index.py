@@ -39,18 +39,9 @@ class PrefixLocator(Protocol):
     def remove_backend(self, backend: str) -> None: ...
 
     def holdings(self, backends: Sequence[str]) -> tuple[list[int], list[int]]:
-        """``([blocks(b) ...], [capacity_blocks(b) ...])`` in one pass, with the same effects as asking
-        ``capacity_blocks(b)`` then ``blocks(b)`` for each backend in order (a backend not seen yet gets a state)."""
-        blocks: list[int] = []
-        caps: list[int] = []
-        get = self._backends.get
-        for b in backends:
-            state = get(b)
-            if state is None:
-                state = self._state(b)
-            caps.append(state.capacity)
-            blocks.append(len(state.entries))
-        return blocks, caps
+        """Optional: ``([blocks(b) ...], [capacity_blocks(b) ...])`` in one pass (policies fall back to
+        ``blocks``/``capacity_blocks`` per backend for an index without it)."""
+        ...
 
     def blocks(self, backend: str | None = None) -> int: ...
 
