@@ -7,8 +7,9 @@
   could not reach the tie band
 
 Shape: filter (hot-spot bound in busy seconds) → score (weighted scorers, ``policies/scorers.py``, each
-in seconds) → pick (lowest; near-ties go to the longer match, then the prefix's rendezvous order for
-warm requests, or the least busy then least recently used backend for cold ones). Seconds come from
+in seconds) → pick (lowest; near-ties go to the longer match, among equal matches to the cheapest, exact
+ties to the prefix's rendezvous order for warm requests, or the least busy then least recently used backend
+for cold ones). Seconds come from
 an ``EngineSpeed`` prior (knobs) times a factor the load tracker learns per backend from observed TTFT,
 so a session stays on its replica until the wait there costs more than recomputing its whole context
 elsewhere — load is weighed as work, never as a request count.
@@ -337,6 +338,9 @@ class CacheAware:
         best_match = max(map(matched.__getitem__, near))
         if best_match > 0:
             holders = [b for b in near if matched[b] == best_match]
+            if len(holders) > 1:  # the band prefers longer matches; among equal ones the cheapest wins
+                cheapest = min(map(costs.__getitem__, holders))
+                holders = [b for b in holders if costs[b] == cheapest]
             # several: the first in the prefix's rendezvous order (highest weight, then name)
             backend = (holders[0] if len(holders) == 1
                        else self._first_in_order(state.rendezvous, request.keys[0], holders))

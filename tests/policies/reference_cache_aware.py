@@ -84,6 +84,8 @@ class ReferenceCacheAware(CacheAware):
         best_match = max(cands[b].matched for b in near)
         if best_match > 0:
             holders = [b for b in near if cands[b].matched == best_match]
+            cheapest = min(costs[b] for b in holders)  # the one change since e9da8e7: equal holders, cheapest
+            holders = [b for b in holders if costs[b] == cheapest]
             if len(holders) == 1:
                 backend = holders[0]
             else:
