@@ -201,3 +201,23 @@ def test_long_session_is_not_moved_by_many_short_requests_on_its_replica():
     again = router.route(turn, BACKENDS)[1]
     assert again.backend == home.backend and again.reason == "prefix_match"
     assert again.matched_tokens > 20_000
+
+
+def test_near_tied_equal_holders_go_to_the_cheapest_not_always_the_same_replica():
+    """Two replicas hold a prefix; the one the prefix's rendezvous order prefers has a small prefill queued
+    (within the near-tie band): the next request goes to the other, idle holder. With both idle again, the
+    prefix concentrates on the rendezvous-first holder."""
+    router, clock = make()
+    for i, only in enumerate((["r0"], ["r1"])):  # both replicas hold group 7's system prompt
+        req, _ = router.route(group_prompt(7, i, q_len=8), only)
+        router.on_complete(req.request_id, cached_tokens=0)
+        clock.t += 100.0  # busy time decays away
+    req, idle_pick = router.route(group_prompt(7, 10, q_len=8), ["r0", "r1"])
+    router.on_complete(req.request_id, cached_tokens=idle_pick.matched_tokens)
+    first = idle_pick.backend  # both idle: the rendezvous-first holder
+    clock.t += 100.0
+    router.route(group_prompt(7, 11, q_len=8), [first])  # in flight: only its short question to prefill
+    # a long question: the band (5 % of its cost) covers the short prefill queued on ``first``
+    _, d = router.route(group_prompt(7, 12, q_len=60000), ["r0", "r1"])
+    assert d.reason == "prefix_match" and d.matched_tokens == idle_pick.matched_tokens
+    assert d.backend != first, d
