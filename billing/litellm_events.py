@@ -269,6 +269,10 @@ def event_from_callback(kwargs: Mapping[str, Any], response_obj: Any, *, outcome
         # way the figure is LiteLLM's (the model_list price), not a provider's report
         litellm_cost = litellm_cost or reported  # a stream's hidden cost may still be 0
         reported = None
+        if isinstance(raw_usage, Mapping) and "cost" in raw_usage:
+            # not the provider's usage: kept out of raw_usage, so no later reader (the drainer's validation,
+            # a re-ingest) takes LiteLLM's figure for a provider report
+            raw_usage = {k: v for k, v in raw_usage.items() if k != "cost"}
     breakdown = _dict(slo.get("cost_breakdown"))
     margin = _money(breakdown.get("margin_total_amount"))
     if litellm_cost is not None and margin:

@@ -73,7 +73,7 @@ def test_litellm_margin_is_taken_out_and_reported_cost_wins() -> None:
     assert e is not None and e.provider_cost == Decimal("0.00492")
     # LiteLLM stamps its own bill (margin included) on a streamed usage.cost: LiteLLM's cost, not a report
     stamped = {**RESPONSE, "usage": {**RESPONSE["usage"], "cost": 0.00816}}
-    e = event_from_callback(kw, stamped, route_kind="marketplace")
+    e = stamped_event = event_from_callback(kw, stamped, route_kind="marketplace")
     assert e is not None and e.provider_cost is None and e.litellm_cost == Decimal("0.0068")
     replica = event_from_callback(kw, {**RESPONSE, "usage": {**RESPONSE["usage"], "cost": 0.005}},
                                   route_kind="self_hosted")
@@ -83,6 +83,14 @@ def test_litellm_margin_is_taken_out_and_reported_cost_wins() -> None:
     replica = event_from_callback(kw, {**RESPONSE, "usage": {**RESPONSE["usage"], "cost": 0.005}},
                                   route_kind="self_hosted")
     assert replica is not None and replica.litellm_cost == Decimal("0.005") and replica.provider_cost is None
+    # the documented form (what the drainer validates, what a re-ingest reads) keeps that decision: LiteLLM's
+    # figure is not left in raw_usage for the raw_usage.cost rule to take for a provider report
+    import json
+
+    from kvroute.billing.events import event_from_json
+    for e in (replica, stamped_event):
+        back = event_from_json(json.loads(e.to_line()))
+        assert back.provider_cost is None and back.litellm_cost == e.litellm_cost and "cost" not in back.raw_usage
 
 
 def test_unpriced_zero_cost_is_unknown() -> None:
