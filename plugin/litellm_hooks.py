@@ -568,6 +568,7 @@ class KvrouteCallback(CustomLogger):
         first = True
         usage_chunk = None
         relayed = 0  # chunks with output the client got: what a stream cut upstream still cost
+        counts = chunk_has_output if self.billing is not None else None  # decided once, not per chunk
         try:
             async for item in response:
                 if first:
@@ -575,7 +576,7 @@ class KvrouteCallback(CustomLogger):
                     self._first_token(request_data)
                 if getattr(item, "usage", None) is not None:
                     usage_chunk = item
-                if self.billing is not None and chunk_has_output(item):
+                if counts is not None and counts(item):
                     relayed += 1
                 yield item
             done = True

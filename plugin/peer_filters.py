@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import litellm
 from litellm.integrations.custom_logger import CustomLogger
 
 
@@ -34,8 +35,6 @@ class PeerFilters:
         self._peers: tuple[CustomLogger, ...] = ()
 
     def peers(self) -> tuple[CustomLogger, ...]:
-        import litellm
-
         callbacks = litellm.callbacks if isinstance(litellm.callbacks, list) else []
         seen = (id(callbacks), len(callbacks))
         if seen != self._seen:
