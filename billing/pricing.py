@@ -6,7 +6,8 @@ a self-hosted amortised card (``source="self_hosted_amortized"``, e.g. a ``GpuRa
 cost (which for a replica is only the per-token price typed into ``model_list``), so the card is the one unit of
 self-hosted cost the ledger and the hybrid router share;
 ``billed`` = clamp(cost + cost × markup + Σ tokens × surcharge / 1e6 + fee, min, max), or 0 for non-final attempts
-and zero completions unless the rule bills them.
+unless the rule has ``bill_failed_attempts`` and for zero completions unless it has ``bill_zero_completion`` (a
+retried zero completion needs both).
 
 Currencies are never mixed: the amounts an event is rated with (its reported cost in the event's ``currency``,
 or the rate card in the card's currency) must be in the price book's currency, else ``rate_event`` raises
@@ -266,8 +267,8 @@ def rate_event(e: UsageEvent, cost_rate: CostRate | None, book: PriceBook | None
             billed = rule.max_per_request
     if e.is_final and e.status == "success":
         bill_it = True
-    elif e.is_final and e.status == "zero_completion":
-        bill_it = rule is not None and rule.bill_zero_completion
+    elif e.status == "zero_completion":  # an empty answer, final or retried, bills only under this flag
+        bill_it = rule is not None and rule.bill_zero_completion and (e.is_final or rule.bill_failed_attempts)
     else:  # a failed or superseded attempt
         bill_it = rule is not None and rule.bill_failed_attempts
     if not bill_it:
