@@ -17,7 +17,7 @@ price_books:
   - app: acme                        # omit for the default book
     version: 2
     effective_from: 2026-10-01
-    platform_fee_pct: "0.05"
+    platform_fee_pct: "5%"             # every *_pct field: "5%" or the fraction "0.05"; a bare 5 is refused
     rules:                           # first matching rule wins, in order
       - name: claude
         match: {provider: anthropic, model: "claude-*"}
@@ -100,6 +100,31 @@ def _dec(value: Any, key: str, *, allow_negative: bool = False) -> Decimal:
         raise ConfigError(key, exc.message) from None
     if amount < 0 and not allow_negative:
         raise ConfigError(key, f"must not be negative, got {amount}")
+    return amount
+
+
+#: The largest markup a rule may carry (a fraction: 100 = +10 000 %); above it the value is surely a typo.
+MAX_MARKUP = Decimal(100)
+
+
+def _pct(value: Any, key: str, *, limit: Decimal, what: str) -> Decimal:
+    """A ``*_pct`` field as a fraction: ``"20%"`` (a percent string) or ``0.20`` (a fraction below 1).
+
+    A bare number of 1 or more is refused: ``markup_pct: 20`` means +20 % far more often than +2000 %, and a
+    bare ``1`` is as likely 1 % as 100 %, so from 100 % up only the percent form is accepted."""
+    if isinstance(value, str) and value.strip().endswith("%"):
+        number = value.strip()[:-1].strip()
+        amount = _dec(number, key) / 100
+    else:
+        amount = _dec(value, key)
+        if amount >= 1:
+            shown = value if isinstance(value, str) else repr(value)
+            raise ConfigError(key, f"{shown} is ambiguous ({what}): write \"{amount.normalize():f}%\" for "
+                                   f"{amount.normalize():f} percent or the fraction "
+                                   f"{(amount / 100).normalize():f}; a bare number must be a fraction below 1")
+    if amount > limit:
+        raise ConfigError(key, f"{(amount * 100).normalize():f} % is above the limit of "
+                               f"{(limit * 100).normalize():f} % ({what})")
     return amount
 
 
@@ -270,10 +295,8 @@ def _book(item: Mapping[str, Any], key: str, currency: str) -> PriceBook:
     names = [r.name for r in rules]
     if len(set(names)) != len(names):
         raise ConfigError(f"{key}.rules", "rule names must be unique within a book")
-    fees = {f: _dec(item.get(f, 0), f"{key}.{f}") for f in ("platform_fee_pct", "payment_fee_pct")}
-    for f, v in fees.items():
-        if v > 1:
-            raise ConfigError(f"{key}.{f}", f"is a fraction of billed revenue (0.05 = 5 %), got {v}")
+    fees = {f: _pct(item.get(f, 0), f"{key}.{f}", limit=Decimal("0.99"), what="a share of billed revenue")
+            for f in ("platform_fee_pct", "payment_fee_pct")}
     return PriceBook(app, version, _when(item["effective_from"], f"{key}.effective_from"), cur, tuple(rules),
                      fees["platform_fee_pct"], fees["payment_fee_pct"])
 
@@ -304,9 +327,9 @@ def _rule(item: Mapping[str, Any], key: str, priority: int) -> PriceRule:
                               f"unknown bucket (known: {', '.join(SURCHARGE_BUCKETS)})")
         surcharge[bucket] = _dec(amount, f"{key}.surcharge_per_mtok.{bucket}")
     opt = {f: (None if item.get(f) is None else _dec(item[f], f"{key}.{f}"))
-           for f in ("markup_pct", "fee_per_request", "min_per_request", "max_per_request")}
-    if opt["markup_pct"] is not None and opt["markup_pct"] > 100:
-        raise ConfigError(f"{key}.markup_pct", "is a fraction (0.20 = +20 %); values above 100 are surely a mistake")
+           for f in ("fee_per_request", "min_per_request", "max_per_request")}
+    opt["markup_pct"] = None if item.get("markup_pct") is None else _pct(
+        item["markup_pct"], f"{key}.markup_pct", limit=MAX_MARKUP, what="a markup on the provider cost")
     if opt["min_per_request"] is not None and opt["max_per_request"] is not None \
             and opt["min_per_request"] > opt["max_per_request"]:
         raise ConfigError(f"{key}.min_per_request", "is above max_per_request")
