@@ -13,13 +13,24 @@ import typer
 billing_app = typer.Typer(no_args_is_help=True, help="Usage ledger: ingest events, load price books, close periods.")
 report_app = typer.Typer(no_args_is_help=True, help="Monthly usage, margin and payout reports.")
 
-DB_HELP = "SQLAlchemy URL or SQLite path (default: KVROUTE_BILLING_DB, else .kvroute/billing.db)."
+DB_HELP = ("SQLAlchemy URL or SQLite path (default: KVROUTE_BILLING_DB, else <KVROUTE_DATA_DIR>/billing.db, "
+           "the proxy's ledger; data dir default .kvroute).")
 
 
 def _ledger(db: str | None, must_exist: bool = False) -> Any:
+    """Open the ledger ``--db`` names, else the one the proxy writes (``kvroute.billing.location``)."""
     from kvroute.billing.ledger import Ledger
+    from kvroute.billing.location import location_from
     from kvroute.billing.settings import BillingSettings
-    url = db or BillingSettings().db
+    from kvroute.policies.errors import ConfigError
+    url = db
+    if url is None:
+        try:
+            url = location_from(BillingSettings()).db_url
+        except ConfigError as exc:
+            _fail(f"error: {exc}")
+        if url is None:
+            _fail("error: billing is off (KVROUTE_BILLING_DB=off); pass --db to name a ledger")
     if must_exist:
         from sqlalchemy.engine import make_url
 
@@ -27,7 +38,8 @@ def _ledger(db: str | None, must_exist: bool = False) -> Any:
         parsed = make_url(database_url(url))
         if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:") \
                 and not Path(parsed.database).exists():
-            _fail(f"error: no usage ledger at {parsed.database} (set KVROUTE_BILLING_DB or pass --db)")
+            _fail(f"error: no usage ledger at {parsed.database} (set KVROUTE_DATA_DIR or KVROUTE_BILLING_DB as "
+                  "the proxy has them, or pass --db)")
     return Ledger.open(url)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -24,13 +26,25 @@ def database_url(value: str) -> str:
     return value
 
 
+def private_sqlite_file(path: Path) -> None:
+    """Create the ledger file 0600 (its folder 0700 when missing) before SQLite opens it: SQLite gives the WAL
+    and SHM files the mode of the database file. An existing ledger and its WAL/SHM are made 0600 too."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with contextlib.suppress(FileExistsError):
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+    for name in (str(path), f"{path}-wal", f"{path}-shm", f"{path}-journal"):
+        with contextlib.suppress(OSError):  # gone, or another user's ledger this one may only read
+            if os.stat(name).st_mode & 0o077:
+                os.chmod(name, 0o600)
+
+
 def make_engine(url: str, **kwargs: Any) -> Engine:
     """Create an engine; SQLite gets WAL, a busy timeout and ``BEGIN IMMEDIATE`` writer transactions."""
     url = database_url(url)
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
         if parsed.database and parsed.database != ":memory:":
-            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+            private_sqlite_file(Path(parsed.database))
         engine = create_engine(url, connect_args={"timeout": 60}, **kwargs)
 
         @event.listens_for(engine, "connect")

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -12,9 +12,22 @@ dead_letter_app = typer.Typer(no_args_is_help=True, help="Events the recorder co
 DIR_HELP = "Data directory holding dead-letter.jsonl (default: KVROUTE_DATA_DIR, else .kvroute)."
 
 
-def _dead(data_dir: Path | None):
+def _location(data_dir: Path | None) -> Any:
+    """The proxy's ledger location (``kvroute.billing.location``), with ``--data-dir`` in place of the setting."""
+    from kvroute.billing.location import ledger_location
+    from kvroute.billing.settings import BillingSettings
+    from kvroute.policies.errors import ConfigError
+    s = BillingSettings()
+    try:
+        return ledger_location(data_dir or s.data_dir, s.db, s.spool)
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+def _dead(data_dir: Path | None) -> Any:
     from kvroute.billing.deadletter import DeadLetter
-    return DeadLetter(data_dir or Path(os.environ.get("KVROUTE_DATA_DIR") or ".kvroute"))
+    return DeadLetter(_location(data_dir).dead_letters)
 
 
 @dead_letter_app.command("list")
@@ -29,13 +42,17 @@ def list_cmd(data_dir: Path | None = typer.Option(None, "--data-dir", help=DIR_H
 
 @dead_letter_app.command("retry")
 def retry_cmd(data_dir: Path | None = typer.Option(None, "--data-dir", help=DIR_HELP),
-              db: str | None = typer.Option(None, help="SQLAlchemy URL or SQLite path (default: the data "
-                                                       "directory's billing.db, or KVROUTE_BILLING_DB).")) -> None:
+              db: str | None = typer.Option(None, help="SQLAlchemy URL or SQLite path (default: KVROUTE_BILLING_DB, "
+                                                       "else the data directory's billing.db).")) -> None:
     """Parse and insert every entry; stored ones leave the file, the others stay with their new error (exit 1)."""
+    from kvroute.billing.deadletter import DeadLetter
     from kvroute.billing.ledger import Ledger
-    from kvroute.billing.recorder import default_paths
-    dead = _dead(data_dir)
-    url = db or os.environ.get("KVROUTE_BILLING_DB") or default_paths(dead.path.parent)[0]
+    where = _location(data_dir)
+    dead = DeadLetter(where.dead_letters)
+    url = db or where.db_url
+    if url is None:
+        typer.echo("error: billing is off (KVROUTE_BILLING_DB=off); pass --db to name a ledger", err=True)
+        raise typer.Exit(2)
     ledger = Ledger.open(url)
     try:
         result = dead.retry(ledger.insert_events)

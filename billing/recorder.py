@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import subprocess
 import threading
 import time
@@ -32,7 +31,7 @@ from kvroute.billing.spool import Journal, encode_event, is_live, segment_paths
 
 log = logging.getLogger("kvroute.billing")
 
-__all__ = ["RecorderStats", "UsageRecorder", "default_paths", "is_unavailable"]
+__all__ = ["RecorderStats", "UsageRecorder", "is_unavailable"]
 
 
 @dataclass
@@ -284,9 +283,3 @@ class UsageRecorder:
                                            stdout=subprocess.DEVNULL, close_fds=True)
         except OSError as exc:
             log.warning("kvroute billing: cannot start the journal drainer: %s", exc)
-
-
-def default_paths(data_dir: str | Path) -> tuple[str, Path]:
-    """The embedded ledger URL and the journal folder of a data directory."""
-    data = Path(data_dir)
-    return f"sqlite:///{os.path.abspath(data / 'billing.db')}", data / "journal"

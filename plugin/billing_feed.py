@@ -141,24 +141,25 @@ class BillingFeed:
                     request_id=state.request_id, app_id=state.app, backend_id=backend, route_kind=route_kind,
                     start_time=start if start is not None else (attempt.started_at if attempt else None),
                     end_time=end)
+                if event is None:
+                    return False
+                state.app = state.app or event.app_id  # one app per request: every record of it gets the same id
+                if backend == self.events.ROUTER_BACKEND:  # nothing was called: no backend, no provider
+                    event = replace(event, provider=self.events.ROUTER_PROVIDER)
+                if attempt_key is not None or attempt is None:
+                    key = attempt_key_for(attempt_key or f"{outcome}:{event.requested_model}")
+                    event = replace(event, attempt=len(state.attempts), attempt_key=key, event_id="")
             except InputError as exc:  # e.g. a provider usage that contradicts itself: keep it for an operator
                 self._dead_letter(kwargs, response, state, attempt, backend, outcome, final, exc)
                 return False
-            if event is None:
-                return False
-            state.app = state.app or event.app_id  # one app per request: every record of it gets the same id
-            if backend == self.events.ROUTER_BACKEND:  # nothing was called: no backend, no provider
-                event = replace(event, provider=self.events.ROUTER_PROVIDER)
-            if attempt_key is not None or attempt is None:
-                key = attempt_key or f"{outcome}:{event.requested_model}"
-                event = replace(event, attempt=len(state.attempts), attempt_key=key, event_id="")
             self.recorder.record(event)
             if attempt is not None:
                 attempt.recorded = True
             return True
-        except Exception:
+        except Exception as exc:  # a payload nothing foresaw: the event still reaches the dead letters
             log.debug("kvroute billing failed", exc_info=True)
             self._on_error("billing")
+            self._dead_letter(kwargs, response, state, attempt, backend, outcome, final, exc)
             return False
 
     def _dead_letter(self, kwargs: Mapping[str, Any], response: Any, state: RequestState, attempt: Attempt | None,
@@ -166,15 +167,17 @@ class BillingFeed:
         """An attempt whose payload cannot make a valid event: its ids and raw usage (never prompt text)."""
         from kvroute.billing.usage import as_mapping
 
-        usage = getattr(response, "usage", None) if not isinstance(response, Mapping) else response.get("usage")
-        slo = kwargs.get("standard_logging_object")
-        slo = slo if isinstance(slo, Mapping) else {}
-        line = {"request_id": state.request_id, "attempt": attempt.number if attempt else len(state.attempts),
-                "final": final, "status": outcome if outcome in self.events.STATUSES else "success",
-                "backend_id": backend or slo.get("model_id"), "served_model": slo.get("model") or kwargs.get("model"),
-                "provider": slo.get("custom_llm_provider"), "occurred_at": datetime.now(UTC).isoformat(),
-                "raw_usage": as_mapping(usage)}
         try:
+            usage = getattr(response, "usage", None) if not isinstance(response, Mapping) else response.get("usage")
+            slo = kwargs.get("standard_logging_object")
+            slo = slo if isinstance(slo, Mapping) else {}
+            line = {"request_id": state.request_id, "attempt": attempt.number if attempt else len(state.attempts),
+                    "final": final, "status": outcome if outcome in self.events.STATUSES else "success",
+                    "backend_id": backend or slo.get("model_id"),
+                    "served_model": slo.get("model") or kwargs.get("model"), "provider": slo.get("custom_llm_provider"),
+                    "occurred_at": datetime.now(UTC).isoformat(), "raw_usage": as_mapping(usage)}
+            if state.app:
+                line["app_id"] = state.app
             self.recorder.dead_letter.append(json.dumps(line, default=str), f"invalid event: {exc}", "callback")
             self.recorder.note_dead_letter()
         except Exception:
@@ -394,6 +397,14 @@ class RecorderCollector:
                                 value=1.0 if self.recorder.db_available else 0.0)
 
 
+def attempt_key_for(key: str) -> str:
+    """An attempt key the ledger stores as given: a client's model name in it (``no_route:<model>``) may hold a
+    NUL or run past the column; such a key is cleaned and bounded, a hash suffix keeping distinct names distinct."""
+    from kvroute.billing.events import fit_text
+
+    return fit_text("attempt_key", key) or key
+
+
 def _success_kwargs(data: Mapping[str, Any], meta: Any, attempt: Attempt, hidden: Mapping[str, Any],
                     streamed: bool = False) -> dict:
     """A success payload shaped like LiteLLM's logging kwargs, from the proxy's request data and hidden params."""
@@ -426,22 +437,19 @@ def _served_model(model: Any) -> str | None:
 def billing_target(settings: Any, *, in_proxy: bool) -> tuple[str, Path, Path] | None:
     """(ledger URL, journal folder, dead-letter folder), or None when billing is off.
 
-    On by default in the proxy: an embedded SQLite ledger ``<data dir>/billing.db`` and ``<data dir>/journal``
-    (``KVROUTE_DATA_DIR``, default ``./.kvroute``); ``KVROUTE_BILLING_DB=off`` disables; ``KVROUTE_BILLING_DB``
-    names another database, ``KVROUTE_BILLING_SPOOL`` another journal folder. In the SDK, on only when asked
-    (``billing: true`` or a database).
+    On by default in the proxy: where ``kvroute.billing.location.ledger_location`` puts it for these settings (the
+    function ``kvroute report``/``billing`` resolve the ledger with), i.e. ``KVROUTE_BILLING_DB``, else
+    ``<data dir>/billing.db`` (``KVROUTE_DATA_DIR``, default ``./.kvroute``); ``KVROUTE_BILLING_DB=off``
+    disables. In the SDK, on only when asked (``billing: true`` or a database). A data directory that is not a
+    writable folder raises ``ConfigError`` naming ``kvroute.data_dir``.
     """
-    from kvroute.billing.recorder import default_paths
+    from kvroute.billing.location import ledger_location, prepare_data_dir
 
-    db_setting = (settings.billing_db or "").strip()
-    if db_setting.lower() in ("off", "none", "false", "0", "disabled"):
+    where = ledger_location(settings.data_dir, settings.billing_db, settings.billing_spool)
+    if where.db_url is None or not (in_proxy or settings.billing or (settings.billing_db or "").strip()):
         return None
-    if not (in_proxy or settings.billing or db_setting):
-        return None
-    data = Path(settings.data_dir).expanduser()
-    default_db, default_journal = default_paths(data)
-    journal = Path(settings.billing_spool) if settings.billing_spool else default_journal
-    return db_setting or default_db, journal, data
+    prepare_data_dir(where.data_dir)
+    return where.db_url, where.journal, where.dead_letters
 
 
 def _safe_url(url: str) -> str:

@@ -32,7 +32,7 @@ def file_secret(data_dir: Path) -> bytes:
     except FileNotFoundError:
         pass
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:  # another worker created it a moment ago
         return _read(path)

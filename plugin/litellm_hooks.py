@@ -148,6 +148,9 @@ class KvrouteCallback(CustomLogger):
         if self._settings is None:
             self._settings = load_settings(self._proxy_config or _proxy_config_path())
         s = self._settings
+        from kvroute.billing.location import check_data_dir
+
+        check_data_dir(s.data_dir)  # a file there: one line naming kvroute.data_dir, before anything uses it
         if self._metrics is None:
             from prometheus_client import REGISTRY
 

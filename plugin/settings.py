@@ -111,7 +111,6 @@ class KvrouteSettings(BaseSettings):
     max_request_age_s: float = Field(default=600.0, gt=0)
     metrics_scrape_interval_s: float = Field(default=1.0, gt=0)
     hash_secret: SecretStr | None = Field(default=None, min_length=16)
-    data_dir: Path = Path(".kvroute")
     endpoint_auth: Literal["admin", "key", "open"] = "admin"
     prometheus_multiproc_dir: Path | None = Field(
         default=None, validation_alias=AliasChoices("prometheus_multiproc_dir", "PROMETHEUS_MULTIPROC_DIR"))
@@ -243,7 +242,8 @@ def check_env(environ: Mapping[str, str]) -> None:
     from kvroute.billing.settings import BillingSettings
 
     fields = set(KvrouteSettings.model_fields) - {"prometheus_multiproc_dir"}
-    billing = {"KVROUTE_BILLING_" + name.upper() for name in BillingSettings.model_fields}
+    billing = {"KVROUTE_BILLING_" + name.upper() for name, f in BillingSettings.model_fields.items()
+               if f.validation_alias is None}  # data_dir is KVROUTE_DATA_DIR, this class's own field
     for name in sorted(environ):
         if not name.startswith("KVROUTE_") or name in _OTHER_ENV or name in billing:
             continue

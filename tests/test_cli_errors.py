@@ -129,7 +129,8 @@ def test_unreachable_database_is_one_line_and_debug_shows_the_traceback(tmp_path
 def test_report_on_a_missing_ledger_says_so_and_creates_nothing(tmp_path):
     out = kvroute(["report", "usage", "--period", "2026-10"], tmp_path)
     assert out.returncode == 2
-    assert one_line(out) == "error: no usage ledger at .kvroute/billing.db (set KVROUTE_BILLING_DB or pass --db)"
+    assert one_line(out) == (f"error: no usage ledger at {tmp_path / '.kvroute' / 'billing.db'} (set KVROUTE_DATA_DIR "
+                             "or KVROUTE_BILLING_DB as the proxy has them, or pass --db)")
     assert not (tmp_path / ".kvroute").exists()
 
 

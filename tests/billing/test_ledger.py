@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
+from pathlib import Path
 
 import pytest
 from billing_helpers import PRICES, event
@@ -175,4 +176,8 @@ def test_settings_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
     s = BillingSettings()
     assert s.db == "postgresql://billing@db/ledger" and str(s.spool) == "/var/spool/kvroute"
     monkeypatch.delenv("KVROUTE_BILLING_DB")
-    assert BillingSettings().db == ".kvroute/billing.db"
+    monkeypatch.delenv("KVROUTE_DATA_DIR", raising=False)
+    from kvroute.billing.location import location_from
+    assert location_from(BillingSettings()).db_url == f"sqlite:///{Path.cwd() / '.kvroute' / 'billing.db'}"
+    monkeypatch.setenv("KVROUTE_DATA_DIR", "/srv/kvroute")  # the proxy's data directory holds the ledger
+    assert location_from(BillingSettings()).db_url == "sqlite:////srv/kvroute/billing.db"
