@@ -161,6 +161,52 @@ def close_period_cmd(period: str = typer.Option(..., "--period", help="YYYY-MM")
         typer.echo(f"{period}: closed; {result.statements} statement(s) for {len(result.apps)} app(s)")
 
 
+@billing_app.command("rerate")
+def rerate_cmd(month: str = typer.Option(..., "--month", "--period", help="YYYY-MM: the month whose events "
+                                         "(by when they occurred) are priced again."),
+               app: str | None = typer.Option(None, "--app", help="Only this app."),
+               apply: bool = typer.Option(False, "--apply", help="Write it (default: a dry run printing the diff)."),
+               who: str | None = typer.Option(None, "--who", help="Recorded as the run's author (default: the "
+                                              "login name)."),
+               db: str | None = typer.Option(None, help=DB_HELP)) -> None:
+    """Price a month's events again under the books in force: a dry-run diff, then --apply (recorded who/when;
+    an open month is re-priced in place, a closed one gets adjustments on the next open statement)."""
+    import getpass
+
+    from kvroute.billing.periods import check_period
+    from kvroute.billing.rerate import apply_rerate, plan_rerate, render_plan
+    from kvroute.policies.errors import InputError
+    try:
+        check_period(month)
+    except InputError as exc:
+        _fail(f"error: {str(exc).replace('--period', '--month')}")
+    ledger = _ledger(db, must_exist=True)
+    try:
+        if apply:
+            result = apply_rerate(ledger, month, app, created_by=who or getpass.getuser())
+            plan = result.plan
+        else:
+            with ledger.engine.connect() as conn:
+                plan = plan_rerate(conn, ledger.catalog(refresh=True), month, app)
+    except InputError as exc:
+        _fail(f"error: {exc}")
+    finally:
+        ledger.close()
+    scope = f"{month}" + (f" · app {app}" if app else "")
+    if not plan.lines:
+        typer.echo(f"re-rate {scope}: {plan.events_checked} event(s) checked, nothing changes under the books in "
+                   "force")
+        return
+    mode = "applied" if apply else "dry run (--apply writes it)"
+    typer.echo(f"re-rate {scope}: {plan.events_changed} of {plan.events_checked} event(s) change · {mode}")
+    for line in render_plan(plan):
+        typer.echo(line)
+    if apply:
+        typer.echo(f"run {result.run_id} by {result.created_by} at {result.created_at.isoformat(timespec='seconds')}: "
+                   f"{len(plan.in_place)} event(s) re-priced in place, {len(plan.adjustments)} adjustment(s) "
+                   "booked for closed periods")
+
+
 def _report(kind: str, period: str, app: str | None, fmt: str, out: Path | None, db: str | None,
             by: str = "backend") -> None:
     from kvroute.billing import export, reports

@@ -199,6 +199,7 @@ def event_row(e: UsageEvent, catalog: Catalog, now: datetime, period: str,
         "fee_amount": r.fee_amount, "billed_amount": r.billed_amount, "currency": r.currency,
         "raw_usage": None if e.raw_usage is None else json_safe(e.raw_usage),
         "router_attempts": None if e.router_attempts is None else json_safe(e.router_attempts),
+        "rerate_run_id": None,
     }
 
 

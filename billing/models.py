@@ -1,4 +1,5 @@
-"""SQLAlchemy 2 tables of the ledger (research §8.3). Append-only: corrections are new rows.
+"""SQLAlchemy 2 tables of the ledger (research §8.3). Append-only: corrections are new rows; the one exception is
+a recorded re-rate (``rerate_run``) of an open month, which re-prices its events in place and marks them.
 
 Money columns use ``Money``: ``NUMERIC(38, 10)`` on PostgreSQL; on SQLite, whose NUMERIC affinity would coerce
 decimals to binary floats, the same column holds exact integer units of 1e-10 so sums stay exact in SQL.
@@ -205,6 +206,7 @@ class UsageEventRow(Base):
     currency: Mapped[str] = mapped_column(String(3))
     raw_usage: Mapped[Any | None] = mapped_column(JSON)
     router_attempts: Mapped[Any | None] = mapped_column(JSON)
+    rerate_run_id: Mapped[int | None] = mapped_column(Integer)  # the re-rate run that last re-priced it in place
 
 
 class UsageAdjustmentRow(Base):
@@ -225,6 +227,21 @@ class UsageAdjustmentRow(Base):
     reason: Mapped[str | None] = mapped_column(Text)
     created_by: Mapped[str | None] = mapped_column(String(100))
     created_at: Mapped[datetime] = mapped_column(Tz())
+    rerate_run_id: Mapped[int | None] = mapped_column(Integer)  # kind ``rerate``: the run that booked it
+
+
+class RerateRunRow(Base):
+    """One applied ``kvroute billing rerate``: who re-priced which month when, and what changed."""
+
+    __tablename__ = "rerate_run"
+    rerate_run_id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    period: Mapped[str] = mapped_column(String(7))
+    app_id: Mapped[str | None] = mapped_column(String(200))  # None: every app
+    created_by: Mapped[str] = mapped_column(String(100))
+    created_at: Mapped[datetime] = mapped_column(Tz())
+    events_rerated: Mapped[int] = mapped_column(Integer)  # open month: re-priced in place
+    adjustments_booked: Mapped[int] = mapped_column(Integer)  # closed month: ``rerate`` adjustments
+    summary: Mapped[Any] = mapped_column(JSON)  # the diff per app × backend (old and new amounts as text)
 
 
 class BillingPeriodRow(Base):

@@ -2,7 +2,8 @@
 
 ``open`` → ``closing`` (the period ended, events still land until ``grace_until``) → ``closed`` (statements and
 payouts frozen). Events for a closed period are booked as ``late_event`` adjustments in the open period by the
-ledger; nothing is edited in place.
+ledger, and a re-rate of a closed period as ``rerate`` adjustments (``kvroute.billing.rerate``); nothing frozen is
+edited in place.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Monthly report rows (research §8.4): one row per app × group (backend, end user, or the app), plus totals.
 
-Every money column includes the period's adjustments (late events of closed months, booked here); the
+Every money column includes the period's adjustments (late events of closed months and re-rate corrections of
+closed months, booked here); the
 ``adjustments`` column says how much of ``billed_amount`` they are. Each row adds up:
 
 - ``billed_amount = provider_cost + markup_amount + fee_amount``
@@ -10,7 +11,8 @@ Every money column includes the period's adjustments (late events of closed mont
 
 ``provider_cost`` is the cost of billed attempts, ``absorbed_cost`` the cost of attempts nobody is billed for.
 Token and request counts include the late events booked into the period (``late_requests`` counts them);
-``unpriced_events`` counts events rated without a reported cost or a rate card (cost 0). Money stays exact
+``unpriced_events`` counts events rated without a reported cost or a rate card (cost 0); ``rerated_events`` those
+re-priced by ``kvroute billing rerate`` (in place, or a closed month's correction booked here). Money stays exact
 (``Decimal``) in rows; only frozen statements and payouts round (see ``periods``), with the same meaning.
 """
 
@@ -37,7 +39,7 @@ GROUP = ("app_id", *GROUPINGS["backend"], "currency")
 TOKENS = ("input_tokens_uncached", "cache_read_tokens", "cache_write_5m_tokens", "cache_write_1h_tokens",
           "output_tokens", "reasoning_tokens")
 COUNTS = ("requests_total", "requests_success", "requests_failed", "requests_with_fallback", "attempts_absorbed",
-          "late_requests", "unpriced_events", "self_hosted_requests", "hosted_requests")
+          "late_requests", "unpriced_events", "rerated_events", "self_hosted_requests", "hosted_requests")
 #: The spend split: all cost (billed + absorbed) of self-hosted backends vs hosted (overflow) ones. The kind is
 #: the price file's ``route_kind`` of the backend (``self_hosted`` vs the rest), else the event's own.
 SPLIT = ("self_hosted_cost", "hosted_cost")
@@ -75,7 +77,7 @@ def table_columns(kind: str, by: str = "backend") -> tuple[str, ...]:
     if kind == "margin":
         return ("app_id", *dims, "requests_total", "provider_cost", "absorbed_cost", *SPLIT, "markup_amount",
                 "fee_amount", "billed_amount", "margin_amount", "margin_pct", "payout_amount", "adjustments",
-                "unpriced_events", "currency")
+                "unpriced_events", "rerated_events", "currency")
     return ("app_id", "requests_total", "billed_amount", "provider_cost", "absorbed_cost", "markup_amount",
             "fee_amount", "platform_fee", "payment_fee", "adjustments", "payout_amount", "status", "currency")
 
@@ -135,6 +137,7 @@ def group_rows(conn: Connection, period: str, app: str | None = None, by: str = 
         _count(and_(E.is_final_attempt.is_(False), E.absorbed_cost > zero)).label("attempts_absorbed"),
         _count(and_(E.is_final_attempt.is_(True), E.period != E.booked_period)).label("late_requests"),
         _count(E.cost_source == "unknown").label("unpriced_events"),
+        _count(E.rerate_run_id.is_not(None)).label("rerated_events"),
         _count(and_(E.is_final_attempt.is_(True), _self_hosted())).label("self_hosted_requests"),
         _count(and_(E.is_final_attempt.is_(True), ~_self_hosted())).label("hosted_requests"),
         *[func.coalesce(func.sum(getattr(E, c if c != "input_tokens_uncached" else "input_uncached_tokens")), 0)
@@ -162,7 +165,7 @@ def group_rows(conn: Connection, period: str, app: str | None = None, by: str = 
                  type_coerce(A.delta_billed_amount, Money()).label("billed"),
                  type_coerce(A.delta_provider_cost, Money()).label("cost"),
                  type_coerce(A.delta_absorbed_cost, Money()).label("absorbed"),
-                 type_coerce(A.delta_markup_amount, Money()).label("markup"),
+                 type_coerce(A.delta_markup_amount, Money()).label("markup"), A.kind,
                  _self_hosted().label("self_hosted")).select_from(A).outerjoin(
         E, E.event_id == A.event_id).outerjoin(Backend, Backend.backend_id == E.backend_id).where(*adj_where)
     for r in conn.execute(adj):
@@ -171,6 +174,7 @@ def group_rows(conn: Connection, period: str, app: str | None = None, by: str = 
         if row is None:
             row = rows[key] = _empty_row(group, key)
         row["adjustments"] += r.billed
+        row["rerated_events"] += r.kind == "rerate"  # a closed month's event re-rated: its correction lands here
         row["billed_amount"] += r.billed
         row["provider_cost"] += r.cost
         row["absorbed_cost"] += r.absorbed
@@ -209,6 +213,8 @@ def finish_rows(rows: Iterable[dict[str, Any]], catalog: Catalog) -> list[dict[s
         row["pricing_rule"] = "; ".join(described) if described else "at cost"
         if row["unpriced_events"]:
             row["pricing_rule"] += f"; UNPRICED: {row['unpriced_events']} event(s) at cost 0"
+        if row["rerated_events"]:
+            row["pricing_rule"] += f"; RE-RATED: {row['rerated_events']} event(s) (kvroute billing rerate)"
         platform_pct, payment_pct = catalog.platform_fee_pct(row["app_id"], period_start(row["period"]))
         billed = row["billed_amount"]
         row["platform_fee"] = fix(billed * platform_pct)
