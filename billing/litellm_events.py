@@ -203,14 +203,15 @@ def _usage_of(response_obj: Any, slo: Mapping[str, Any]) -> tuple[Any, TokenBuck
 def event_from_callback(kwargs: Mapping[str, Any], response_obj: Any, *, outcome: str = "success",
                         attempt: int | None = None, final: bool | None = None, request_id: str | None = None,
                         app_id: str | None = None, backend_id: str | None = None, route_kind: str | None = None,
-                        sticky_hit: bool = False, fallback_depth: int | None = None,
+                        provider: str | None = None, sticky_hit: bool = False, fallback_depth: int | None = None,
                         start_time: Any = None, end_time: Any = None, default_app: str | None = "unattributed",
                         trust_unauthenticated: bool = False) -> UsageEvent | None:
     """Build the usage event of one LiteLLM callback, or ``None`` when the payload names no request or model.
 
     ``outcome`` is ``"success"``, ``"failure"`` (status derived from the error) or a ledger status. ``final``
     defaults to True for successes and False for failures (LiteLLM also reports failed attempts a retry later
-    fixed); pass it, and ``attempt``, when the caller knows them. ``app_id`` overrides attribution.
+    fixed); pass it, and ``attempt``, when the caller knows them. ``app_id`` overrides attribution; ``provider``
+    (the deployment's, from the plugin) comes before the payload's, which differs between streamed and not.
     """
     slo = _dict(kwargs.get("standard_logging_object"))
     params = _dict(kwargs.get("litellm_params"))
@@ -225,8 +226,8 @@ def event_from_callback(kwargs: Mapping[str, Any], response_obj: Any, *, outcome
     if app is None:
         return None
     backend = str(_first(backend_id, slo.get("model_id"), model_info.get("id"), slo.get("api_base"), served))
-    provider = str(_first(slo.get("custom_llm_provider"), params.get("custom_llm_provider"),
-                          model_info.get("kvroute_provider"), "unknown"))
+    provider = str(_first(provider, model_info.get("kvroute_provider"), slo.get("custom_llm_provider"),
+                          params.get("custom_llm_provider"), "unknown"))
     kind = _first(route_kind, model_info.get("kvroute_route_kind"))
     kind = kind if kind in ROUTE_KINDS else "direct"
     raw_usage, tokens = _usage_of(response_obj, slo)

@@ -59,6 +59,9 @@ class BillingFeed:
         #: backend id -> ledger route kind (``self_hosted``/``marketplace``/``direct``), set by the plugin from its
         #: deployments; ``model_info.kvroute_route_kind`` still wins
         self.kind_of: Callable[[str], str | None] = lambda backend: None
+        #: backend id -> the deployment's provider (``model_info.provider``, the engine, the LiteLLM prefix), so a
+        #: streamed and a non-streamed attempt of one backend carry the same provider; ``kvroute_provider`` wins
+        self.provider_of: Callable[[str], str | None] = lambda backend: None
         self.db_url: str | None = None
         self.before_response = 0  # successes recorded before the client got them (streams: before [DONE])
 
@@ -101,11 +104,10 @@ class BillingFeed:
             self.recorder.close()
 
     # --- events ------------------------------------------------------------------------------------
-    def rate_cards(self, backend_ids: Iterable[str], at: datetime | None = None) -> dict[str, Any]:
-        """The ledger's rate cards (``CostRate``) in force ``at`` (now) for ``backend_ids``: the price file loaded
-        with ``kvroute billing load-prices``, read from the same catalog the ledger rates with ({} when unreadable)."""
+    def _catalog(self) -> Any:
+        """The ledger's catalog (price books, rate cards, declared backends), or None when unreadable."""
         if not self.db_url:
-            return {}
+            return None
         try:
             from sqlalchemy import inspect
 
@@ -114,18 +116,35 @@ class BillingFeed:
 
             engine = make_engine(self.db_url)  # read only: migrating is the recorder's job
             try:
-                if not inspect(engine).has_table("cost_rate"):
-                    return {}  # a ledger not created yet holds no cards
+                tables = inspect(engine)
+                if not tables.has_table("cost_rate"):
+                    return None  # a ledger not created yet holds no cards
+                if "declared_at" not in {c["name"] for c in tables.get_columns("backend")}:
+                    return None  # not migrated yet (the recorder does it)
                 with engine.connect() as conn:
-                    catalog = Catalog.load(conn)
+                    return Catalog.load(conn)
             finally:
                 engine.dispose()
         except Exception as exc:
             log.warning("kvroute billing: rate cards unreadable (%s); replicas keep their model_list prices", exc)
-            return {}
+            return None
+
+    def rate_cards(self, backend_ids: Iterable[str], at: datetime | None = None) -> dict[str, Any]:
+        """The ledger's rate cards (``CostRate``) in force ``at`` (now) for ``backend_ids``: the price file loaded
+        with ``kvroute billing load-prices``, read from the same catalog the ledger rates with ({} when unreadable)."""
+        return self.price_view(backend_ids, at)[0]
+
+    def price_view(self, backend_ids: Iterable[str], at: datetime | None = None) -> tuple[dict[str, Any],
+                                                                                            dict[str, Any]]:
+        """(rate cards in force, declared ``BackendIdentity``) of ``backend_ids`` from one read of the catalog."""
+        catalog = self._catalog()
+        if catalog is None:
+            return {}, {}
         when = at or datetime.now(UTC)
-        found = {b: catalog.rate_for(b, when) for b in backend_ids}
-        return {b: r for b, r in found.items() if r is not None}
+        ids = list(backend_ids)
+        cards = {b: catalog.rate_for(b, when) for b in ids}
+        declared = {b: catalog.identity(b) for b in ids}
+        return ({b: r for b, r in cards.items() if r is not None}, {b: d for b, d in declared.items() if d is not None})
 
     def _record(self, kwargs: Mapping[str, Any], response: Any, *, outcome: str, state: RequestState,
                 attempt: Attempt | None, final: bool, backend: str | None = None, route_kind: str | None = None,
@@ -134,13 +153,14 @@ class BillingFeed:
 
         if route_kind is None and backend and not _dict_get(kwargs, "kvroute_route_kind"):
             route_kind = self.kind_of(backend)
+        provider = _dict_get(kwargs, "kvroute_provider") or (self.provider_of(backend) if backend else None)
         try:
             try:
                 event = self.events.event_from_callback(
                     kwargs, response, outcome=outcome, attempt=attempt.number if attempt else None, final=final,
                     request_id=state.request_id, app_id=state.app, backend_id=backend, route_kind=route_kind,
-                    start_time=start if start is not None else (attempt.started_at if attempt else None),
-                    end_time=end)
+                    provider=provider, end_time=end,
+                    start_time=start if start is not None else (attempt.started_at if attempt else None))
             except InputError as exc:  # e.g. a provider usage that contradicts itself: keep it for an operator
                 self._dead_letter(kwargs, response, state, attempt, backend, outcome, final, exc)
                 return False

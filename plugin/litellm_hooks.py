@@ -228,6 +228,7 @@ class KvrouteCallback(CustomLogger):
         self.recorder = self.billing.recorder if self.billing is not None else None
         if self.billing is not None:
             self.billing.kind_of = lambda backend: hybrid.route_kind(self.fleet.backends.get(backend))
+            self.billing.provider_of = lambda backend: hybrid.provider_of(self.fleet.backends.get(backend))
             from kvroute.plugin.billing_feed import RecorderCollector
 
             with contextlib.suppress(ValueError):  # already registered (a second callback on the registry)
@@ -336,9 +337,9 @@ class KvrouteCallback(CustomLogger):
             policy.attach_health(self.health.board)
         if hasattr(policy, "add_quotes"):
             policy.add_quotes(q for q in (provider_quote(b) for b in backends) if q is not None)
-        cards = self.billing.rate_cards(b.id for b in backends if b.self_hosted) if (
-            self.billing is not None and hybrid.is_hybrid(policy)) else None
-        hybrid.attach_fleet(policy, backends, cards)
+        cards, declared = self.billing.price_view(b.id for b in backends) if (
+            self.billing is not None and hybrid.is_hybrid(policy)) else ({}, {})
+        hybrid.attach_fleet(policy, backends, cards, declared)
 
     # --- the pick ----------------------------------------------------------------------------------
     async def async_filter_deployments(self, model: str, healthy_deployments: list, messages: Any,
