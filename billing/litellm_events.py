@@ -45,6 +45,7 @@ APP_HEADER = "x-kvroute-app"
 INT32_MAX = 2**31 - 1
 ROUTER_BACKEND = "router"  # the backend of a router-level outcome (no deployment, cooldown): no upstream was called
 ROUTER_PROVIDER = "litellm-router"
+UNATTRIBUTED = "unattributed"  # the app of a request whose key names none
 
 # ledger column widths (billing.models.UsageEventRow); kept here so building an event never imports SQLAlchemy
 LIMITS = {"request_id": 200, "app_id": 200, "end_user": 200, "api_key_hash": 128, "requested_model": 200,
@@ -204,7 +205,7 @@ def event_from_callback(kwargs: Mapping[str, Any], response_obj: Any, *, outcome
                         attempt: int | None = None, final: bool | None = None, request_id: str | None = None,
                         app_id: str | None = None, backend_id: str | None = None, route_kind: str | None = None,
                         provider: str | None = None, sticky_hit: bool = False, fallback_depth: int | None = None,
-                        start_time: Any = None, end_time: Any = None, default_app: str | None = "unattributed",
+                        start_time: Any = None, end_time: Any = None, default_app: str | None = UNATTRIBUTED,
                         trust_unauthenticated: bool = False) -> UsageEvent | None:
     """Build the usage event of one LiteLLM callback, or ``None`` when the payload names no request or model.
 

@@ -28,6 +28,8 @@ import atexit
 import contextlib
 import json
 import logging
+import os
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from datetime import UTC, datetime
@@ -38,6 +40,7 @@ from kvroute.plugin.request_ids import Attempt, RequestIds, RequestState
 from kvroute.plugin.signals import deployment_id, request_metadata
 
 log = logging.getLogger("kvroute.plugin")
+UNATTRIBUTED_WARN_EVERY_S = 60.0
 
 
 class BillingFeed:
@@ -63,7 +66,10 @@ class BillingFeed:
         #: streamed and a non-streamed attempt of one backend carry the same provider; ``kvroute_provider`` wins
         self.provider_of: Callable[[str], str | None] = lambda backend: None
         self.db_url: str | None = None
+        self.journal: Path | None = None
         self.before_response = 0  # successes recorded before the client got them (streams: before [DONE])
+        self.unattributed = 0  # requests booked to no app (their key names none): counted, warned about
+        self._unattributed_warned_at: float | None = None
 
     # --- setup -------------------------------------------------------------------------------------
     @classmethod
@@ -87,7 +93,7 @@ class BillingFeed:
             return None
         log.warning("kvroute billing: recording to %s (journal %s, dead letters %s)", _safe_url(db), journal, dead)
         feed = cls(recorder, ids, on_error=on_error, admission=in_proxy)
-        feed.db_url = db
+        feed.db_url, feed.journal = db, journal
         feed._install_shutdown()
         return feed
 
@@ -166,6 +172,8 @@ class BillingFeed:
                 return False
             if event is None:
                 return False
+            if state.app is None and event.app_id == self.events.UNATTRIBUTED:
+                self._note_unattributed()
             state.app = state.app or event.app_id  # one app per request: every record of it gets the same id
             if backend == self.events.ROUTER_BACKEND:  # nothing was called: no backend, no provider
                 event = replace(event, provider=self.events.ROUTER_PROVIDER)
@@ -180,6 +188,16 @@ class BillingFeed:
             log.debug("kvroute billing failed", exc_info=True)
             self._on_error("billing")
             return False
+
+    def _note_unattributed(self) -> None:
+        """Count a request booked ``unattributed`` and say so in the log, at most once a minute."""
+        self.unattributed += 1
+        now = time.monotonic()
+        if self._unattributed_warned_at is None or now - self._unattributed_warned_at >= UNATTRIBUTED_WARN_EVERY_S:
+            self._unattributed_warned_at = now
+            log.warning("kvroute billing: %d request(s) booked as app 'unattributed' so far: their key names no app "
+                        "(key metadata kvroute_app, a team, a key alias, or kvroute.apps with "
+                        "custom_auth: kvroute.plugin.app_keys.auth)", self.unattributed)
 
     def _dead_letter(self, kwargs: Mapping[str, Any], response: Any, state: RequestState, attempt: Attempt | None,
                      backend: str | None, outcome: str, final: bool, exc: Exception) -> None:
@@ -396,6 +414,9 @@ class RecorderCollector:
 
         yield CounterMetricFamily("kvroute_billing_recorded_before_response",
                                   "Successes journaled before the proxy answered", value=self.feed.before_response)
+        yield CounterMetricFamily("kvroute_billing_unattributed_requests",
+                                  "Requests booked as app 'unattributed' (their key names no app)",
+                                  value=self.feed.unattributed)
         yield CounterMetricFamily("kvroute_billing_refused_unadmitted",
                                   "Failed requests LiteLLM's auth never admitted (not usage: no ledger row)",
                                   value=self.feed.refused_unadmitted)
@@ -462,6 +483,29 @@ def billing_target(settings: Any, *, in_proxy: bool) -> tuple[str, Path, Path] |
     default_db, default_journal = default_paths(data)
     journal = Path(settings.billing_spool) if settings.billing_spool else default_journal
     return db_setting or default_db, journal, data
+
+
+def describe_target(db: str, journal: Path | None) -> str:
+    """Where billing records, for people: ``sqlite .kvroute/billing.db (journal .kvroute/journal)`` (paths under
+    the working directory relative to it), ``postgresql+psycopg://user@host/db (journal ...)`` (no password)."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        url = make_url(db if "://" in db else f"sqlite:///{db}")
+    except Exception:
+        return "an unparsable database URL"
+    where = (f"sqlite {_near(Path(url.database))}" if url.get_backend_name() == "sqlite" and url.database
+             else _safe_url(db))
+    return f"{where} (journal {_near(journal)})" if journal is not None else where
+
+
+def _near(path: Path) -> str:
+    """``path`` relative to the working directory when it lies under it, else absolute."""
+    absolute = Path(os.path.abspath(path.expanduser()))
+    try:
+        return str(absolute.relative_to(Path.cwd()))
+    except ValueError:
+        return str(absolute)
 
 
 def _safe_url(url: str) -> str:
