@@ -65,6 +65,8 @@ class BillingFeed:
         #: backend id -> the deployment's provider (``model_info.provider``, the engine, the LiteLLM prefix), so a
         #: streamed and a non-streamed attempt of one backend carry the same provider; ``kvroute_provider`` wins
         self.provider_of: Callable[[str], str | None] = lambda backend: None
+        #: backend id -> the model the deployment serves (``openai/fake-model`` -> ``fake-model``), for every attempt
+        self.served_of: Callable[[str], str | None] = lambda backend: None
         self.db_url: str | None = None
         self.journal: Path | None = None
         self.before_response = 0  # successes recorded before the client got them (streams: before [DONE])
@@ -160,12 +162,13 @@ class BillingFeed:
         if route_kind is None and backend and not _dict_get(kwargs, "kvroute_route_kind"):
             route_kind = self.kind_of(backend)
         provider = _dict_get(kwargs, "kvroute_provider") or (self.provider_of(backend) if backend else None)
+        served = self.served_of(backend) if backend else None
         try:
             try:
                 event = self.events.event_from_callback(
                     kwargs, response, outcome=outcome, attempt=attempt.number if attempt else None, final=final,
                     request_id=state.request_id, app_id=state.app, backend_id=backend, route_kind=route_kind,
-                    provider=provider, end_time=end,
+                    provider=provider, served_model=served, end_time=end,
                     start_time=start if start is not None else (attempt.started_at if attempt else None))
             except InputError as exc:  # e.g. a provider usage that contradicts itself: keep it for an operator
                 self._dead_letter(kwargs, response, state, attempt, backend, outcome, final, exc)

@@ -71,6 +71,14 @@ def provider_of(backend: Backend | None) -> str | None:
     return backend.provider if backend is not None else None
 
 
+def served_model(backend: Backend | None) -> str | None:
+    """The model the deployment serves as LiteLLM's logging names it (``openai/fake-model`` -> ``fake-model``), the
+    same for successful, streamed and failed attempts."""
+    if backend is None or not backend.model:
+        return None
+    return backend.model.split("/", 1)[1] if "/" in backend.model else backend.model
+
+
 def is_hybrid(policy: Any) -> bool:
     return isinstance(policy, Hybrid)
 

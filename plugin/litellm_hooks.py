@@ -232,6 +232,7 @@ class KvrouteCallback(CustomLogger):
         if self.billing is not None:
             self.billing.kind_of = lambda backend: hybrid.route_kind(self.fleet.backends.get(backend))
             self.billing.provider_of = lambda backend: hybrid.provider_of(self.fleet.backends.get(backend))
+            self.billing.served_of = lambda backend: hybrid.served_model(self.fleet.backends.get(backend))
             from kvroute.plugin.billing_feed import RecorderCollector
 
             with contextlib.suppress(ValueError):  # already registered (a second callback on the registry)
