@@ -4,21 +4,34 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from datetime import datetime
 from decimal import Decimal
 
 from sqlalchemy import Connection, select
 
-from kvroute.billing.models import CostRateRow, PriceBookRow, PriceRuleRow
+from kvroute.billing.events import UsageEvent
+from kvroute.billing.models import Backend, CostRateRow, PriceBookRow, PriceRuleRow
 from kvroute.billing.pricing import CostRate, PriceBook, PriceRule
 
 DEFAULT_APP = "*"
 
 
+@dataclass(frozen=True, slots=True)
+class BackendIdentity:
+    """Who a backend is for billing: its provider and route kind (``self_hosted``/``marketplace``/``direct``)."""
+
+    provider: str
+    route_kind: str
+
+
 class Catalog:
     """Versioned price books per app (plus the default book) and rate cards per backend, in memory."""
 
-    def __init__(self, books: list[PriceBook], rates: list[CostRate]) -> None:
+    def __init__(self, books: list[PriceBook], rates: list[CostRate],
+                 backends: Mapping[str, BackendIdentity] | None = None) -> None:
+        self.backends: dict[str, BackendIdentity] = dict(backends or {})
         self._books: dict[str, list[PriceBook]] = defaultdict(list)
         for book in books:
             self._books[book.app_id or DEFAULT_APP].append(book)
@@ -50,9 +63,21 @@ class Catalog:
         i = bisect_right(starts, at)
         return self._rates[backend_id][i - 1] if i else None
 
+    def identity(self, backend_id: str) -> BackendIdentity | None:
+        """The provider and route kind a price file declared for ``backend_id`` (None: not declared)."""
+        return self.backends.get(backend_id)
+
+    def resolve(self, e: UsageEvent) -> UsageEvent:
+        """``e`` with the declared provider and route kind of its backend: the price file names a backend once,
+        and every event of it is rated, matched and reported under that name (undeclared: the event's own)."""
+        found = self.backends.get(e.backend_id)
+        if found is None or (found.provider == e.provider and found.route_kind == e.route_kind):
+            return e
+        return replace(e, provider=found.provider, route_kind=found.route_kind)
+
     @classmethod
     def load(cls, conn: Connection) -> Catalog:
-        """Read every price book, rule and rate card."""
+        """Read every price book, rule and rate card, and the backends a price file declared."""
         rules: dict[int, list[PriceRule]] = defaultdict(list)
         query = select(PriceRuleRow.__table__).order_by(PriceRuleRow.priority, PriceRuleRow.price_rule_id)
         for r in conn.execute(query):
@@ -71,7 +96,10 @@ class Catalog:
                           c.cache_write_5m_per_mtok, c.cache_write_1h_per_mtok, c.output_per_mtok,
                           c.reasoning_per_mtok, c.per_request, c.source, c.cost_rate_id)
                  for c in conn.execute(select(CostRateRow.__table__))]
-        return cls(books, rates)
+        declared = {b.backend_id: BackendIdentity(b.provider, b.route_kind)
+                    for b in conn.execute(select(Backend.backend_id, Backend.provider, Backend.route_kind)
+                                          .where(Backend.declared_at.is_not(None)))}
+        return cls(books, rates, declared)
 
     def platform_fee_pct(self, app_id: str, at: datetime) -> tuple[Decimal, Decimal]:
         book = self.book_for(app_id, at)

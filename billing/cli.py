@@ -131,7 +131,8 @@ def load_prices(file: Path = typer.Argument(..., help="YAML or TOML price file (
         _fail(f"{file}: {exc}")
     finally:
         ledger.close()
-    typer.echo(f"backends +{summary.backends_added}, rate cards +{summary.rates_added}, price books "
+    updated = f" ({summary.backends_updated} redeclared)" if summary.backends_updated else ""
+    typer.echo(f"backends +{summary.backends_added}{updated}, rate cards +{summary.rates_added}, price books "
                f"+{summary.books_added} ({summary.books_unchanged} unchanged)")
 
 

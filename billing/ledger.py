@@ -94,7 +94,7 @@ class Ledger:
             rated = [event_row(e, catalog, now, period_of(e.occurred_at)) for e in events]
         with self.engine.begin() as conn:
             closed = self._closed_periods(conn, events)
-            self._ensure_backends(conn, events, now)
+            self._ensure_backends(conn, rated, now)
             rows, late = [], []
             for row in rated:
                 period = row["period"]
@@ -150,12 +150,14 @@ class Ledger:
         found = conn.execute(select(bp.app_id, bp.period).where(bp.status == "closed", bp.app_id.in_(apps)))
         return {(a, p) for a, p in found}
 
-    def _ensure_backends(self, conn: Connection, events: Iterable[UsageEvent], now: datetime) -> None:
+    def _ensure_backends(self, conn: Connection, rows: Iterable[dict[str, Any]], now: datetime) -> None:
+        """A ``backend`` row for each backend first seen in an event (a price file's declaration is never changed)."""
         new = {}
-        for e in events:
-            if e.backend_id not in self._known_backends and e.backend_id not in new:
-                new[e.backend_id] = {"backend_id": e.backend_id, "provider": e.provider, "served_model": e.served_model,
-                                     "endpoint": None, "route_kind": e.route_kind, "created_at": now}
+        for r in rows:
+            backend = r["backend_id"]
+            if backend not in self._known_backends and backend not in new:
+                new[backend] = {"backend_id": backend, "provider": r["provider"], "served_model": r["served_model"],
+                                "endpoint": None, "route_kind": r["route_kind"], "created_at": now}
         if new:
             conn.execute(self._insert(BACKEND).on_conflict_do_nothing(index_elements=["backend_id"]),
                          list(new.values()))
@@ -169,7 +171,9 @@ class Ledger:
 
 def event_row(e: UsageEvent, catalog: Catalog, now: datetime, period: str,
               booked_period: str | None = None) -> dict[str, Any]:
-    """The ``usage_event`` row of a rated event (booked in its own period unless ``booked_period`` says)."""
+    """The ``usage_event`` row of a rated event (booked in its own period unless ``booked_period`` says); the
+    backend's provider and route kind are the catalog's when a price file declared it (``Catalog.resolve``)."""
+    e = catalog.resolve(e)
     r = rate_event(e, catalog.rate_for(e.backend_id, e.occurred_at), catalog.book_for(e.app_id, e.occurred_at))
     amounts = {"provider_cost": e.provider_cost, "litellm_cost": e.litellm_cost,
                "provider_cost_computed": r.provider_cost_computed, "markup_amount": r.markup_amount,

@@ -45,6 +45,7 @@ APP_HEADER = "x-kvroute-app"
 INT32_MAX = 2**31 - 1
 ROUTER_BACKEND = "router"  # the backend of a router-level outcome (no deployment, cooldown): no upstream was called
 ROUTER_PROVIDER = "litellm-router"
+UNATTRIBUTED = "unattributed"  # the app of a request whose key names none
 
 # ledger column widths (billing.models.UsageEventRow); kept here so building an event never imports SQLAlchemy
 LIMITS = {"request_id": 200, "app_id": 200, "end_user": 200, "api_key_hash": 128, "requested_model": 200,
@@ -203,14 +204,17 @@ def _usage_of(response_obj: Any, slo: Mapping[str, Any]) -> tuple[Any, TokenBuck
 def event_from_callback(kwargs: Mapping[str, Any], response_obj: Any, *, outcome: str = "success",
                         attempt: int | None = None, final: bool | None = None, request_id: str | None = None,
                         app_id: str | None = None, backend_id: str | None = None, route_kind: str | None = None,
-                        sticky_hit: bool = False, fallback_depth: int | None = None,
-                        start_time: Any = None, end_time: Any = None, default_app: str | None = "unattributed",
+                        provider: str | None = None, served_model: str | None = None, sticky_hit: bool = False,
+                        fallback_depth: int | None = None,
+                        start_time: Any = None, end_time: Any = None, default_app: str | None = UNATTRIBUTED,
                         trust_unauthenticated: bool = False) -> UsageEvent | None:
     """Build the usage event of one LiteLLM callback, or ``None`` when the payload names no request or model.
 
     ``outcome`` is ``"success"``, ``"failure"`` (status derived from the error) or a ledger status. ``final``
     defaults to True for successes and False for failures (LiteLLM also reports failed attempts a retry later
-    fixed); pass it, and ``attempt``, when the caller knows them. ``app_id`` overrides attribution.
+    fixed); pass it, and ``attempt``, when the caller knows them. ``app_id`` overrides attribution; ``provider`` and
+    ``served_model`` (the deployment's, from the plugin) come before the payload's, which differ between streamed,
+    non-streamed and failed attempts.
     """
     slo = _dict(kwargs.get("standard_logging_object"))
     params = _dict(kwargs.get("litellm_params"))
@@ -218,15 +222,16 @@ def event_from_callback(kwargs: Mapping[str, Any], response_obj: Any, *, outcome
     slo_meta = _dict(slo.get("metadata"))
     model_info = {**_dict(params_meta.get("model_info")), **_dict(params.get("model_info"))}
     rid = _first(request_id, slo.get("litellm_call_id"), kwargs.get("litellm_call_id"), slo.get("id"))
-    served = _first(slo.get("model"), _dict(slo.get("hidden_params")).get("litellm_model_name"), kwargs.get("model"))
+    served = _first(served_model, slo.get("model"), _dict(slo.get("hidden_params")).get("litellm_model_name"),
+                    kwargs.get("model"))
     if rid is None or served is None:
         return None
     app = app_id or resolve_app(slo_meta, params_meta, trust_unauthenticated=trust_unauthenticated) or default_app
     if app is None:
         return None
     backend = str(_first(backend_id, slo.get("model_id"), model_info.get("id"), slo.get("api_base"), served))
-    provider = str(_first(slo.get("custom_llm_provider"), params.get("custom_llm_provider"),
-                          model_info.get("kvroute_provider"), "unknown"))
+    provider = str(_first(provider, model_info.get("kvroute_provider"), slo.get("custom_llm_provider"),
+                          params.get("custom_llm_provider"), "unknown"))
     kind = _first(route_kind, model_info.get("kvroute_route_kind"))
     kind = kind if kind in ROUTE_KINDS else "direct"
     raw_usage, tokens = _usage_of(response_obj, slo)

@@ -95,6 +95,8 @@ class Backend(Base):
     endpoint: Mapped[str | None] = mapped_column(String(500))
     route_kind: Mapped[str] = mapped_column(String(20), default="direct")
     created_at: Mapped[datetime] = mapped_column(Tz())
+    # set by a price file: its provider and route kind are then the backend's, for every event rated after
+    declared_at: Mapped[datetime | None] = mapped_column(Tz())
 
 
 class CostRateRow(Base):

@@ -1,11 +1,15 @@
-"""Store a validated price file in the ledger: new versions are added, identical ones skipped, changed ones refused."""
+"""Store a validated price file in the ledger: new versions are added, identical ones skipped, changed ones refused.
+
+Backends are declarations, not versions: the file's provider and route kind replace what the ledger knew of a
+backend (e.g. a row first seen in an event), and every event rated afterwards carries them (``Catalog.resolve``).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from sqlalchemy import insert, select
+from sqlalchemy import insert, select, update
 
 from kvroute.billing.ledger import Ledger
 from kvroute.billing.models import Backend, CostRateRow, PriceBookRow, PriceRuleRow
@@ -20,20 +24,27 @@ class LoadSummary:
     rates_added: int
     books_added: int
     books_unchanged: int
+    backends_updated: int = 0
 
 
 def store_prices(ledger: Ledger, pf: PriceFile) -> LoadSummary:
     """Insert everything new in one transaction; a changed book under an existing version is a ``ConfigError``."""
     now = datetime.now(UTC)
-    backends_added = rates_added = books_added = unchanged = 0
+    backends_added = backends_updated = rates_added = books_added = unchanged = 0
     with ledger.engine.begin() as conn:
-        known = {b for (b,) in conn.execute(select(Backend.backend_id))}
+        known = {r.backend_id: r for r in conn.execute(select(Backend.__table__))}
         for b in pf.backends:
-            if b.backend_id not in known:
-                conn.execute(insert(Backend).values(backend_id=b.backend_id, provider=b.provider,
-                                                    served_model=b.served_model, endpoint=b.endpoint,
-                                                    route_kind=b.route_kind, created_at=now))
+            declared = {"provider": b.provider, "served_model": b.served_model, "endpoint": b.endpoint,
+                        "route_kind": b.route_kind}
+            old = known.get(b.backend_id)
+            if old is None:
+                conn.execute(insert(Backend).values(backend_id=b.backend_id, created_at=now, declared_at=now,
+                                                    **declared))
                 backends_added += 1
+            elif old.declared_at is None or any(getattr(old, k) != v for k, v in declared.items()):
+                conn.execute(update(Backend).where(Backend.backend_id == b.backend_id)
+                             .values(declared_at=now, **declared))
+                backends_updated += 1
         existing_rates = {(r.backend_id, r.effective_from): r
                           for r in conn.execute(select(CostRateRow.__table__))}
         for r in pf.rates:
@@ -83,4 +94,4 @@ def store_prices(ledger: Ledger, pf: PriceFile) -> LoadSummary:
                     bill_zero_completion=rule.bill_zero_completion))
             books_added += 1
     ledger.catalog(refresh=True)
-    return LoadSummary(backends_added, rates_added, books_added, unchanged)
+    return LoadSummary(backends_added, rates_added, books_added, unchanged, backends_updated)

@@ -27,7 +27,7 @@ from typing import Any
 from sqlalchemy import Connection, and_, case, func, literal, select, type_coerce
 
 from kvroute.billing.catalog import Catalog
-from kvroute.billing.models import Backend, Money, PayoutRow, StatementRow, UsageAdjustmentRow, UsageEventRow
+from kvroute.billing.models import Money, PayoutRow, StatementRow, UsageAdjustmentRow, UsageEventRow
 from kvroute.billing.money import ZERO, fix
 from kvroute.policies.errors import InputError
 
@@ -40,8 +40,8 @@ TOKENS = ("input_tokens_uncached", "cache_read_tokens", "cache_write_5m_tokens",
           "output_tokens", "reasoning_tokens")
 COUNTS = ("requests_total", "requests_success", "requests_failed", "requests_with_fallback", "attempts_absorbed",
           "late_requests", "unpriced_events", "rerated_events", "self_hosted_requests", "hosted_requests")
-#: The spend split: all cost (billed + absorbed) of self-hosted backends vs hosted (overflow) ones. The kind is
-#: the price file's ``route_kind`` of the backend (``self_hosted`` vs the rest), else the event's own.
+#: The spend split: all cost (billed + absorbed) of self-hosted backends vs hosted (overflow) ones, by the route kind
+#: each event was rated with (the price file's for a backend it declares, see ``Catalog.resolve``).
 SPLIT = ("self_hosted_cost", "hosted_cost")
 MONEY = ("provider_cost", "absorbed_cost", *SPLIT, "markup_amount", "fee_amount", "billed_amount", "platform_fee",
          "payment_fee", "margin_amount", "payout_amount", "adjustments")
@@ -104,8 +104,9 @@ def period_start(period: str) -> datetime:
 
 
 def _self_hosted(event: Any = E) -> Any:
-    """True where the event's backend is self-hosted (the price file's backend entry, else the event's kind)."""
-    return func.coalesce(Backend.route_kind, event.route_kind, literal("direct")) == "self_hosted"
+    """True where the event was rated as self-hosted: its own ``route_kind``, which the ledger took from the price
+    file's backend entry when there was one (``Catalog.resolve``), so the split and the row's rule agree."""
+    return event.route_kind == "self_hosted"
 
 
 def _dimension(name: str) -> Any:
@@ -149,7 +150,7 @@ def group_rows(conn: Connection, period: str, app: str | None = None, by: str = 
         own(E.billed_amount).label("billed_amount"),
         own(case((_self_hosted(), E.provider_cost), else_=zero)).label("self_hosted_cost"),
         own(case((_self_hosted(), zero), else_=E.provider_cost)).label("hosted_cost"),
-    ).select_from(E).outerjoin(Backend, Backend.backend_id == E.backend_id).where(*where).group_by(
+    ).select_from(E).where(*where).group_by(
         *cols[:len(group)])
     rows = {tuple(r[:len(group)]): {**dict(r._mapping), "adjustments": ZERO} for r in conn.execute(query)}
     rules: dict[tuple, set[tuple[int, int]]] = defaultdict(set)
@@ -167,7 +168,7 @@ def group_rows(conn: Connection, period: str, app: str | None = None, by: str = 
                  type_coerce(A.delta_absorbed_cost, Money()).label("absorbed"),
                  type_coerce(A.delta_markup_amount, Money()).label("markup"), A.kind,
                  _self_hosted().label("self_hosted")).select_from(A).outerjoin(
-        E, E.event_id == A.event_id).outerjoin(Backend, Backend.backend_id == E.backend_id).where(*adj_where)
+        E, E.event_id == A.event_id).where(*adj_where)
     for r in conn.execute(adj):
         key = tuple(r[:len(group)])
         row = rows.get(key)

@@ -28,6 +28,8 @@ import atexit
 import contextlib
 import json
 import logging
+import os
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from datetime import UTC, datetime
@@ -38,6 +40,7 @@ from kvroute.plugin.request_ids import Attempt, RequestIds, RequestState
 from kvroute.plugin.signals import deployment_id, request_metadata
 
 log = logging.getLogger("kvroute.plugin")
+UNATTRIBUTED_WARN_EVERY_S = 60.0
 
 
 class BillingFeed:
@@ -59,8 +62,16 @@ class BillingFeed:
         #: backend id -> ledger route kind (``self_hosted``/``marketplace``/``direct``), set by the plugin from its
         #: deployments; ``model_info.kvroute_route_kind`` still wins
         self.kind_of: Callable[[str], str | None] = lambda backend: None
+        #: backend id -> the deployment's provider (``model_info.provider``, the engine, the LiteLLM prefix), so a
+        #: streamed and a non-streamed attempt of one backend carry the same provider; ``kvroute_provider`` wins
+        self.provider_of: Callable[[str], str | None] = lambda backend: None
+        #: backend id -> the model the deployment serves (``openai/fake-model`` -> ``fake-model``), for every attempt
+        self.served_of: Callable[[str], str | None] = lambda backend: None
         self.db_url: str | None = None
+        self.journal: Path | None = None
         self.before_response = 0  # successes recorded before the client got them (streams: before [DONE])
+        self.unattributed = 0  # requests booked to no app (their key names none): counted, warned about
+        self._unattributed_warned_at: float | None = None
 
     # --- setup -------------------------------------------------------------------------------------
     @classmethod
@@ -84,7 +95,7 @@ class BillingFeed:
             return None
         log.warning("kvroute billing: recording to %s (journal %s, dead letters %s)", _safe_url(db), journal, dead)
         feed = cls(recorder, ids, on_error=on_error, admission=in_proxy)
-        feed.db_url = db
+        feed.db_url, feed.journal = db, journal
         feed._install_shutdown()
         return feed
 
@@ -101,11 +112,10 @@ class BillingFeed:
             self.recorder.close()
 
     # --- events ------------------------------------------------------------------------------------
-    def rate_cards(self, backend_ids: Iterable[str], at: datetime | None = None) -> dict[str, Any]:
-        """The ledger's rate cards (``CostRate``) in force ``at`` (now) for ``backend_ids``: the price file loaded
-        with ``kvroute billing load-prices``, read from the same catalog the ledger rates with ({} when unreadable)."""
+    def _catalog(self) -> Any:
+        """The ledger's catalog (price books, rate cards, declared backends), or None when unreadable."""
         if not self.db_url:
-            return {}
+            return None
         try:
             from sqlalchemy import inspect
 
@@ -114,18 +124,35 @@ class BillingFeed:
 
             engine = make_engine(self.db_url)  # read only: migrating is the recorder's job
             try:
-                if not inspect(engine).has_table("cost_rate"):
-                    return {}  # a ledger not created yet holds no cards
+                tables = inspect(engine)
+                if not tables.has_table("cost_rate"):
+                    return None  # a ledger not created yet holds no cards
+                if "declared_at" not in {c["name"] for c in tables.get_columns("backend")}:
+                    return None  # not migrated yet (the recorder does it)
                 with engine.connect() as conn:
-                    catalog = Catalog.load(conn)
+                    return Catalog.load(conn)
             finally:
                 engine.dispose()
         except Exception as exc:
             log.warning("kvroute billing: rate cards unreadable (%s); replicas keep their model_list prices", exc)
-            return {}
+            return None
+
+    def rate_cards(self, backend_ids: Iterable[str], at: datetime | None = None) -> dict[str, Any]:
+        """The ledger's rate cards (``CostRate``) in force ``at`` (now) for ``backend_ids``: the price file loaded
+        with ``kvroute billing load-prices``, read from the same catalog the ledger rates with ({} when unreadable)."""
+        return self.price_view(backend_ids, at)[0]
+
+    def price_view(self, backend_ids: Iterable[str], at: datetime | None = None) -> tuple[dict[str, Any],
+                                                                                            dict[str, Any]]:
+        """(rate cards in force, declared ``BackendIdentity``) of ``backend_ids`` from one read of the catalog."""
+        catalog = self._catalog()
+        if catalog is None:
+            return {}, {}
         when = at or datetime.now(UTC)
-        found = {b: catalog.rate_for(b, when) for b in backend_ids}
-        return {b: r for b, r in found.items() if r is not None}
+        ids = list(backend_ids)
+        cards = {b: catalog.rate_for(b, when) for b in ids}
+        declared = {b: catalog.identity(b) for b in ids}
+        return ({b: r for b, r in cards.items() if r is not None}, {b: d for b, d in declared.items() if d is not None})
 
     def _record(self, kwargs: Mapping[str, Any], response: Any, *, outcome: str, state: RequestState,
                 attempt: Attempt | None, final: bool, backend: str | None = None, route_kind: str | None = None,
@@ -134,15 +161,19 @@ class BillingFeed:
 
         if route_kind is None and backend and not _dict_get(kwargs, "kvroute_route_kind"):
             route_kind = self.kind_of(backend)
+        provider = _dict_get(kwargs, "kvroute_provider") or (self.provider_of(backend) if backend else None)
+        served = self.served_of(backend) if backend else None
         try:
             try:
                 event = self.events.event_from_callback(
                     kwargs, response, outcome=outcome, attempt=attempt.number if attempt else None, final=final,
                     request_id=state.request_id, app_id=state.app, backend_id=backend, route_kind=route_kind,
-                    start_time=start if start is not None else (attempt.started_at if attempt else None),
-                    end_time=end)
+                    provider=provider, served_model=served, end_time=end,
+                    start_time=start if start is not None else (attempt.started_at if attempt else None))
                 if event is None:
                     return False
+                if state.app is None and event.app_id == self.events.UNATTRIBUTED:
+                    self._note_unattributed()
                 state.app = state.app or event.app_id  # one app per request: every record of it gets the same id
                 if backend == self.events.ROUTER_BACKEND:  # nothing was called: no backend, no provider
                     event = replace(event, provider=self.events.ROUTER_PROVIDER)
@@ -161,6 +192,16 @@ class BillingFeed:
             self._on_error("billing")
             self._dead_letter(kwargs, response, state, attempt, backend, outcome, final, exc)
             return False
+
+    def _note_unattributed(self) -> None:
+        """Count a request booked ``unattributed`` and say so in the log, at most once a minute."""
+        self.unattributed += 1
+        now = time.monotonic()
+        if self._unattributed_warned_at is None or now - self._unattributed_warned_at >= UNATTRIBUTED_WARN_EVERY_S:
+            self._unattributed_warned_at = now
+            log.warning("kvroute billing: %d request(s) booked as app 'unattributed' so far: their key names no app "
+                        "(key metadata kvroute_app, a team, a key alias, or kvroute.apps with "
+                        "custom_auth: kvroute.plugin.app_keys.auth)", self.unattributed)
 
     def _dead_letter(self, kwargs: Mapping[str, Any], response: Any, state: RequestState, attempt: Attempt | None,
                      backend: str | None, outcome: str, final: bool, exc: Exception) -> None:
@@ -379,6 +420,9 @@ class RecorderCollector:
 
         yield CounterMetricFamily("kvroute_billing_recorded_before_response",
                                   "Successes journaled before the proxy answered", value=self.feed.before_response)
+        yield CounterMetricFamily("kvroute_billing_unattributed_requests",
+                                  "Requests booked as app 'unattributed' (their key names no app)",
+                                  value=self.feed.unattributed)
         yield CounterMetricFamily("kvroute_billing_refused_unadmitted",
                                   "Failed requests LiteLLM's auth never admitted (not usage: no ledger row)",
                                   value=self.feed.refused_unadmitted)
@@ -450,6 +494,29 @@ def billing_target(settings: Any, *, in_proxy: bool) -> tuple[str, Path, Path] |
         return None
     prepare_data_dir(where.data_dir)
     return where.db_url, where.journal, where.dead_letters
+
+
+def describe_target(db: str, journal: Path | None) -> str:
+    """Where billing records, for people: ``sqlite .kvroute/billing.db (journal .kvroute/journal)`` (paths under
+    the working directory relative to it), ``postgresql+psycopg://user@host/db (journal ...)`` (no password)."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        url = make_url(db if "://" in db else f"sqlite:///{db}")
+    except Exception:
+        return "an unparsable database URL"
+    where = (f"sqlite {_near(Path(url.database))}" if url.get_backend_name() == "sqlite" and url.database
+             else _safe_url(db))
+    return f"{where} (journal {_near(journal)})" if journal is not None else where
+
+
+def _near(path: Path) -> str:
+    """``path`` relative to the working directory when it lies under it, else absolute."""
+    absolute = Path(os.path.abspath(path.expanduser()))
+    try:
+        return str(absolute.relative_to(Path.cwd()))
+    except ValueError:
+        return str(absolute)
 
 
 def _safe_url(url: str) -> str:

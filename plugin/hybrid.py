@@ -23,15 +23,19 @@ from kvroute.policies.hybrid import Hybrid, SelfHostedRate
 log = logging.getLogger("kvroute.plugin")
 
 
-def attach_fleet(policy: Any, backends: Sequence[Backend], cards: Mapping[str, Any] | None = None) -> None:
+def attach_fleet(policy: Any, backends: Sequence[Backend], cards: Mapping[str, Any] | None = None,
+                 declared: Mapping[str, Any] | None = None) -> None:
     """Mark the group's hosted deployments and give each self-hosted replica its rate: its rate card from the
     ledger's catalog (``cards``: backend id -> ``CostRate``, e.g. a GPU-hour card) when it has one, else its
-    ``model_list`` price (the ledger's fallback too, as LiteLLM's cost)."""
+    ``model_list`` price (the ledger's fallback too, as LiteLLM's cost). Which side a deployment is on is the
+    price file's ``route_kind`` when it declares the backend (``declared``: id -> ``BackendIdentity``), else the
+    deployment's: the answer the ledger rates its events with."""
     if not isinstance(policy, Hybrid):
         return
-    policy.mark_hosted(b.id for b in backends if not b.self_hosted)
+    own = {b.id for b in backends if route_kind(b, (declared or {}).get(b.id)) == "self_hosted"}
+    policy.mark_hosted(b.id for b in backends if b.id not in own)
     for b in backends:
-        if not b.self_hosted:
+        if b.id not in own:
             continue
         rate = self_hosted_rate(b, (cards or {}).get(b.id))
         if rate is not None:
@@ -49,14 +53,30 @@ def self_hosted_rate(backend: Backend, card: Any = None) -> SelfHostedRate | Non
     return SelfHostedRate(backend.input_price or Decimal(0), backend.output_price or Decimal(0), backend.currency)
 
 
-def route_kind(backend: Backend | None) -> str | None:
-    """The ledger's route kind of a deployment: ``self_hosted`` for a replica, ``marketplace`` for a
-    marketplace provider, ``direct`` for any other hosted one (None: not a deployment kvroute knows)."""
+def route_kind(backend: Backend | None, declared: Any = None) -> str | None:
+    """The ledger's route kind of a deployment: the price file's (``declared``, a ``BackendIdentity``) when it names
+    the backend, else ``self_hosted`` for a replica, ``marketplace`` for a marketplace provider, ``direct`` for any
+    other hosted one (None: not a deployment kvroute knows)."""
+    if declared is not None:
+        return str(declared.route_kind)
     if backend is None:
         return None
     if backend.self_hosted:
         return "self_hosted"
     return "marketplace" if backend.provider == "marketplace" else "direct"
+
+
+def provider_of(backend: Backend | None) -> str | None:
+    """The deployment's provider as the ledger books it (the same for streamed and non-streamed attempts)."""
+    return backend.provider if backend is not None else None
+
+
+def served_model(backend: Backend | None) -> str | None:
+    """The model the deployment serves as LiteLLM's logging names it (``openai/fake-model`` -> ``fake-model``), the
+    same for successful, streamed and failed attempts."""
+    if backend is None or not backend.model:
+        return None
+    return backend.model.split("/", 1)[1] if "/" in backend.model else backend.model
 
 
 def is_hybrid(policy: Any) -> bool:

@@ -16,12 +16,13 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from litellm.integrations.custom_logger import CustomLogger
 
 from kvroute.plugin import hybrid
-from kvroute.plugin.billing_feed import BillingFeed, chunk_has_output
+from kvroute.plugin.billing_feed import BillingFeed, billing_target, chunk_has_output
 from kvroute.plugin.deployments import Backend, Deployments, litellm_cost_map
 from kvroute.plugin.hash_secret import resolve_chain_key
 from kvroute.plugin.hosted import forward_cache_key, provider_quote
@@ -108,6 +109,7 @@ class KvrouteCallback(CustomLogger):
         self.scrapers: dict[str, Any] = {}
         self._last_expire = clock()
         self.recorder: Any = None
+        self.billing_target: tuple[str, Path, Path] | None = None
         self._shared: Any = None
         self.mounted: list[str] = []
         self.chain: ChainKey | None = None
@@ -226,11 +228,14 @@ class KvrouteCallback(CustomLogger):
 
     def _start_billing(self, s: KvrouteSettings) -> None:
         """On by default in the proxy (embedded SQLite in the data directory); see ``billing_feed.billing_target``."""
-        self.billing = BillingFeed.start(s, self.ids, in_proxy="litellm.proxy.proxy_server" in sys.modules,
-                                         on_error=self._count_error)
+        in_proxy = "litellm.proxy.proxy_server" in sys.modules
+        self.billing_target = billing_target(s, in_proxy=in_proxy)  # where it records (the startup line says)
+        self.billing = BillingFeed.start(s, self.ids, in_proxy=in_proxy, on_error=self._count_error)
         self.recorder = self.billing.recorder if self.billing is not None else None
         if self.billing is not None:
             self.billing.kind_of = lambda backend: hybrid.route_kind(self.fleet.backends.get(backend))
+            self.billing.provider_of = lambda backend: hybrid.provider_of(self.fleet.backends.get(backend))
+            self.billing.served_of = lambda backend: hybrid.served_model(self.fleet.backends.get(backend))
             from kvroute.plugin.billing_feed import RecorderCollector
 
             with contextlib.suppress(ValueError):  # already registered (a second callback on the registry)
@@ -339,9 +344,9 @@ class KvrouteCallback(CustomLogger):
             policy.attach_health(self.health.board)
         if hasattr(policy, "add_quotes"):
             policy.add_quotes(q for q in (provider_quote(b) for b in backends) if q is not None)
-        cards = self.billing.rate_cards(b.id for b in backends if b.self_hosted) if (
-            self.billing is not None and hybrid.is_hybrid(policy)) else None
-        hybrid.attach_fleet(policy, backends, cards)
+        cards, declared = self.billing.price_view(b.id for b in backends) if (
+            self.billing is not None and hybrid.is_hybrid(policy)) else ({}, {})
+        hybrid.attach_fleet(policy, backends, cards, declared)
 
     # --- the pick ----------------------------------------------------------------------------------
     async def async_filter_deployments(self, model: str, healthy_deployments: list, messages: Any,

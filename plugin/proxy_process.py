@@ -126,16 +126,19 @@ def litellm_command() -> list[str]:
 class ProxyProcess(ChildOwner):
     """A ``litellm --config`` process on 127.0.0.1; ``with ProxyProcess(cfg) as proxy: proxy.base_url``.
 
+    ``config`` is a config dict (written to the work directory) or the path of a config file, used as it is.
+
     ``kvroute_settings`` (the ``kvroute:`` block, e.g. ``{"groups": {"g": {"policy": "round_robin"}}}``) is written
     to its own YAML and passed as ``KVROUTE_CONFIG``; ``env`` adds variables for the proxy only;
     ``inherit_kvroute_env=False`` keeps this shell's other ``KVROUTE_*`` settings (Redis, billing DB) away from it.
     """
 
-    def __init__(self, config: Mapping[str, Any], *, kvroute_settings: Mapping[str, Any] | None = None,
+    def __init__(self, config: Mapping[str, Any] | Path, *, kvroute_settings: Mapping[str, Any] | None = None,
                  env: Mapping[str, str] | None = None, workdir: str | Path | None = None,
                  start_timeout_s: float = 180.0, port: int | None = None, inherit_kvroute_env: bool = True,
                  extra_args: Sequence[str] = ()) -> None:
-        self.config = dict(config)
+        self.config_file = Path(config) if isinstance(config, Path) else None
+        self.config = dict(yaml.safe_load(config.read_text()) if isinstance(config, Path) else config)
         self.extra_args = list(extra_args)  # more ``litellm`` CLI arguments, e.g. ["--num_workers", "4"]
         self.kvroute_settings = dict(kvroute_settings) if kvroute_settings is not None else None
         self.extra_env = dict(env or {})
@@ -146,7 +149,7 @@ class ProxyProcess(ChildOwner):
         self.port = port or 0
         self._fixed_port = port is not None
         self.process = None
-        self.config_path = self.workdir / "config.yaml"
+        self.config_path = self.config_file or self.workdir / "config.yaml"
         self.log_path = self.workdir / "proxy.log"
 
     @property
@@ -183,7 +186,8 @@ class ProxyProcess(ChildOwner):
     def start(self) -> ProxyProcess:
         """Write the config, start the proxy and wait until ``/health/readiness`` answers 200."""
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.config_path.write_text(yaml.safe_dump(self.config, sort_keys=False))
+        if self.config_file is None:
+            self.config_path.write_text(yaml.safe_dump(self.config, sort_keys=False))
         env = self.env()
 
         def launch() -> subprocess.Popen:

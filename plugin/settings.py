@@ -14,7 +14,17 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from kvroute.policies.errors import ConfigError
@@ -76,6 +86,22 @@ class RuleSettings(BaseModel):
     knobs: dict[str, Any] = Field(default_factory=dict)
 
 
+class AppSettings(BaseModel):
+    """One app's API keys for ``kvroute.plugin.app_keys.auth``: ``os.environ/NAME`` or ``sha256:<hex>`` entries,
+    kept only as ``sha256:<hex>`` once validated."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    keys: list[str | None] = Field(default_factory=list)
+
+    @field_validator("keys")
+    @classmethod
+    def _hashed(cls, v: list[str | None]) -> list[str]:
+        from kvroute.plugin.app_keys import hash_entries
+
+        return hash_entries(v)
+
+
 class KvrouteSettings(BaseSettings):
     """Everything the plugin is configured with; env ``KVROUTE_<FIELD>`` overrides the YAML block."""
 
@@ -94,6 +120,8 @@ class KvrouteSettings(BaseSettings):
     breaker: dict[str, Any] = Field(default_factory=dict)
     redis_url: str | None = None
     redis_namespace: str = Field(default="kvroute", min_length=1, pattern=r"^\S+$")
+    apps: dict[str, AppSettings] = Field(default_factory=dict)  # key -> app without LiteLLM's database
+    _app_keys: dict[str, str] = PrivateAttr(default_factory=dict)
     billing: bool = False
     billing_db: str | None = None
     billing_spool: Path | None = None  # the journal folder (default <data_dir>/journal)
@@ -181,6 +209,26 @@ class KvrouteSettings(BaseSettings):
 
         breaker_config(self.breaker)
         return self
+
+    @field_validator("apps")
+    @classmethod
+    def _one_app_per_key(cls, v: dict[str, AppSettings]) -> dict[str, AppSettings]:
+        from kvroute.plugin.app_keys import key_map
+
+        key_map(v)
+        return v
+
+    @model_validator(mode="after")
+    def _key_map(self) -> KvrouteSettings:
+        from kvroute.plugin.app_keys import key_map
+
+        self._app_keys = key_map(self.apps)
+        return self
+
+    @property
+    def app_keys(self) -> dict[str, str]:
+        """key hash (``sha256:<hex>``) -> app, from ``apps``."""
+        return self._app_keys
 
     @property
     def billing_enabled(self) -> bool:
@@ -314,5 +362,5 @@ def load_settings(proxy_config: str | Path | None = None, **overrides: Any) -> K
     except ValidationError as exc:
         err = exc.errors()[0]
         loc = tuple(p for p in err.get("loc", ()) if p != "__root__")
-        raise ConfigError(_key_of(loc), err.get("msg", "invalid")) from exc
+        raise ConfigError(_key_of(loc), str(err.get("msg", "invalid")).removeprefix("Value error, ")) from exc
     return settings.check_policies()

@@ -47,12 +47,14 @@ def startup_line(callback: Any) -> str:
     s = callback.settings
     names = sorted(set(callback.fleet.groups()) | set(callback.routers) | set(s.groups))
     groups = ", ".join(_group(n, callback) for n in names) or "none yet (learned on the first request)"
-    if not s.billing_enabled:
+    target = getattr(callback, "billing_target", None)
+    if target is None:
         billing = "off"
-    elif callback.recorder is None:
-        billing = f"NOT RECORDING ({redact(s.billing_db) if s.billing_db else 'KVROUTE_BILLING_DB unset'})"
     else:
-        billing = redact(str(s.billing_db))
+        from kvroute.plugin.billing_feed import describe_target
+
+        where = describe_target(target[0], target[1])
+        billing = where if callback.recorder is not None else f"NOT RECORDING (recorder failed to start: {where})"
     if not s.redis_url:
         redis = "off (state local to this worker)"
     else:

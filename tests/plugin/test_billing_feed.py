@@ -254,3 +254,73 @@ def test_in_the_proxy_only_requests_auth_admitted_reach_the_ledger() -> None:
     feed.admit(admitted)
     feed.request_failed(admitted, budget)
     assert [(e.status, e.is_final, e.backend_id) for e in rec.events] == [("no_route", True, "router")]
+
+
+def test_startup_line_says_where_billing_records(tmp_path: Path, monkeypatch) -> None:
+    from kvroute.plugin.startup_log import startup_line
+
+    monkeypatch.chdir(tmp_path)
+    cb = _cb(billing=True)  # the SDK records when asked; the proxy by default, to the same place
+    cb._setup()
+    try:
+        line = startup_line(cb)
+        assert "billing sqlite .kvroute/billing.db (journal .kvroute/journal);" in line, line
+        assert (tmp_path / ".kvroute" / "journal").is_dir()
+    finally:
+        cb.billing.close()  # type: ignore[union-attr]
+    off = _cb()
+    off._setup()
+    assert "billing off;" in startup_line(off)
+    from kvroute.plugin.billing_feed import describe_target
+
+    pg = describe_target("postgresql+psycopg://kv:secret@127.0.0.1:1/none", tmp_path / "j")
+    assert pg == "postgresql+psycopg://kv:***@127.0.0.1:1/none (journal j)", pg
+
+
+def _success(feed, ids, meta: dict, backend: str, *, streamed: bool, hidden_provider: str | None) -> None:
+    """One request served by ``backend`` and recorded before the response (the proxy's path, stream or not)."""
+    attempt, _ = ids.new_attempt(meta, "hosted", backend)
+    feed.attempt_started(attempt, {"model": "openai/fake-model", "model_info": {"id": backend}, "metadata": meta})
+    resp = _Resp(backend)
+    resp._hidden_params["custom_llm_provider"] = hidden_provider  # LiteLLM names it only when not streamed
+    feed.pre_response({"model": "hosted", "metadata": meta}, resp, streamed=streamed)
+
+
+def test_streamed_and_not_carry_the_deployments_provider() -> None:
+    from kvroute.plugin.billing_feed import BillingFeed
+    from kvroute.plugin.request_ids import RequestIds
+
+    ids, rec = RequestIds(), _Recorder()
+    feed = BillingFeed(rec, ids)
+    feed.provider_of = {"provider-a": "provider-a"}.get
+    _success(feed, ids, {"user_api_key_alias": "acme"}, "provider-a", streamed=False, hidden_provider="openai")
+    _success(feed, ids, {"user_api_key_alias": "acme"}, "provider-a", streamed=True, hidden_provider=None)
+    assert [(e.provider, e.streamed) for e in rec.events] == [("provider-a", False), ("provider-a", True)]
+
+
+def test_unattributed_requests_are_counted_and_warned_about_once_a_minute(caplog) -> None:
+    from kvroute.plugin import billing_feed as bf
+    from kvroute.plugin.request_ids import RequestIds
+
+    ids, rec = RequestIds(), _Recorder()
+    feed = bf.BillingFeed(rec, ids)
+    with caplog.at_level("WARNING", logger="kvroute.plugin"):
+        for _ in range(3):
+            _success(feed, ids, {"user_api_key_hash": "master"}, "p", streamed=False, hidden_provider="openai")
+        _success(feed, ids, {"user_api_key_alias": "acme"}, "p", streamed=False, hidden_provider="openai")
+    assert [e.app_id for e in rec.events] == ["unattributed"] * 3 + ["acme"]
+    assert feed.unattributed == 3
+    warnings = [r.getMessage() for r in caplog.records if "unattributed" in r.getMessage()]
+    assert len(warnings) == 1 and "1 request(s)" in warnings[0]  # the first one; the next within the minute
+    feed._unattributed_warned_at -= bf.UNATTRIBUTED_WARN_EVERY_S  # a minute later
+    with caplog.at_level("WARNING", logger="kvroute.plugin"):
+        _success(feed, ids, {"user_api_key_hash": "master"}, "p", streamed=False, hidden_provider="openai")
+    warnings = [r.getMessage() for r in caplog.records if "unattributed" in r.getMessage()]
+    assert len(warnings) == 2 and "4 request(s)" in warnings[1]
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    registry = CollectorRegistry()
+    feed.recorder.stats = type("S", (), {"recorded": 0, "inserted": 0, "dead_lettered": 0, "journal_errors": 0})()
+    feed.recorder.pending_bytes, feed.recorder.db_available = 0, True
+    registry.register(bf.RecorderCollector(feed))
+    assert "kvroute_billing_unattributed_requests_total 4.0" in generate_latest(registry).decode()

@@ -140,7 +140,8 @@ def test_proxy_log_has_kvroute_startup_line(stack):
     assert line is not None, log[-2000:]
     assert "hosted (marketplace, approx, 2 hosted)" in line
     assert "llama (cache_aware, approx, 3 self-hosted; metrics scraped)" in line
-    assert "billing off" in line and "redis off" in line and "/kvroute/status" in line
+    assert "billing sqlite .kvroute/billing.db (journal .kvroute/journal);" in line, line  # on by default
+    assert "redis off" in line and "/kvroute/status" in line
 
 
 def test_status_prints_table_csv_and_json(stack):

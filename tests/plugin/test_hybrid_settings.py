@@ -118,6 +118,38 @@ def test_a_replicas_rate_card_in_the_ledger_wins_over_its_model_list_price(tmp_p
     assert broken.rate_cards(["gpu-1"]) == {}  # no ledger yet: the replicas keep their model_list prices
 
 
+def test_the_hybrid_decision_reads_the_price_files_route_kind_like_the_ledger(tmp_path):
+    """A deployment the proxy classifies as hosted but the price file declares ``self_hosted`` (and the reverse)
+    sits on the side the ledger rates it on."""
+    from kvroute.billing.ledger import Ledger
+    from kvroute.billing.price_file import parse_price_data
+    from kvroute.billing.price_store import store_prices
+    from kvroute.plugin import hybrid
+    from kvroute.plugin.billing_feed import BillingFeed
+    from kvroute.plugin.deployments import Backend
+    from kvroute.plugin.request_ids import RequestIds
+
+    url = f"sqlite:///{tmp_path / 'billing.db'}"
+    led = Ledger.open(url)
+    store_prices(led, parse_price_data({"backends": [
+        {"id": "own-box", "provider": "self_hosted", "route_kind": "self_hosted",
+         "rates": [{"effective_from": "2020-01-01", "gpu_hour": "2.00", "prefill_tok_s": 3000, "decode_tok_s": 1000}]},
+        {"id": "rented", "provider": "gpu-cloud", "route_kind": "marketplace"}]}))
+    led.close()
+    feed = BillingFeed(None, RequestIds())
+    feed.db_url = url
+    fleet = [Backend("own-box", "chat", "m", "hosted", "openai_compatible", input_price=Decimal("2e-6")),
+             Backend("rented", "chat", "m", "self_hosted", "vllm", input_price=Decimal("2e-7")),
+             Backend("gpu-3", "chat", "m", "self_hosted", "vllm", input_price=Decimal("2e-7"))]
+    cards, declared = feed.price_view(b.id for b in fleet)
+    assert set(cards) == {"own-box"} and set(declared) == {"own-box", "rented"}
+    policy = Router().set_policy("chat", "hybrid", {})
+    hybrid.attach_fleet(policy, fleet, cards, declared)
+    assert not policy.is_hosted("own-box") and policy.is_hosted("rented") and not policy.is_hosted("gpu-3")
+    assert policy.self_rate("own-box") is not None and policy.self_rate("rented") is None
+    assert [hybrid.route_kind(b, declared.get(b.id)) for b in fleet] == ["self_hosted", "marketplace", "self_hosted"]
+
+
 def test_the_ledger_route_kind_comes_from_the_deployment_unless_model_info_names_one():
     from kvroute.plugin.billing_feed import BillingFeed
     from kvroute.plugin.request_ids import RequestIds
