@@ -82,7 +82,8 @@ def ingest(file: Path = typer.Argument(..., help="JSONL file of usage events (sc
         _fail(f"{len(result.errors)} bad line(s); nothing was inserted (fix them or pass --skip-invalid)")
     for backend, count in sorted(result.unpriced.items()):
         typer.echo(f"warning: {count} event(s) on backend {backend!r} have no reported cost and no rate card: "
-                   "booked at cost 0 and flagged unpriced in reports (load a rate card)", err=True)
+                   "booked at cost 0 and flagged unpriced in reports (load a rate card, then kvroute billing rerate "
+                   "--month YYYY-MM prices them)", err=True)
     typer.echo(f"{result.valid} valid events, {result.inserted} inserted, {result.valid - result.inserted} "
                f"already present, {len(result.errors)} skipped")
 
@@ -236,7 +237,7 @@ def _report(kind: str, period: str, app: str | None, fmt: str, out: Path | None,
     unpriced = sum(t.get("unpriced_events", 0) for t in total_rows)
     if unpriced:
         typer.echo(f"warning: {unpriced} event(s) had no reported cost and no rate card: booked at cost 0 "
-                   "(column unpriced_events)", err=True)
+                   f"(column unpriced_events; after load-prices, kvroute billing rerate --month {period})", err=True)
     title = f"kvroute {kind} report {period}" + (f" · app {app}" if app else "") + (
         f" · by {by}" if kind != "payouts" else "")
     if fmt == "table" and out is None:

@@ -36,14 +36,6 @@ class LedgerLocation:
     def dead_letters(self) -> Path:
         return self.data_dir
 
-    @property
-    def sqlite_path(self) -> Path | None:
-        """The ledger file when the ledger is SQLite, else None."""
-        if self.db_url is None or not self.db_url.startswith("sqlite:///"):
-            return None
-        name = self.db_url[len("sqlite:///"):]
-        return None if name in ("", ":memory:") else Path(name)
-
 
 def ledger_location(data_dir: str | Path, db: str | None = None, spool: str | Path | None = None) -> LedgerLocation:
     """Resolve the ledger from the settings: ``db`` (a URL or a SQLite path, or ``off``) else ``<data_dir>/billing.db``;

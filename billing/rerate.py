@@ -131,7 +131,7 @@ def _event_of(row: Any) -> UsageEvent:
                                           row["output_tokens"], row["reasoning_tokens"]))
 
 
-def _closed(conn: Connection, period: str) -> set[tuple[str, str]]:
+def _closed(conn: Connection) -> set[tuple[str, str]]:
     bp = BillingPeriodRow
     return {(a, p) for a, p in conn.execute(select(bp.app_id, bp.period).where(bp.status == "closed"))}
 
@@ -149,7 +149,7 @@ def plan_rerate(conn: Connection, catalog: Catalog, period: str, app_id: str | N
     """Rate every event of ``period`` (by when it occurred) again with ``catalog``; nothing is written."""
     now = now or datetime.now(UTC)
     plan = ReratePlan(period, app_id)
-    closed = _closed(conn, period)
+    closed = _closed(conn)
     where = [EVENT.c.period == period] + ([EVENT.c.app_id == app_id] if app_id is not None else [])
     rows = [r._mapping for r in conn.execute(select(*[EVENT.c[c] for c in _READ]).where(*where)
                                              .order_by(EVENT.c.event_id))]
