@@ -76,8 +76,8 @@ class Catalog:
         return replace(e, provider=found.provider, route_kind=found.route_kind)
 
     @classmethod
-    def load(cls, conn: Connection) -> Catalog:
-        """Read every price book, rule and rate card, and the backends a price file declared."""
+    def load(cls, conn: Connection, declared: bool = True) -> Catalog:
+        """Read every price book, rule and rate card, and (``declared``) the backends a price file declared."""
         rules: dict[int, list[PriceRule]] = defaultdict(list)
         query = select(PriceRuleRow.__table__).order_by(PriceRuleRow.priority, PriceRuleRow.price_rule_id)
         for r in conn.execute(query):
@@ -96,10 +96,10 @@ class Catalog:
                           c.cache_write_5m_per_mtok, c.cache_write_1h_per_mtok, c.output_per_mtok,
                           c.reasoning_per_mtok, c.per_request, c.source, c.cost_rate_id)
                  for c in conn.execute(select(CostRateRow.__table__))]
-        declared = {b.backend_id: BackendIdentity(b.provider, b.route_kind)
+        backends = {b.backend_id: BackendIdentity(b.provider, b.route_kind)
                     for b in conn.execute(select(Backend.backend_id, Backend.provider, Backend.route_kind)
-                                          .where(Backend.declared_at.is_not(None)))}
-        return cls(books, rates, declared)
+                                          .where(Backend.declared_at.is_not(None)))} if declared else {}
+        return cls(books, rates, backends)
 
     def platform_fee_pct(self, app_id: str, at: datetime) -> tuple[Decimal, Decimal]:
         book = self.book_for(app_id, at)

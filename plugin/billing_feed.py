@@ -127,10 +127,9 @@ class BillingFeed:
                 tables = inspect(engine)
                 if not tables.has_table("cost_rate"):
                     return None  # a ledger not created yet holds no cards
-                if "declared_at" not in {c["name"] for c in tables.get_columns("backend")}:
-                    return None  # not migrated yet (the recorder does it)
-                with engine.connect() as conn:
-                    return Catalog.load(conn)
+                migrated = "declared_at" in {c["name"] for c in tables.get_columns("backend")}
+                with engine.connect() as conn:  # a ledger the recorder has not migrated yet declares no backend
+                    return Catalog.load(conn, declared=migrated)
             finally:
                 engine.dispose()
         except Exception as exc:
