@@ -110,6 +110,8 @@ def test_invalid_yaml_and_missing_file(tmp_path, monkeypatch):
      "kvroute.groups.llama.precise.sources[0].bnd"),
     ("kvroute: {groups: {llama: {mode: precise, precise: {block_size: -4, metrics: {a: 'http://a'}}}}}",
      "kvroute.groups.llama.precise.block_size"),
+    ("kvroute: {groups: {llama: {mode: precise, precise: {metrics: {a: 'http://a'}, tier_credit: {cpu: 2}}}}}",
+     "kvroute.groups.llama.precise.tier_credit.cpu"),
     ("kvroute: {groups: {llama: {isolation: tenant}}}", "kvroute.groups.llama.isolation"),
     ("kvroute: {billing_db: 'mysql://u@h/db'}", "kvroute.billing_db"),
     ("kvroute: {billing_db: 'postgresql+nodriver://u@h/db'}", "kvroute.billing_db"),
