@@ -1,4 +1,4 @@
-"""SQLAlchemy 2 tables of the ledger (research §8.3). Append-only: corrections are new rows.
+"""SQLAlchemy 2 tables of the ledger. Append-only: corrections are new rows.
 
 Money columns use ``Money``: ``NUMERIC(38, 10)`` on PostgreSQL; on SQLite, whose NUMERIC affinity would coerce
 decimals to binary floats, the same column holds exact integer units of 1e-10 so sums stay exact in SQL.

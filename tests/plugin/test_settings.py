@@ -98,7 +98,7 @@ def test_invalid_yaml_and_missing_file(tmp_path, monkeypatch):
     assert err.value.key == "KVROUTE_CONFIG"
 
 
-# --- strict config (issue 10 item 7): every unknown, misplaced or invalid key stops startup, named ----------
+# --- strict config: every unknown, misplaced or invalid key stops startup, named ----------
 @pytest.mark.parametrize(("text", "key"), [
     ("kvroute: {groups: {llama: {knobs: {block_tokens: 64}}}}", "kvroute.groups.llama.knobs"),
     ("kvroute: {groups: {llama: {precise: {sources: []}}}}", "kvroute.groups.llama.precise"),
