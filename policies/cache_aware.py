@@ -366,7 +366,8 @@ class CacheAware:
             backend=backend,
             policy=self.name,
             reason=reason,
-            matched_tokens=chosen.matched,
+            # tokens held in any tier (what the engine will report cached); the cost above read them credited
+            matched_tokens=chosen.matched if not credited else min(int(matches[backend] * bt), max(prompt - 1, 0)),
             matched_blocks=matches.get(backend, 0),
             prompt_tokens=prompt,
             scores=scores,

@@ -220,6 +220,8 @@ def test_pick_prefers_gpu_holder_then_cpu_holder_then_none_at_equal_load():
     assert best.backend == "G" and best.reason == "prefix_match" and best.matched_tokens == 4096
     second = pick(["N", "C"])
     assert second.backend == "C" and second.reason == "prefix_match"
-    assert second.matched_blocks == 64 and second.matched_tokens == int(0.75 * 4096)
+    # held tokens are reported (the engine counts host-loaded tokens as cached); the cost reads them at 0.75
+    assert second.matched_blocks == 64 and second.matched_tokens == 4096
+    assert second.predicted_prefill_tokens == 4099 - int(0.75 * 4096)
     assert second.scores["C"] < second.scores["N"]  # cheaper than recomputing...
     assert best.scores["G"] < best.scores["C"]  # ...dearer than a GPU hit
