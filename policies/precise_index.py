@@ -82,7 +82,8 @@ class PreciseIndex:
         self.config = config or PreciseIndexConfig()
         self.fallback = fallback if fallback is not None else PrefixIndex(self.config.fallback)
         self._holders: dict[int, dict[str, int]] = {}
-        # own key -> backend -> entries per tier, for entries whose best copy is outside GPU memory
+        # own key -> backend -> [entries in all, entries per slower tier...] for entries whose best copy is
+        # outside GPU memory
         self._slow: dict[int, dict[str, list[int]]] = {}
         self._credit = self.config.tier_credit.by_tier
         self._backend_blocks: dict[str, int] = {}
@@ -311,7 +312,8 @@ class PreciseIndex:
             counts = per.get(backend) if per is not None else None
             if counts is not None:
                 counts[before] -= 1
-                if not any(counts):
+                counts[0] -= 1
+                if counts[0] <= 0:
                     del per[backend]
                     if not per:
                         del slow[key]
@@ -323,6 +325,7 @@ class PreciseIndex:
             if counts is None:
                 counts = per[backend] = [0] * len(self._credit)
             counts[after] += 1
+            counts[0] += 1
 
     def _drop_source(self, source: Hashable, state: _Source) -> None:
         self._clear(state)
@@ -347,8 +350,6 @@ class PreciseIndex:
             result.update(self.fallback.match(keys, approximate, now))
         if not precise or not keys:
             return result
-        if self._slow or self._credit[GPU] != 1.0:
-            return self._match_tiered(keys, precise, result, now)
         holders = self._holders
         spec = self._spec
         alive = precise
@@ -375,61 +376,59 @@ class PreciseIndex:
         else:
             for b in alive:
                 result[b] = depth
+        if self._slow or self._credit[GPU] != 1.0:
+            return self._credited(keys, precise, result, now)
         return result
 
-    def _match_tiered(self, keys: Sequence[int], precise: list[str], result: dict[str, int],
-                      now: float) -> dict[str, int]:
-        """``match`` while some block lives only outside GPU memory: the same walk, summing tier credits.
+    def _credited(self, keys: Sequence[int], precise: list[str], result: dict[str, int],
+                  now: float) -> dict[str, int]:
+        """``result`` with the GPU-equivalent blocks of each precise backend's held prefix, where they differ.
 
-        A block counts in the best tier any of the backend's copies is in; a speculative entry (a pick sent
-        there is computing or loading it into the GPU now) counts as a GPU block."""
-        holders = self._holders
-        slow = self._slow
-        spec = self._spec
+        A block counts at the credit of the fastest tier any of the backend's copies is in; a speculative entry
+        (a pick sent there is computing or loading it into GPU memory now) counts as a GPU block. Only blocks
+        some backend holds outside GPU memory are visited per backend."""
+        depths = {b: result[b] for b in precise if b in result}
+        if not depths:
+            return result
         credit = self._credit
         full = credit[GPU]
-        sums = dict.fromkeys(precise, 0.0)
-        alive = precise
-        depth = 0
+        try:
+            discount = self._discounts(keys, depths, full - credit[HOST], full - credit[DISK], now, copy=False)
+        except RuntimeError:  # the event thread resized a dict under us: walk copies instead
+            discount = self._discounts(keys, depths, full - credit[HOST], full - credit[DISK], now, copy=True)
+        credited = {b: full * d - discount[b] for b, d in depths.items() if discount[b] or full != 1.0}
+        return TieredMatch(result, credited) if credited else result
 
-        def settle(b: str, blocks: int) -> None:
-            if blocks:
-                result[b] = blocks
-                if sums[b] != blocks:
-                    credited[b] = sums[b]
-
-        credited: dict[str, float] = {}
-        for key in keys:
-            held = holders.get(key)
+    def _discounts(self, keys: Sequence[int], depths: dict[str, int], host_off: float, disk_off: float,
+                   now: float, copy: bool) -> dict[str, float]:
+        """Per backend, Σ (GPU credit − credit) over the blocks of its held prefix it holds only in slower tiers."""
+        discount = dict.fromkeys(depths, 0.0)
+        slow = self._slow
+        holders = self._holders
+        spec = {b: s for b in depths if (s := self._spec.get(b))}
+        for i in range(max(depths.values())):
+            key = keys[i]
             low = slow.get(key)
-            still: list[str] = []
-            for b in alive:
-                refs = held.get(b) if held is not None else None
-                c = -1.0
-                if refs is not None:
-                    c = full
-                    counts = low.get(b) if low is not None else None
-                    if counts is not None and sum(counts) >= refs:  # every entry's best copy is slower
-                        c = credit[HOST] if counts[HOST] else credit[DISK]
-                if c < full:
+            if low is None:
+                continue
+            held = holders.get(key)
+            if held is None:
+                continue
+            for b, counts in (tuple(low.items()) if copy else low.items()):
+                d = depths.get(b)
+                if d is None or i >= d:
+                    continue
+                refs = held.get(b)
+                if refs is None or counts[0] < refs:  # another entry of b holds a GPU copy
+                    continue
+                if spec:
                     s = spec.get(b)
                     if s is not None:
                         exp = s.get(key)
                         if exp is not None and exp >= now:
-                            c = full
-                if c < 0.0:
-                    settle(b, depth)
-                    continue
-                sums[b] += c
-                still.append(b)
-            depth += 1
-            alive = still
-            if not alive:
-                break
-        else:
-            for b in alive:
-                settle(b, depth)
-        return TieredMatch(result, credited) if credited else result
+                            continue  # a pick sent there is computing or loading it into GPU memory
+                discount[b] += host_off if counts[HOST] else disk_off
+        return discount
 
     def record(self, backend: str, keys: Sequence[int], now: float) -> None:
         """A pick: precise backends get short-TTL speculative entries; others go to the fallback."""
