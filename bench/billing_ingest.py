@@ -250,7 +250,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=5000)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--baseline", default="e4f2a42", help="git revision to compare with (default: the tree "
-                                                              "before the issue 9 ingest work)")
+                                                              "before the batched ingest work)")
     parser.add_argument("--record", action="store_true", help="also measure UsageRecorder.record() latency")
     parser.add_argument("--record-only", action="store_true", help="only the record() latency")
     parser.add_argument("--record-events", type=int, default=3000, help="events per record() case and round")

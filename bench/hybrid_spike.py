@@ -1,8 +1,8 @@
-"""The spike figures of issue 14: four overflow strategies on the Azure arrival pattern ×3 for ten minutes.
+"""The spike figures: four overflow strategies on the Azure arrival pattern ×3 for ten minutes.
 
     .venv/bin/python bench/hybrid_spike.py [--quick] [--json] [--seeds 3] [--replicas N] [--knob k=v ...]
 
-Workload: the Azure 2023 conversation trace (``shared/traces/azure_llm_2023``, read from its path), 10 min
+Workload: the Azure 2023 conversation trace (Azure's ``AzureLLMInferenceTrace_conv``, read from ``TRACE``), 10 min
 before, 10 min of spike (the trace's own arrivals plus two more stretches of it: ×3), 10 min after, with a
 synthesised chat/agent prefix structure (``sim.spike``); seed k starts the stretch at 600 + 300·k s and draws
 its own app/session assignment and provider TTFT samples. Fleet: Qwen3-32B on 2×H100 replicas

@@ -3,7 +3,7 @@
     .venv/bin/python bench/sim_matrix.py [--quick] [--json] [--only agent,kvct-60] [--policies a,b]
 
 Per cell (workload) and policy: TTFT p50/p90/mean, hit rate, output tok/s, hotspot (busy time max/mean).
-Checks per cell (issue 11): kvroute's TTFT p90 ≤ 1.05× the best baseline's (≤ 0.8× on the kv-cache-tester
+Checks per cell: kvroute's TTFT p90 ≤ 1.05× the best baseline's (≤ 0.8× on the kv-cache-tester
 cells), hotspot ≤ 1.5; gsp output throughput vs round robin. The upper references (``oracle_ttft``: exact
 cache and queues; ``kvroute_precise``: kvroute fed by simulated KV events) are reported beside the
 baselines and are not "baselines" in the checks. Ends with "kvroute best or within 5 % on N of M cells".

@@ -1,4 +1,4 @@
-"""SQLAlchemy 2 tables of the ledger (research §8.3). Append-only: corrections are new rows; the one exception is
+"""SQLAlchemy 2 tables of the ledger. Append-only: corrections are new rows; the one exception is
 a recorded re-rate (``rerate_run``) of an open month, which re-prices its events in place and marks them.
 
 Money columns use ``Money``: ``NUMERIC(38, 10)`` on PostgreSQL; on SQLite, whose NUMERIC affinity would coerce

@@ -6,7 +6,7 @@ from decimal import ROUND_HALF_EVEN, Context, Decimal, InvalidOperation
 
 from kvroute.policies.errors import InputError
 
-#: Internal scale of every stored amount (research §8.3: rate in Decimal at 1e-10).
+#: Internal scale of every stored amount (rates in Decimal at 1e-10: a per-token price of a cheap model stays exact).
 SCALE = Decimal("1e-10")
 #: Integer units per currency unit at the internal scale (SQLite stores amounts as these integers).
 UNITS = 10**10

@@ -1,6 +1,6 @@
 """Rate cards (what a backend costs us) and price books (what an app pays), and rating one event.
 
-Formulas (research §8.3), all in ``Decimal`` at scale 1e-10, never rounded to cents here:
+Formulas, all in ``Decimal`` at scale 1e-10, never rounded to cents here:
 ``provider_cost`` = reported cost, else LiteLLM's cost before its margin, else Σ tokens × rate / 1e6 + per_request;
 a self-hosted amortised card (``source="self_hosted_amortized"``, e.g. a ``GpuRateCard``) comes before LiteLLM's
 cost (which for a replica is only the per-token price typed into ``model_list``), so the card is the one unit of

@@ -1,4 +1,4 @@
-"""Monthly report rows (research §8.4): one row per app × group (backend, end user, or the app), plus totals.
+"""Monthly report rows: one row per app × group (backend, end user, or the app), plus totals.
 
 Every money column includes the period's adjustments (late events of closed months and re-rate corrections of
 closed months, booked here); the

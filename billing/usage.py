@@ -1,7 +1,7 @@
 """Provider usage objects normalised once, at the boundary, into disjoint token buckets.
 
 Buckets: uncached input, cache read, cache write (5 min / 1 h), output, reasoning. ``reasoning`` is the part
-of ``output`` spent on reasoning (recorded separately, never added twice). Rules per research §4:
+of ``output`` spent on reasoning (recorded separately, never added twice). The providers' own rules:
 OpenAI-like shapes (OpenAI, Gemini, DeepSeek, OpenRouter, vLLM, llama.cpp, LiteLLM's ``Usage``) report cached
 tokens as a subset of prompt tokens; Anthropic's native ``input_tokens`` excludes cache reads and writes.
 """

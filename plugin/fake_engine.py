@@ -2,8 +2,8 @@
 
 Serves ``/v1/chat/completions`` and ``/v1/completions`` (JSON and SSE), ``/v1/models``, ``/health``, ``/metrics``
 (vLLM- or llama.cpp-style names), ``POST/DELETE /admin/fault``, ``GET /admin/stats`` and ``POST /admin/reset``.
-Timing follows the work, as on a continuous-batching engine (calibrated to the llama.cpp CI preset in
-``shared/engines/README.md``): one compute queue per replica runs prefills in arrival order, each taking
+Timing follows the work, as on a continuous-batching engine (calibrated to the llama.cpp CI preset,
+``cpu-llamacpp-ci`` in ``sim/presets.py``): one compute queue per replica runs prefills in arrival order, each taking
 ``uncached / prefill_tokens_per_s · (1 + context_cost · (cached + uncached / 2))`` seconds (linear work plus
 attention over the context), so concurrent misses delay each other and cache hits free the engine for
 everyone. Decoding sequences share steps: a token takes ``decode_s_per_token · (1 + decode_batch_share · (n − 1))``

@@ -1,7 +1,8 @@
 """Hosted-provider specifics: marketplace rate cards from deployments, and provider cache-key forwarding.
 
 Keeping provider-side prompt caches warm: OpenAI-compatible upstreams get ``prompt_cache_key`` and OpenRouter
-gets ``session_id`` (research §8.2), unless the user already set one. Keys are hashes, never prompt text.
+gets ``session_id`` (OpenRouter's provider-sticky routing key), unless the user already set one. Keys are
+hashes, never prompt text.
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ from kvroute.plugin.kvevents_wire import (
 )
 from kvroute.policies.fingerprint import chain_seed
 from kvroute.policies.precise_index import PreciseIndex
+from kvroute.policies.tiers import GPU, tier_of
 
 log = logging.getLogger(__name__)
 END_OF_REPLAY = (1 << 64) - 1
@@ -353,15 +354,19 @@ class KvEventFeed:
                     if len(self._seeds) > 4096:
                         self._seeds.clear()
                     seed = self._seeds[seed_key] = chain_seed(seed_key[0], seed_key[1], index.chain)
-                copy = (ev.medium, ev.group_idx, ev.locality, ev.ownership)
-                index.stored(key, ev.hashes, ev.parent, ev.token_ids, ev.block_size, seed, copy)
+                # A copy is named by its tier, not the medium's spelling: an absent medium is the GPU's.
+                tier = tier_of(ev.medium)
+                copy = (tier, ev.group_idx, ev.locality, ev.ownership)
+                index.stored(key, ev.hashes, ev.parent, ev.token_ids, ev.block_size, seed, copy, tier)
                 stored += len(ev.hashes)
-                if self.block_sizes.get(stream.backend) != ev.block_size and (ev.group_idx or 0) == 0:
+                # The engine's block size comes from its GPU cache (offload tiers may use larger chunks).
+                if (tier == GPU and ev.token_ids and self.block_sizes.get(stream.backend) != ev.block_size
+                        and (ev.group_idx or 0) == 0):
                     self.block_sizes[stream.backend] = ev.block_size
                     if self.on_block_size is not None:
                         self.on_block_size(stream.backend, ev.block_size)
             elif isinstance(ev, BlockRemoved):
-                index.removed(key, ev.hashes, (ev.medium, ev.group_idx, ev.locality, ev.ownership))
+                index.removed(key, ev.hashes, (tier_of(ev.medium), ev.group_idx, ev.locality, ev.ownership))
                 removed += len(ev.hashes)
             elif isinstance(ev, AllBlocksCleared):
                 index.cleared(key)

@@ -136,7 +136,8 @@ def decode_event(raw: Any) -> Event | None:
         if not isinstance(tokens, (list, tuple)):
             raise ValueError("token_ids is not a list")
         block_size = f.get("block_size")
-        if type(block_size) is not int or block_size <= 0:
+        # Offloading connectors announce tokenless ("hash-only") copies, some with block size 0.
+        if type(block_size) is not int or block_size < 0 or (block_size == 0 and tokens):
             raise ValueError("block_size is not a positive int")
         lora_name = _opt_str(f.get("lora_name"))
         return BlockStored(hashes, parent, tokens, block_size, lora_name, _opt_str(f.get("medium")),

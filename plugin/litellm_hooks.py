@@ -274,7 +274,7 @@ class KvrouteCallback(CustomLogger):
         load = None
         chain = self.chain or ChainKey()
         if gs.mode == "precise":
-            index = _precise_index(index_config, chain)
+            index = _precise_index(index_config, chain, gs.precise, f"kvroute.groups.{group}.precise")
         elif self._shared is not None:
             try:
                 index = self._shared.index(group, index_config)
@@ -853,11 +853,14 @@ class KvrouteCallback(CustomLogger):
                 self._shared.close()
 
 
-def _precise_index(fallback: PrefixIndexConfig, chain: ChainKey) -> Any:
-    """An event-fed index that answers from its approximate fallback for backends without events."""
+def _precise_index(fallback: PrefixIndexConfig, chain: ChainKey, block: Mapping[str, Any], where: str) -> Any:
+    """An event-fed index that answers from its approximate fallback for backends without events, crediting
+    blocks by cache tier as the group's ``precise.tier_credit`` says."""
+    from kvroute.plugin.precise import tier_credit_of
     from kvroute.policies.precise_index import PreciseIndex, PreciseIndexConfig
 
-    return PreciseIndex(PreciseIndexConfig(fallback=fallback, chain=chain))
+    credit = tier_credit_of(block, where)
+    return PreciseIndex(PreciseIndexConfig(fallback=fallback, chain=chain, tier_credit=credit))
 
 
 def _client_salt(kwargs: Mapping[str, Any]) -> str | None:

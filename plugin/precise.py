@@ -28,6 +28,7 @@ from kvroute.plugin.tokenizing import PromptTokenizer
 from kvroute.policies.fingerprint import chain_seed, new_request_id, session_key, token_keys
 from kvroute.policies.precise_index import PreciseIndex
 from kvroute.policies.request import RoutingRequest
+from kvroute.policies.tiers import TierCredit
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +162,7 @@ def _with_model(source: EventSource, model: str) -> EventSource:
 
 _SOURCE_KEYS = {"endpoint", "backend", "topic", "replay_endpoint", "bind", "model", "topic_backends"}
 _GROUP_KEYS = {"sources", "tokenizer", "tokenizer_config", "tokenize_url", "block_size", "metrics",
-               "metrics_interval_s", "max_prefix_tokens", "enabled"}
+               "metrics_interval_s", "max_prefix_tokens", "enabled", "tier_credit"}
 
 
 def group_from_config(group: str, config: Mapping[str, Any], index: PreciseIndex, *, router: Any = None,
@@ -170,7 +171,9 @@ def group_from_config(group: str, config: Mapping[str, Any], index: PreciseIndex
 
     Keys: ``sources`` (list of {endpoint, backend, topic, replay_endpoint, bind, topic_backends}),
     ``tokenizer`` (model dir or tokenizer.json) or ``tokenize_url`` (engine base URL), ``block_size``,
-    ``metrics`` ({backend: metrics URL}), ``metrics_interval_s``. Raises ``ConfigError`` naming the key.
+    ``metrics`` ({backend: metrics URL}), ``metrics_interval_s``, ``tier_credit`` ({gpu, cpu, disk}: credit of a
+    block held in that cache tier, read by ``tier_credit_of`` when the group's index is built). Raises
+    ``ConfigError`` naming the key.
     """
     from kvroute.plugin.tokenizing import EngineTokenizer, LocalTokenizer
     from kvroute.policies.errors import ConfigError
@@ -194,6 +197,7 @@ def group_from_config(group: str, config: Mapping[str, Any], index: PreciseIndex
         sources.append(EventSource(endpoint=raw["endpoint"], backend=raw.get("backend"), topic=raw.get("topic") or "",
                                    replay_endpoint=raw.get("replay_endpoint"), bind=raw.get("bind"),
                                    model=raw.get("model") or "", topic_backends=dict(raw.get("topic_backends") or {})))
+    tier_credit_of(config, at)
     block_size = config.get("block_size")
     if block_size is not None and (type(block_size) is not int or block_size < 1):
         raise ConfigError(f"{at}.block_size", "must be a positive integer")
@@ -209,3 +213,8 @@ def group_from_config(group: str, config: Mapping[str, Any], index: PreciseIndex
                         metrics={str(k): str(v) for k, v in metrics.items()}, router=router,
                         metrics_interval_s=float(config.get("metrics_interval_s", 1.0)),
                         max_prefix_tokens=int(config.get("max_prefix_tokens", 131_072)))
+
+
+def tier_credit_of(config: Mapping[str, Any], where: str) -> TierCredit:
+    """The ``tier_credit`` of a group's ``precise:`` block (defaults where absent); ``ConfigError`` names the key."""
+    return TierCredit.from_mapping(config.get("tier_credit"), f"{where}.tier_credit")

@@ -30,6 +30,7 @@ from kvroute.policies.load import SCORING_FIELDS, BackendLoad
 from kvroute.policies.request import RoutingRequest
 from kvroute.policies.scorers import FLEET_SCORERS, SCORERS, Candidate, eviction, own_prefill, slot_wait
 from kvroute.policies.speed import EngineSpeed
+from kvroute.policies.tiers import TieredMatch
 
 _PRIOR = EngineSpeed()
 
@@ -186,6 +187,8 @@ class CacheAware:
         speed = self.speed
         index = state.index
         matches = index.match(request.keys, candidates, now)
+        # blocks a slower cache tier holds count at their credit: GPU-equivalent blocks (policies/tiers.py)
+        credited = matches.credited if type(matches) is TieredMatch else None
         prompt = request.prompt_tokens
         bt = request.block_tokens
         capacity_of = getattr(index, "capacity_blocks", None) or getattr(getattr(index, "fallback", None),
@@ -200,7 +203,7 @@ class CacheAware:
         if prompt > 0:
             top = prompt - 1
             for b, blocks in matches.items():
-                m = int(blocks * bt)
+                m = int((credited.get(b, blocks) if credited else blocks) * bt)
                 m = top if m > top else m
                 matched[b] = m if m > 0 else 0
         best_matched = max(map(matched.__getitem__, holders)) if holders else 0
@@ -363,7 +366,8 @@ class CacheAware:
             backend=backend,
             policy=self.name,
             reason=reason,
-            matched_tokens=chosen.matched,
+            # tokens held in any tier (what the engine will report cached); the cost above read them credited
+            matched_tokens=chosen.matched if not credited else min(int(matches[backend] * bt), max(prompt - 1, 0)),
             matched_blocks=matches.get(backend, 0),
             prompt_tokens=prompt,
             scores=scores,

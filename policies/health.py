@@ -5,7 +5,9 @@ failures; open → half-open when the (exponential, jittered) cooldown ends; hal
 probe at a time and closes after ``half_open_successes`` good probes. 429s open for their Retry-After;
 401/402/403/404 open for a long cooldown; client errors and cancellations are neutral. Slow backends are
 not opened: ``penalty()`` in [0, 1] lowers their rank. Time is always passed in as ``now`` (seconds).
-Defaults follow research §8.2 (marketplace-billing.md).
+Defaults follow the gateways' breakers: a 50 % error rate per minute (LiteLLM's router cooldown) over at least
+10 requests (Portkey's ``minimum_requests``), a doubling cooldown from 10 s capped at 300 s, and OpenRouter's
+uptime tiers (30 min window, at least 100 attempts, healthy ≥ 95 %, fallback-only < 80 %).
 """
 
 from __future__ import annotations
@@ -110,7 +112,7 @@ def classify(
 
 @dataclass(frozen=True, slots=True)
 class BreakerConfig:
-    """Every breaker knob; defaults from research §8.2 (60 s/6-bucket error window, 5 consecutive, ...)."""
+    """Every breaker knob; defaults: 60 s/6-bucket error window, 5 consecutive failures, doubling cooldown, ..."""
 
     window_s: float = 60.0
     window_buckets: int = 6
@@ -303,7 +305,7 @@ class CircuitBreaker:
             if self.state is BreakerState.HALF_OPEN:
                 slo = self.config.ttft_slo_s
                 if outcome is Outcome.SUCCESS and slo is not None and ttft_s is not None and ttft_s > slo:
-                    outcome = Outcome.PROVIDER_FAILURE  # a probe must also be fast enough (research §8.2)
+                    outcome = Outcome.PROVIDER_FAILURE  # a probe must also meet the TTFT SLO to close
                 self._record_probe(outcome, now, retry_after_s)
             else:
                 self._record_closed(outcome, now, retry_after_s)

@@ -8,7 +8,7 @@ are multiplied by the backend's learned factor (observed / predicted time to fir
 |---|---|---|
 | ``queue_wait`` | prefill work queued ahead on the backend | router's outstanding work, engine queue depth |
 | ``slot_wait`` | waiting for a free sequence slot | running requests over ``slots`` × learned decode time |
-| ``own_prefill`` | this request's uncached prefill, decode steps sharing it | index match, running decoders |
+| ``own_prefill`` | this request's uncached prefill, decode steps sharing it | tier-credited match, running decoders |
 | ``kv_pressure`` | admission delay when the new blocks do not fit the free KV | engine KV usage (scraped) |
 | ``eviction`` | what the copy costs others: cache it evicts, recomputed later | index residency vs capacity |
 | ``duplicate_work`` | recomputing a prefix held elsewhere, for the queue behind (none if idle) | extra × (1 + queue) |

@@ -1,4 +1,4 @@
-"""Baseline routers re-implemented from ``shared/research/kv-routing-anchors.md`` as ``Policy`` objects.
+"""Baseline routers re-implemented from the anchors' own source and docs as ``Policy`` objects.
 
 Each one is registered in the shared policy registry under its own name, so the simulator (and any
 experiment) builds it exactly like kvroute's own policies. Round robin and least-load are kvroute's

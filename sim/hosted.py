@@ -9,10 +9,10 @@ A request sent to a ``HostedBackend`` at ``now``:
 - else its first token comes after a lognormal TTFT (``ttft_p50_s``/``ttft_p90_s``, plus
   ``uncached / prefill_tok_s`` when set) and the rest at ``output_tok_s``.
 
-Cache-hit model (OpenAI/DeepSeek-style implicit caching, research §1.6): the provider keeps the prompt blocks
-of requests it served for ``cache_ttl_s`` after their last use; a prompt's leading run of such blocks is
-read from cache with probability ``cache_hit_prob`` (the provider's own replica routing) when it is at least
-``cache_min_tokens`` long. Cached tokens cost ``cached_per_mtok``; prices are Decimal per million tokens.
+Cache-hit model (OpenAI/DeepSeek-style implicit caching, as OpenRouter documents it): the provider keeps the
+prompt blocks of requests it served for ``cache_ttl_s`` after their last use; a prompt's leading run of such
+blocks is read from cache with probability ``cache_hit_prob`` (the provider's own replica routing) when it is at
+least ``cache_min_tokens`` long. Cached tokens cost ``cached_per_mtok``; prices are Decimal per million tokens.
 """
 
 from __future__ import annotations

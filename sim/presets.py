@@ -3,7 +3,7 @@
 Every figure names its source; derived numbers show their arithmetic in the comment beside them.
 ``qwen3-32b-h100-tp2`` reproduces llm-d's calibration (8,192-token chunk at 15,928 tok/s) and its
 KV capacity (307,328 tokens per pod); ``llama-3.1-8b-a100`` is the SGLang v0.4 blog's fleet;
-``cpu-llamacpp-34m`` is the tiny llama.cpp model measured in ``shared/engines/README.md``.
+``cpu-llamacpp-34m`` is a tiny llama.cpp model measured with xllamacpp on a 2-core VM.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def _llama31_8b_a100() -> Preset:
 
 
 def _cpu_llamacpp_34m() -> Preset:
-    # shared/engines/README.md, xllamacpp, 34M model, 1 replica × 2 threads, cold prefill medians:
+    # measured: xllamacpp, 34M model, 1 replica × 2 threads, cold prefill medians:
     # 1013 tok → 1.30 s, 4013 tok → 6.97 s. Fit t = a·n + b·n²: a = 1.130e-3 s/token, b = 1.513e-7
     # (our attention term is attn·n²/2 for one chunk, so attn = 2b). Cached 2013-token prefix: 0.077 s.
     return Preset(
@@ -118,12 +118,12 @@ def _cpu_llamacpp_34m() -> Preset:
         gpus=1,  # "GPU" here means the 2-core VM that runs the replica
         usd_per_gpu_hour=Decimal("0.10"),
         max_model_len=8192,
-        sources=("shared/engines/README.md A2 tables (34M bench preset)",),
+        sources=("xllamacpp measurement, 34M model, 2 threads (cold prefill medians above)",),
     )
 
 
 def _cpu_llamacpp_ci() -> Preset:
-    # shared/engines/README.md, CI preset (7.4M model), 1 replica: cold 1013 tok → 0.177 s, 4013 tok → 1.42 s.
+    # measured: xllamacpp, CI preset (7.4M model), 1 replica: cold 1013 tok → 0.177 s, 4013 tok → 1.42 s.
     # Fit t = a·n + b·n²: a = 1.142e-4 s/token (8,760 tok/s), b = 5.97e-8 → attn = 2b (checks: 2013 tok → 0.47 s,
     # measured 0.452). Decode per token not in the README: 2 ms, as the fake engine's default.
     return Preset(
@@ -143,7 +143,7 @@ def _cpu_llamacpp_ci() -> Preset:
         gpus=1,
         usd_per_gpu_hour=Decimal("0.10"),
         max_model_len=8192,
-        sources=("shared/engines/README.md prefill table (7.4M CI preset)",),
+        sources=("xllamacpp measurement, 7.4M CI model, 1 thread (cold prefill above)",),
     )
 
 

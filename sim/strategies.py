@@ -1,4 +1,4 @@
-"""The four overflow strategies of issue 14 and their figures on one workload.
+"""The four overflow strategies of a self-hosted fleet with hosted overflow and their figures on one workload.
 
 ================== ====================================================== ===========================
 strategy           tiers (tried in order)                                 overflows when

@@ -1,4 +1,4 @@
-"""Workload generators with the anchors' exact parameters (``shared/traces/README.md``), plus chat, RAG,
+"""Workload generators with the anchors' exact parameters (each generator names its source), plus chat, RAG,
 agent loops and unique short prompts. Prompts are segment lists hashed into block keys; no text exists.
 """
 

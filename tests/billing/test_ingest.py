@@ -1,4 +1,4 @@
-"""``kvroute billing ingest`` on SQLite and PostgreSQL: each ingest defect of issue 9 as a test through the CLI.
+"""``kvroute billing ingest`` on SQLite and PostgreSQL: each known ingest defect as a test through the CLI.
 
 Events are dated relative to the real clock (the CLI's late-event window is relative to it).
 """

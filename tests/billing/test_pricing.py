@@ -1,4 +1,4 @@
-"""Rating formulas of research §8.3, price-file validation, JSON event schema."""
+"""Rating formulas, price-file validation, JSON event schema."""
 
 from __future__ import annotations
 

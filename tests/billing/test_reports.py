@@ -1,4 +1,4 @@
-"""Reports reconcile (issue 9, item 6) on SQLite and PostgreSQL: every row adds up, adjustments are in usage,
+"""Reports reconcile on SQLite and PostgreSQL: every row adds up, adjustments are in usage,
 margin and payouts alike, late events' tokens are counted where they are booked, provisional and frozen rows
 mean the same, and ``--by end_user`` breaks a month down per end user."""
 

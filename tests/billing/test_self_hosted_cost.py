@@ -1,4 +1,4 @@
-"""One unit of cost (issue 14, item 2): a GPU-hour rate card gives exact per-Mtok prices, the price file reads
+"""One unit of cost: a GPU-hour rate card gives exact per-Mtok prices, the price file reads
 it, ``token_cost`` charges what the ledger charges, and usage/margin reports split self-hosted and hosted
 (overflow) spend per app by the backend's kind in the price file, on SQLite and PostgreSQL."""
 

@@ -189,6 +189,7 @@ async def test_client_disconnect_mid_stream_releases_the_pick(stack):
                     break
                 await asyncio.sleep(0.25)
             assert status["pending"] == 0, status
+            assert status["backends"] and all(b["inflight"] == 0 for b in status["backends"].values()), status
             metrics = (await c.get(proxy.base_url + "/kvroute/metrics", headers=proxy.headers)).text
             assert 'outcome="cancelled"' in metrics
         finally:

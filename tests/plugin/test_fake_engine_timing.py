@@ -15,7 +15,7 @@ from kvroute.plugin.fake_engine import FakeEngine, FakeEngineConfig, FakeEngineS
 
 
 def test_prefill_cost_matches_the_llamacpp_ci_preset_within_15_percent():
-    # shared/engines/README.md, 7.4M model: cold 1013 tok 0.177 s, 2013 tok 0.452 s, 4013 tok 1.42 s
+    # xllamacpp, 7.4M CI model: cold 1013 tok 0.177 s, 2013 tok 0.452 s, 4013 tok 1.42 s
     engine = FakeEngine(FakeEngineConfig(prefill_tokens_per_s=1 / 1.142e-4))
     for tokens, measured in ((1013, 0.177), (2013, 0.452), (4013, 1.42)):
         assert engine.prefill_seconds(tokens, 0) == pytest.approx(measured, rel=0.15)

@@ -92,7 +92,7 @@ def test_garbage_batches_raise_a_decode_error(payload):
 def test_bad_events_are_counted_and_skipped():
     events = [
         {"type": "BlockStored", "block_hashes": "nope", "token_ids": [], "block_size": 16},
-        {"type": "BlockStored", "block_hashes": [1], "token_ids": [], "block_size": 0},
+        {"type": "BlockStored", "block_hashes": [1], "token_ids": [1, 2], "block_size": 0},  # tokens, no size
         {"type": "BlockStored", "block_hashes": [1.5], "token_ids": [], "block_size": 16},
         {"type": "BlockRemoved", "block_hashes": None},
         42,

@@ -98,7 +98,7 @@ def test_invalid_yaml_and_missing_file(tmp_path, monkeypatch):
     assert err.value.key == "KVROUTE_CONFIG"
 
 
-# --- strict config (issue 10 item 7): every unknown, misplaced or invalid key stops startup, named ----------
+# --- strict config: every unknown, misplaced or invalid key stops startup, named ----------
 @pytest.mark.parametrize(("text", "key"), [
     ("kvroute: {groups: {llama: {knobs: {block_tokens: 64}}}}", "kvroute.groups.llama.knobs"),
     ("kvroute: {groups: {llama: {precise: {sources: []}}}}", "kvroute.groups.llama.precise"),
@@ -110,6 +110,8 @@ def test_invalid_yaml_and_missing_file(tmp_path, monkeypatch):
      "kvroute.groups.llama.precise.sources[0].bnd"),
     ("kvroute: {groups: {llama: {mode: precise, precise: {block_size: -4, metrics: {a: 'http://a'}}}}}",
      "kvroute.groups.llama.precise.block_size"),
+    ("kvroute: {groups: {llama: {mode: precise, precise: {metrics: {a: 'http://a'}, tier_credit: {cpu: 2}}}}}",
+     "kvroute.groups.llama.precise.tier_credit.cpu"),
     ("kvroute: {groups: {llama: {isolation: tenant}}}", "kvroute.groups.llama.isolation"),
     ("kvroute: {billing_db: 'mysql://u@h/db'}", "kvroute.billing_db"),
     ("kvroute: {billing_db: 'postgresql+nodriver://u@h/db'}", "kvroute.billing_db"),

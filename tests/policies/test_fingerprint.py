@@ -167,7 +167,7 @@ def test_deeply_nested_tool_json_and_bad_shapes():
     assert FP.from_kwargs("garbage").kind in {"invalid", "empty"}  # type: ignore[arg-type]
 
 
-# --- keyed chains (issue 10 item 5) -------------------------------------------------------------------------
+# --- keyed chains -----------------------------------------------------------------------------------------
 SECRET = bytes(range(32))
 KEYED = Fingerprinter(FingerprintConfig(chain=ChainKey(SECRET)))
 TEMPLATE = "Bank assistant. Verify the customer before answering. " * 8

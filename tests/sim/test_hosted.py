@@ -1,4 +1,4 @@
-"""Simulated hosted providers (issue 14, item 3): TTFT distribution, prices with cache reads, rate limits with
+"""Simulated hosted providers: TTFT distribution, prices with cache reads, rate limits with
 Retry-After, outages, and their integration with the replica simulator through real policy objects."""
 
 from __future__ import annotations

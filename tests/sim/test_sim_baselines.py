@@ -1,4 +1,4 @@
-"""Baselines against their documented behaviour (shared/research/kv-routing-anchors.md)."""
+"""Baselines against the behaviour their projects document."""
 
 from __future__ import annotations
 

@@ -57,14 +57,14 @@ def test_qwen_preset_reproduces_llmd_calibration() -> None:
 
 def test_cpu_preset_matches_measured_cold_prefill() -> None:
     p = get_preset("cpu-llamacpp-34m")
-    measured = {1013: 1.30, 2013: 2.67, 4013: 6.97}  # shared/engines/README.md, 34M model, 2 threads
+    measured = {1013: 1.30, 2013: 2.67, 4013: 6.97}  # xllamacpp, 34M model, 2 threads
     for tokens, secs in measured.items():
         assert p.cost.cold_prefill_s(tokens) == pytest.approx(secs, rel=0.15)
 
 
 def test_ci_preset_matches_measured_cold_prefill() -> None:
     p = get_preset("cpu-llamacpp-ci")
-    measured = {1013: 0.177, 2013: 0.452, 4013: 1.42}  # shared/engines/README.md, 7.4M CI model
+    measured = {1013: 0.177, 2013: 0.452, 4013: 1.42}  # xllamacpp, 7.4M CI model
     for tokens, secs in measured.items():
         assert p.cost.cold_prefill_s(tokens) == pytest.approx(secs, rel=0.15)
 

@@ -143,7 +143,7 @@ def test_cacheable_prefix_follows_litellm_rule() -> None:
     assert cacheable_prefix([{"role": "user", "content": "x"}]) == []
 
 
-# --- real traces (skipped when ../shared/traces is absent) -----------------------------------------------
+# --- real traces (skipped when the trace files are absent) -----------------------------------------------
 def _need(path: Path) -> Path:
     if not path.exists():
         pytest.skip(f"{path} not present (shared traces are not part of the repository)")
