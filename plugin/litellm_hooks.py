@@ -409,7 +409,8 @@ class KvrouteCallback(CustomLogger):
             self._attach(policy, backends)
             self._attached[id(policy)] = len(backends)
         decision = router.pick(request, [b.id for b in backends], group=group, policy=policy)
-        self.metrics.decision(group, decision.policy, decision.reason.split(":", 1)[0], decision.matched_tokens)
+        self.metrics.decision(group, decision.policy, decision.reason.split(":", 1)[0], decision.matched_tokens,
+                              decision.wasted_prefill_tokens)
         if decision.why is not None:
             hybrid.observe_decision(self.metrics, group, policy, decision, now)
         if decision.backend is None:

@@ -47,3 +47,24 @@ async def test_repeats_of_one_long_prompt_stay_on_the_first_replica_and_are_cach
         assert cached >= 0.9 * prompt, seen  # the engine computed only the new question
     assert cb.metrics.registry.get_sample_value("kvroute_decisions_total", {
         "group": "llama", "policy": "cache_aware", "reason": "prefix_spill"}) is None
+    assert not cb.metrics.registry.get_sample_value("kvroute_wasted_prefill_tokens_total", {"group": "llama"})
+
+
+async def test_wasted_prefill_counter_counts_what_round_robin_recomputes():
+    """The proxy-side counter: prompt tokens a pick sends to a replica while another held them (index at the pick).
+    Round robin over two replicas recomputes the long prompt once on the second; kvroute never does here."""
+    import litellm
+
+    capacity = 65536
+    cb = KvrouteCallback(KvrouteSettings(groups={"llama": {"policy": "round_robin"}}).check_policies(),
+                         metrics=Metrics(CollectorRegistry()), mount=False)
+    async with fleet(2, capacity=capacity) as servers:
+        with installed(cb):
+            router = litellm.Router(model_list=model_list(servers, capacity), num_retries=0)
+            send = sender(router)
+            system = {"role": "system", "content": SYSTEM * 450}
+            for i in range(4):
+                await send([system, {"role": "user", "content": f"q{i}"}])
+            await litellm_flush(cb)
+    wasted = cb.metrics.registry.get_sample_value("kvroute_wasted_prefill_tokens_total", {"group": "llama"})
+    assert 6000 < wasted < 6400  # the second request prefilled the ~6.3k-token prompt the first replica held
