@@ -1,7 +1,7 @@
 """rerate_run: applied re-rates (who, when, what changed); usage_event/usage_adjustment.rerate_run_id mark them
 
-Revision ID: 0003_rerate
-Revises: 0002
+Revision ID: 0004
+Revises: 0003
 Create Date: 2026-12-01
 """
 
@@ -12,8 +12,8 @@ from alembic import op
 
 import kvroute.billing.models
 
-revision = '0003_rerate'
-down_revision = '0002'
+revision = '0004'
+down_revision = '0003'
 branch_labels = None
 depends_on = None
 
