@@ -34,12 +34,13 @@ from kvroute.billing.money import ZERO
 from kvroute.billing.usage import TokenBuckets
 from kvroute.policies.errors import InputError
 
-#: The columns a re-rate may change on an open month's event.
-RATED = ("provider_cost_computed", "provider_cost", "absorbed_cost", "cost_source", "cost_rate_id", "price_book_id",
-         "price_book_version", "price_rule_id", "markup_amount", "surcharge_amount", "fee_amount", "billed_amount",
-         "currency")
+#: The columns a re-rate may change on an open month's event: its money, and the provider and route kind it is rated
+#: under (the price file's once it declares the backend, so a late ``load-prices`` renames an open month's rows too).
+RATED = ("provider", "route_kind", "provider_cost_computed", "provider_cost", "absorbed_cost", "cost_source",
+         "cost_rate_id", "price_book_id", "price_book_version", "price_rule_id", "markup_amount", "surcharge_amount",
+         "fee_amount", "billed_amount", "currency")
 _READ = ("event_id", "request_id", "attempt_no", "is_final_attempt", "app_id", "occurred_at", "period",
-         "booked_period", "served_model", "provider", "backend_id", "route_kind", "status", "input_uncached_tokens",
+         "booked_period", "served_model", "backend_id", "status", "input_uncached_tokens",
          "cache_read_tokens", "cache_write_5m_tokens", "cache_write_1h_tokens", "output_tokens", "reasoning_tokens",
          "provider_cost_reported", "litellm_cost", *RATED)
 

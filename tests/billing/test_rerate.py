@@ -165,6 +165,32 @@ def test_events_booked_before_load_prices_are_priced_by_a_rerate(db_url: str) ->
     assert row["unpriced_events"] == 0 and _dec(row["billed_amount"]) == 4 * cost * Decimal("1.2")
 
 
+def test_a_rerate_moves_rows_booked_before_load_prices_to_the_declared_provider_and_rule(db_url: str) -> None:
+    """Rows booked as the deployment saw them (``openai``, ``direct``) take the provider and route kind the price file
+    declares for their backend once it is loaded, and with them the rule that matches that route kind."""
+    ledger = Ledger.open(db_url)
+    try:
+        ledger.insert_events(_events(11, 3, provider="openai", route_kind="direct", provider_cost=COST))
+    finally:
+        ledger.close()
+    data = _prices("0.10")
+    data["price_books"][0]["rules"] = [{"name": "hosted", "match": {"route_kind": "marketplace"}, "markup_pct": "20%"},
+                                       {"name": "other", "markup_pct": "0%"}]
+    ledger = Ledger.open(db_url)
+    try:
+        _load(ledger, data)
+        apply_rerate(ledger, "2026-11", created_by="dave")
+        with ledger.engine.connect() as conn:
+            kinds = set(conn.execute(select(UsageEventRow.provider, UsageEventRow.route_kind)
+                                     .where(UsageEventRow.app_id == "acme")))
+    finally:
+        ledger.close()
+    assert kinds == {("openrouter", "marketplace")}
+    row = _margin(db_url, "2026-11")["acme"]
+    assert _dec(row["billed_amount"]) == 3 * COST * Decimal("1.2")
+    assert _dec(row["hosted_cost"]) == 3 * COST and _dec(row["self_hosted_cost"]) == 0
+
+
 def test_rerate_names_a_bad_month_and_a_missing_ledger(tmp_path: Path) -> None:
     r = runner.invoke(billing_app, ["rerate", "--month", "2026-13", "--db", str(tmp_path / "l.db")])
     assert r.exit_code == 2 and "--month: expected YYYY-MM" in r.output
