@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,6 +104,7 @@ def test_unreadable_and_missing_files(tmp_path):
     assert out.returncode == 1 and problems(out, broken)[0].startswith("cannot read it as YAML")
 
 
+@pytest.mark.slow
 def test_live_says_what_does_not_answer(tmp_path):
     port = closed_port()
     out = check(EXAMPLE, "--live", "--timeout", "1", **example_env(f"http://127.0.0.1:{port}"),

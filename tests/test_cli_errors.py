@@ -68,6 +68,7 @@ MISSING = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("args", "command", "extra"), MISSING, ids=[m[1] for m in MISSING])
 def test_bare_wheel_names_the_missing_extra(wheel_python, tmp_path, args, command, extra):
     out = run_without(wheel_python, ALL_EXTRA_MODULES, args, tmp_path)
@@ -76,6 +77,7 @@ def test_bare_wheel_names_the_missing_extra(wheel_python, tmp_path, args, comman
     assert not (tmp_path / ".kvroute").exists()
 
 
+@pytest.mark.slow  # builds and installs the wheel into a fresh venv (farm_python)
 def test_demo_on_llamacpp_names_the_engines_extra(farm_python, tmp_path):
     out = run_without(farm_python, list(EXTRAS["engines"]), ["demo", "--engine", "llamacpp"], tmp_path)
     assert out.returncode == 2
@@ -83,6 +85,7 @@ def test_demo_on_llamacpp_names_the_engines_extra(farm_python, tmp_path):
                              "pip install 'kvroute[engines]'")
 
 
+@pytest.mark.slow
 def test_bare_wheel_runs_what_needs_no_extra(wheel_python, tmp_path):
     """The routing core's commands work with the core dependencies alone."""
     env = dict.fromkeys(["EXAMPLE_REPLICA_1_API_BASE", "EXAMPLE_REPLICA_2_API_BASE", "EXAMPLE_REPLICA_3_API_BASE",
@@ -113,6 +116,7 @@ def kvroute(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProce
                           timeout=120)
 
 
+@pytest.mark.slow
 def test_unreachable_database_is_one_line_and_debug_shows_the_traceback(tmp_path):
     db = f"postgresql+psycopg://kvroute@127.0.0.1:{closed_port()}/nowhere"
     for args in (["report", "margin", "--period", "2026-10"], ["billing", "ingest", str(EXAMPLES / "usage.jsonl")]):
@@ -134,6 +138,7 @@ def test_report_on_a_missing_ledger_says_so_and_creates_nothing(tmp_path):
     assert not (tmp_path / ".kvroute").exists()
 
 
+@pytest.mark.slow
 def test_bad_settings_and_missing_files_are_one_line_naming_the_key_or_file(tmp_path):
     bad_env = kvroute(["billing", "close-period", "--period", "2026-10", "--db", str(tmp_path / "l.db")], tmp_path,
                       KVROUTE_BILLING_GRACE_HOURS="soon")

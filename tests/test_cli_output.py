@@ -37,6 +37,7 @@ def ledger(tmp_path_factory) -> str:
     return db
 
 
+@pytest.mark.slow
 def test_sample_usage_reports_every_app_and_the_fallback(ledger):
     out = kvroute("report", "margin", "--period", "2026-10", "--format", "json", "--db", ledger)
     assert out.returncode == 0, out.stderr
@@ -48,6 +49,7 @@ def test_sample_usage_reports_every_app_and_the_fallback(ledger):
     assert billed and all(int(r["requests_total"]) == 0 for r in billed)  # the failed attempt bills nobody
 
 
+@pytest.mark.slow
 def test_piped_report_table_keeps_every_row_on_one_line_uncut(ledger):
     out = kvroute("report", "margin", "--period", "2026-10", "--db", ledger)
     assert out.returncode == 0, out.stderr
@@ -72,6 +74,7 @@ def test_lint_excerpts_print_no_markup(tmp_path):
     assert rows and rows[0]["kind"] == "timestamp" and rows[0]["app"]
 
 
+@pytest.mark.slow
 def test_simulate_prints_table_json_and_csv():
     args = ["simulate", "-w", "gsp", "-r", "2", "-q", "-p", "groups=4", "-p", "prompts_per_group=4",
             "--policies", "round_robin,cache_aware"]

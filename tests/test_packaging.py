@@ -20,6 +20,7 @@ def wheel(tmp_path_factory) -> Path:
     return build_wheel(tmp_path_factory.mktemp("wheel"))
 
 
+@pytest.mark.slow
 def test_wheel_holds_every_module_under_the_kvroute_namespace(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names}
@@ -34,6 +35,7 @@ def test_wheel_holds_every_module_under_the_kvroute_namespace(wheel):
     assert "kvroute = kvroute.plugin.cli:main" in entry
 
 
+@pytest.mark.slow
 def test_wheel_installs_and_imports_in_a_fresh_venv(wheel, tmp_path):
     env_dir = tmp_path / "venv"
     py = install_wheel(wheel, env_dir)
@@ -150,6 +152,7 @@ def test_every_requirements_file_that_is_named_exists():
             assert (ROOT / path).is_file(), f"{source} names {path}, which does not exist"
 
 
+@pytest.mark.slow
 def test_sdist_holds_the_code_and_builds_the_same_wheel(wheel, tmp_path):
     import tarfile
 
@@ -185,6 +188,7 @@ def test_reference_page_documents_every_price_file_and_event_field():
     assert not missing, missing
 
 
+@pytest.mark.slow
 def test_the_test_run_silences_third_party_warnings(tmp_path):
     """A test that builds a LiteLLM Router (pydantic's ReadOnly warnings, LiteLLM's deprecations) warns nothing."""
     probe = tmp_path / "test_probe.py"

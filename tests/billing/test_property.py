@@ -164,6 +164,7 @@ def test_random_events_postgresql(pg_url: str) -> None:
     run_property(pg_url, 10000, seed=7)
 
 
+@pytest.mark.slow
 @settings(max_examples=8, deadline=None)
 @given(st.integers(min_value=0, max_value=2**32))
 def test_small_random_ledgers(tmp_path_factory: pytest.TempPathFactory, seed: int) -> None:

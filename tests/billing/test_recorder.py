@@ -48,6 +48,7 @@ def _ids(url: str) -> list[str]:
         led.close()
 
 
+@pytest.mark.slow
 def test_record_batches_and_is_idempotent(db_url: str, tmp_path: Path) -> None:
     rec = UsageRecorder(db_url, tmp_path / "spool", batch_size=100, flush_interval_s=0.05).start()
     try:
@@ -149,6 +150,7 @@ class _Cuttable:
         self.listener.close()
 
 
+@pytest.mark.slow
 def test_postgres_outage_spools_and_replays(pg_url: str, tmp_path: Path) -> None:
     from sqlalchemy.engine import make_url
     url = make_url(pg_url)
@@ -176,6 +178,7 @@ def test_postgres_outage_spools_and_replays(pg_url: str, tmp_path: Path) -> None
     assert len(ids) == len(set(ids)) == 501
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_every_recorded_event_survives_a_kill_without_any_flush(tmp_path: Path, sig: signal.Signals) -> None:
     """record() returned = in the journal: kill -9 / SIGTERM right after, with the database down, loses nothing."""
@@ -207,6 +210,7 @@ def test_every_recorded_event_survives_a_kill_without_any_flush(tmp_path: Path, 
     assert not list(journal.glob("journal-*.jsonl")) and rec.stats.dead_lettered == 0
 
 
+@pytest.mark.slow
 def test_kill_during_ingest_loses_and_duplicates_nothing(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'billing.db'}"
     src = tmp_path / "events.jsonl"
@@ -229,6 +233,7 @@ def test_kill_during_ingest_loses_and_duplicates_nothing(tmp_path: Path) -> None
     assert len(ids) == len(set(ids)) == N_KILL
 
 
+@pytest.mark.slow
 def test_kill_during_recording_keeps_every_recorded_event(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'billing.db'}"
     Ledger.open(url).close()
@@ -326,6 +331,7 @@ def test_an_unreadable_journal_line_is_dead_lettered(tmp_path: Path) -> None:
     assert "invalid event" in entry.error and entry.source.startswith("replay:")
 
 
+@pytest.mark.slow
 def test_two_processes_write_at_once(db_url: str, tmp_path: Path) -> None:
     """Two workers start on a fresh database at once (both run the migrations) and write overlapping events."""
     procs = [_spawn("record", db_url, str(tmp_path / "journal"), str(start), "3000", "1000")
@@ -350,6 +356,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_one_drainer_process_per_folder_taken_over_after_kill_9(tmp_path: Path) -> None:
     """Two recorders (two proxy workers) share one drainer process; kill -9 of it: a new one takes over."""
     from kvroute.billing.drain import drainer_running, read_stats

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -45,6 +46,7 @@ def payloads(draw: st.DrawFn) -> tuple[dict, dict, dict]:
     return kwargs, {"usage": usage, "choices": [{"finish_reason": draw(text)}]}, call
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(payloads())
 def test_every_built_event_round_trips_through_replay(payload: tuple[dict, dict, dict]) -> None:
@@ -67,6 +69,7 @@ def test_every_built_event_round_trips_through_replay(payload: tuple[dict, dict,
     assert back.event_id == event.event_id and back.to_line() == line
 
 
+@pytest.mark.slow
 def test_recorder_stores_or_dead_letters_every_generated_event(tmp_path: Path) -> None:
     """Drive the recorder with a sample of generated payloads: each ends in the ledger or the dead letters."""
     events = []

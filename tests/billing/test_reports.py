@@ -258,6 +258,7 @@ def run_reconciliation(url: str, n: int, seed: int) -> None:
         ledger.close()
 
 
+@pytest.mark.slow
 @settings(max_examples=6, deadline=None)
 @given(st.integers(min_value=0, max_value=2**32))
 def test_random_ledgers_reconcile(tmp_path_factory: pytest.TempPathFactory, seed: int) -> None:
@@ -265,6 +266,7 @@ def test_random_ledgers_reconcile(tmp_path_factory: pytest.TempPathFactory, seed
     run_reconciliation(f"sqlite:///{path}", 300, seed)
 
 
+@pytest.mark.slow
 def test_random_ledger_reconciles_on_postgresql(pg_url: str) -> None:
     run_reconciliation(pg_url, 1500, seed=20261201)
 

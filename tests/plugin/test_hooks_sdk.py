@@ -75,6 +75,7 @@ def sample(metrics: Metrics, name: str, **labels) -> float:
     return metrics.registry.get_sample_value(name, labels) or 0.0
 
 
+@pytest.mark.slow
 async def test_kvroute_beats_simple_shuffle_on_cached_tokens():
     async with fleet(4, capacity=12000) as servers:
         shuffle = litellm.Router(model_list=model_list(servers), num_retries=0)

@@ -108,6 +108,7 @@ def test_breaker_config_errors_name_the_key():
     assert err.value.key == "kvroute.breaker.error_rate"
 
 
+@pytest.mark.slow
 def test_singleton_is_lazy_and_bad_config_names_the_key(tmp_path):
     import os
     import subprocess

@@ -37,6 +37,7 @@ def test_cache_ram_mib_holds_the_tokens_rounded_up_to_at_least_one_mib():
     assert [small.cache_ram_mib(n) for n in (0, 1, 256, 257, 4032)] == [1, 1, 1, 2, 16]
 
 
+@pytest.mark.slow
 def test_generation_is_deterministic_and_cached(model_cache, tmp_path):
     model = ensure_tiny_model(PRESETS["small"], model_cache)
     assert model.gguf.stat().st_size > 10_000_000

@@ -16,6 +16,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import llamacpp_agent as bench  # noqa: E402
 
 
+@pytest.mark.slow
 def test_sessions_grow_turn_by_turn_past_the_replica_cache():
     shape = bench.AgentShape()  # the bench's default shape
     sessions = bench.build_sessions(shape)

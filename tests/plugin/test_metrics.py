@@ -5,6 +5,7 @@ from __future__ import annotations
 from decimal import Decimal
 
 import httpx
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
@@ -103,6 +104,7 @@ if sys.argv[3] == "read":
 """
 
 
+@pytest.mark.slow
 def test_multiprocess_mode_sums_every_worker(tmp_path):
     """Three worker processes write to one PROMETHEUS_MULTIPROC_DIR; any one of them exposes the sum."""
     import os

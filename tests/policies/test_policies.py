@@ -167,6 +167,7 @@ def test_prefix_hash_routes_stable_start_and_skips_short():
     assert short.skipped == "short_prompt"
 
 
+@pytest.mark.slow
 @given(st.integers(2, 12), st.integers(0, 2**31 - 1))
 def test_cache_aware_hot_spot_bound_in_busy_seconds_under_cold_traffic(n, seed):
     """Cold work (moving it costs nothing; nobody holds it) never lands on a backend over (1+ε)·mean + floor

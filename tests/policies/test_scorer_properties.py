@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -52,6 +53,7 @@ def test_scorers_ignore_backend_and_last_pick_and_only_resident_scorers_read_the
             assert f(other, speed) == f(c, speed), n
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None)
 @given(candidates())
 def test_an_idle_backend_with_no_cache_and_unknown_capacity_scores_lowest(pair):

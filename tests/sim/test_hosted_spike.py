@@ -27,6 +27,7 @@ needs_trace = pytest.mark.skipif(not TRACE.exists(), reason="shared Azure trace 
 SMALL = {"before_s": 90.0, "spike_s": 90.0, "after_s": 90.0}
 
 
+@pytest.mark.slow
 @needs_trace
 def test_spike_triples_the_trace_arrivals_inside_its_window_only() -> None:
     base, window = azure_spike(TRACE, factor=1, **SMALL)
@@ -72,6 +73,7 @@ def test_spike_refuses_bad_windows(tmp_path: Path) -> None:
         azure_spike(short)
 
 
+@pytest.mark.slow
 @needs_trace
 def test_strategies_on_a_small_spike_trade_latency_for_cost_as_expected() -> None:
     preset = get_preset("qwen3-32b-h100-tp2")
@@ -161,6 +163,7 @@ def test_simulate_hosted_bad_file_names_file_and_key(tmp_path: Path) -> None:
     assert res.exit_code == 2 and "--hosted" in res.output
 
 
+@pytest.mark.slow
 @needs_trace
 def test_bench_quick_json_reports_every_strategy_and_the_targets(capsys: pytest.CaptureFixture[str]) -> None:
     sys.path.insert(0, str(ROOT / "bench"))
