@@ -153,6 +153,9 @@ def golden(tmp_path_factory):
                         for stream in (False, True):
                             sent.append(chat(proxy, app, group, stream, i))
             sent.append(chat(proxy, "unattributed", "hosted", False, 0))
+            refused = httpx.post(proxy.base_url + "/v1/chat/completions", headers={"Authorization": "Bearer sk-nobody"},
+                                 json={"model": "hosted", "messages": [{"role": "user", "content": "hi"}]},
+                                 timeout=60, trust_env=False).status_code
             for url in replicas.base_urls:  # every replica fails: LiteLLM falls back to the hosted group
                 set_fault(url, "500")
             fallback = [chat(proxy, app, "llama", stream, 5) for app in ("acme", "beta") for stream in (False, True)]
@@ -170,7 +173,8 @@ def golden(tmp_path_factory):
             metrics = httpx.get(proxy.base_url + "/kvroute/metrics", headers=proxy.headers, timeout=10,
                                 trust_env=False).text
             yield {"proxy": proxy, "sent": sent, "fallback": fallback, "usage": usage, "margin": margin,
-                   "loaded": loaded, "metrics": metrics, "recorder": recorder}
+                   "loaded": loaded, "metrics": metrics, "recorder": recorder,
+                   "refused": refused}
 
 
 def test_load_prices_declares_the_examples_backends(golden):
@@ -229,6 +233,12 @@ def test_usage_report_splits_self_hosted_and_hosted_by_the_same_route_kind(golde
         self_hosted = identity(row["backend_id"])[1] == "self_hosted"
         assert (Decimal(str(row["self_hosted_cost"])), Decimal(str(row["hosted_cost"]))) == (
             (cost, Decimal(0)) if self_hosted else (Decimal(0), cost)), row
+
+
+def test_an_unlisted_key_is_refused_and_no_key_is_logged(golden):
+    assert golden["refused"] == 401
+    log = golden["proxy"].log_text()
+    assert not any(key in log for key in (*KEYS.values(), "sk-nobody"))
 
 
 def test_master_key_traffic_is_unattributed_counted_and_warned(golden):
