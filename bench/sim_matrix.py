@@ -154,6 +154,23 @@ def _print(cell: dict) -> None:
         print(f"  checks: {cell['checks']}", flush=True)
 
 
+def summary(cells: list[dict]) -> list[str]:
+    """One line per cell: kvroute's p90 vs the best anchor's, wasted prefill vs the best and the least-wasting
+    anchor, and the gap to the floor."""
+    out = [f"{'cell':20s} {'kvroute p90':>11s} {'best anchor':>26s} {'ratio':>6s} {'wasted kvroute':>14s} "
+           f"{'best anchor':>12s} {'least (anchor)':>30s} {'floor p90':>9s} {'gap':>7s}"]
+    for cell in cells:
+        c = cell.get("checks")
+        if not c:
+            continue
+        best = f"{c['best_baseline']} {c['best_baseline_p90_s']:.3f}"
+        least = f"{c['least_anchor_wasted_tokens']:,} ({c['least_wasting_anchor']})"
+        out.append(f"{cell['cell']:20s} {c['kvroute_p90_s']:11.3f} {best:>26s} {c['ratio_to_best']:6.3f} "
+                   f"{c['kvroute_wasted_tokens']:14,} {c['best_anchor_wasted_tokens']:12,} {least:>30s} "
+                   f"{c['kvroute_floor_p90_s']:9.3f} {c['kvroute_gap_to_floor_p90']:6.2f}x")
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="Smaller generated workloads (trace cells unchanged "
@@ -162,7 +179,12 @@ def main() -> int:
     ap.add_argument("--only", default="", help="Comma-separated cells (default: all).")
     ap.add_argument("--policies", default="", help="Comma-separated policies (default: all of them).")
     ap.add_argument("--jsonl", type=Path, default=None, help="Also write one JSON object per cell to this file.")
+    ap.add_argument("--summary-of", type=Path, default=None, help="Print the summary of a --jsonl file and exit.")
     a = ap.parse_args()
+    if a.summary_of is not None:
+        lines = [json.loads(x) for x in a.summary_of.read_text(encoding="utf-8").splitlines() if x.strip()]
+        print("\n".join(summary([c for c in lines if "cell" in c])))
+        return 0
     names = [n for n in a.only.split(",") if n] or list(CELLS)
     unknown = [n for n in names if n not in CELLS]
     if unknown:
@@ -172,8 +194,10 @@ def main() -> int:
     wins = total = 0
     misses = []
     sink = a.jsonl.open("w", encoding="utf-8") if a.jsonl is not None else None
+    cells = []
     for name in names:
         cell = run_cell(name, a.quick, policies)
+        cells.append(cell)
         if sink is not None:
             sink.write(json.dumps(cell) + "\n")
             sink.flush()
@@ -196,6 +220,7 @@ def main() -> int:
     if a.json_out:
         sys.stdout.write(json.dumps({"summary": line, "missed_targets": misses}) + "\n")
     else:
+        print("\n" + "\n".join(summary(cells)))
         print(f"\n{line}")
         if misses:
             print("missed targets: " + "; ".join(misses))
