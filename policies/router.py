@@ -43,6 +43,7 @@ class _Pending:
     matched_blocks: int  # leading blocks the index said the backend held at pick time
     confirmed_blocks: int  # of those, blocks already computed (not another request's prefill in progress)
     settled: bool = False  # its own new blocks are computed (first token) or given up
+    answered_at: float | None = None  # the answer is back (``on_answered``); its outcome may come later
 
 
 class Router:
@@ -261,7 +262,11 @@ class Router:
         """The backend's answer is back (its outcome may be reported later): release the request's load now, so
         the next request does not see a replica that has finished as still busy. ``on_complete`` still
         confirms the index (its own release is then a no-op)."""
-        self.state.load.release(request_id, self.clock())
+        now = self.clock()
+        self.state.load.release(request_id, now)
+        pending = self._pending.get(request_id)
+        if pending is not None and pending.answered_at is None:
+            pending.answered_at = now
 
     def on_complete(self, request_id: str, cached_tokens: int | None = None,
                     backend: str | None = None) -> None:
@@ -304,8 +309,11 @@ class Router:
 
     def expire(self) -> int:
         """Release requests older than ``max_request_age_s`` (callbacks that never came)."""
-        released = self.state.load.expire(self.clock(), self.config.max_request_age_s)
-        for rid in [rid for rid in self._pending if self.state.load.backend_of(rid) is None]:
+        now = self.clock()
+        max_age = self.config.max_request_age_s
+        released = self.state.load.expire(now, max_age)
+        for rid in [rid for rid, p in self._pending.items() if self.state.load.backend_of(rid) is None
+                    and (p.answered_at is None or now - p.answered_at > max_age)]:
             self._settle(self._pending.pop(rid))
         return released
 
