@@ -1,4 +1,4 @@
-"""Baseline routers re-implemented from the anchors' own source and docs as ``Policy`` objects.
+"""Baseline routers re-implemented from their upstream sources (2025 forms) as ``Policy`` objects.
 
 Each one is registered in the shared policy registry under its own name, so the simulator (and any
 experiment) builds it exactly like kvroute's own policies. Round robin and least-load are kvroute's
@@ -253,10 +253,11 @@ class DynamoApprox:
                                                         block_tokens=bt, ttl_s=cfg.ttl_s))
         matches = self._index.match(request.keys, candidates, now)
         prompt_blocks = math.ceil(request.prompt_tokens / bt)
+        active = {b: state.load.prefill_tokens(b) / bt for b in candidates}
+        credit = self.credit(active, prompt_blocks)
         costs: dict[str, float] = {}
         for b in candidates:
-            active_prefill = state.load.prefill_tokens(b) / bt
-            adjusted = max(active_prefill + prompt_blocks - cfg.overlap_credit * matches.get(b, 0), 0.0)
+            adjusted = max(active[b] + prompt_blocks - credit[b] * matches.get(b, 0), 0.0)
             costs[b] = cfg.prefill_load_scale * adjusted + self._decode_blocks.get(b, 0)
         low = min(costs.values())
         tied = [b for b in candidates if costs[b] <= low + 1e-9]
@@ -269,6 +270,10 @@ class DynamoApprox:
             self._active[request.request_id] = (backend, prompt_blocks)
             self._decode_blocks[backend] = self._decode_blocks.get(backend, 0) + prompt_blocks
         return _decision(self.name, request, backend, "min_cost", matches.get(backend, 0), costs)
+
+    def credit(self, active_prefill_blocks: Mapping[str, float], prompt_blocks: int) -> dict[str, float]:
+        """Device-overlap credit per matched block, per worker (constant in this form)."""
+        return dict.fromkeys(active_prefill_blocks, self.config.overlap_credit)
 
     def on_request_done(self, rid: str, backend: str | None, now: float) -> None:
         got = self._active.pop(rid, None)
@@ -432,9 +437,14 @@ BASELINES: dict[str, tuple[type, type]] = {
 for _name, (_cls, _cfg) in BASELINES.items():
     register_policy(_name, _cls, _cfg)
 
+import kvroute.sim.anchors2026  # noqa: E402,F401  (registers the 2026 anchors, which build on the classes above)
+
+#: the anchors as their projects ship them in 2026 (``kvroute.sim.anchors2026``)
+ANCHORS_2026 = ("smg_2026", "llmd_2026", "dynamo_2026", "vllm_sticky_least_loaded")
+
 #: kvroute's default first, then every baseline, in the order reports list them.
 DEFAULT_LINEUP = (DEFAULT_POLICY, "round_robin", "random", "least_load", "litellm_prompt_caching",
-                  "sglang_cache_aware", "llmd_approx", "dynamo", "oracle")
+                  "sglang_cache_aware", "llmd_approx", "dynamo", *ANCHORS_2026, "oracle")
 
 #: upper references reported beside the baselines (exact engine state; not counted as baselines to beat)
 REFERENCES = ("oracle_ttft", "kvroute_precise")

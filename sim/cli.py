@@ -86,8 +86,8 @@ def build_workload(spec: str, block_tokens: int, params: dict[str, Any], *, spee
 
 
 def simulate_command(
-    workload: str = typer.Option(..., "--workload", "-w", help="gsp|llmd-ladder|prefix-repetition|prefix-ratio|chat|"
-                                 "rag|agent|unique or mooncake:PATH|kvct:PATH|azure:PATH|log:PATH"),
+    workload: str = typer.Option(..., "--workload", "-w", help="gsp|one-shared-prefix|llmd-ladder|prefix-repetition|"
+                                 "prefix-ratio|chat|rag|agent|unique or mooncake:PATH|kvct:PATH|azure:PATH|log:PATH"),
     replicas: int = typer.Option(8, "--replicas", "-r", min=1),
     policies: str = typer.Option("", "--policies", help="Comma-separated; default: kvroute's default + baselines."),
     preset: str = typer.Option("qwen3-32b-h100-tp2", "--preset"),

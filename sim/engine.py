@@ -192,11 +192,27 @@ def simulate(workload: Workload, policy: Policy | str, fleet: FleetConfig,
             release_successors(x, now)
             return
         ri = by_name[decision.backend]
+        mark_held(live, ri)
         replica_requests[ri] += 1
         queue_samples.append(sum(len(r.waiting) for r in replicas))
         loop.admit(ri, live, now)
         if progress is not None and routed % 2000 == 0:
             progress(routed, n)
+
+    def mark_held(live: Live, ri: int) -> None:
+        """What the fleet held of this prompt at arrival: another replica's computed prefix (wasted-prefill
+        figure) and the floor (prefill of what no replica held or was completing, alone on this replica)."""
+        limit = (live.prompt - 1) // bt  # an engine never reuses a prompt's last token
+        other = held_any = 0
+        for j, rep in enumerate(replicas):
+            computed, coming = rep.held_blocks(live.keys, limit)
+            if j != ri and computed > other:
+                other = computed
+            if coming > held_any:
+                held_any = coming
+        live.held_elsewhere = other * bt
+        cached = held_any * bt
+        live.floor_s = replicas[ri].cost.prefill_alone_s(cached, live.prompt - cached)
 
     def step_done(rep: Replica, first: list[Live], done: list[Live], now: float) -> None:
         for r in first:

@@ -1,4 +1,11 @@
-"""Per-policy figures from one run: hit rate, TTFT percentiles, throughput, queue, hotspot, cost per task."""
+"""Per-policy figures from one run: hit rate, TTFT percentiles, throughput, queue, hotspot, cost per task.
+
+Two figures judge placement against the limit. *Wasted prefill*: prompt tokens a replica computed although
+another replica had them computed when the request arrived (exact engine caches). *The floor*: per request,
+the TTFT of prefilling only what no replica held (computed, or completing in the step running) at arrival,
+alone on an idle replica of the fleet's speed model, with no wait; no router beats it on that run, and
+``gap_to_floor_p90`` = TTFT p90 / floor p90 says how close a policy came.
+"""
 
 from __future__ import annotations
 
@@ -48,6 +55,10 @@ class PolicyMetrics:
     evictions: int
     wall_s: float
     router_errors: int
+    wasted_prefill_tokens: int = 0
+    wasted_prefill_share: float = 0.0
+    floor_p50_s: float = math.nan
+    floor_p90_s: float = math.nan
     reasons: dict[str, int] = field(default_factory=dict)
     stage_ttft_p90: list[tuple[str, float]] = field(default_factory=list)
 
@@ -62,7 +73,19 @@ class PolicyMetrics:
             "output_tok_s": round(self.output_tok_s, 1),
             "hotspot": round(self.hotspot, 3),
             "cost_per_task": float(self.cost_per_task),
+            "wasted_prefill_tokens": self.wasted_prefill_tokens,
+            "wasted_prefill_share": round(self.wasted_prefill_share, 4),
+            "floor_p50_s": _r(self.floor_p50_s),
+            "floor_p90_s": _r(self.floor_p90_s),
+            "gap_to_floor_p90": _r(self.gap_to_floor_p90),
         }
+
+    @property
+    def gap_to_floor_p90(self) -> float:
+        """TTFT p90 over the floor's p90 (≥ 1: the floor is below every request's TTFT, so its p90 is too)."""
+        if not (math.isfinite(self.ttft_p90_s) and math.isfinite(self.floor_p90_s)) or self.floor_p90_s <= 0:
+            return math.nan
+        return self.ttft_p90_s / self.floor_p90_s
 
 
 def _r(x: float) -> float:
@@ -80,6 +103,8 @@ def summarize(result: RunResult, workload: Workload, fleet: FleetConfig) -> Poli
         fp_prompt = sum(r.prompt for r in fp)
         first_pass = sum(max(0, r.hit_tokens) for r in fp) / fp_prompt if fp_prompt else None
     ttfts = [r.first_token_at - r.arrival for r in done]
+    wasted = sum(max(0, r.held_elsewhere - max(0, r.hit_tokens)) for r in done)
+    floors = [r.floor_s for r in done if r.floor_s >= 0]
     start = min((r.arrival for r in result.requests), default=0.0)
     end = max((r.done_at for r in result.requests), default=start)
     makespan = max(end - start, 1e-9)
@@ -120,6 +145,10 @@ def summarize(result: RunResult, workload: Workload, fleet: FleetConfig) -> Poli
         evictions=result.evictions,
         wall_s=result.wall_s,
         router_errors=result.router_errors,
+        wasted_prefill_tokens=wasted,
+        wasted_prefill_share=wasted / prompt if prompt else 0.0,
+        floor_p50_s=percentile(floors, 50),
+        floor_p90_s=percentile(floors, 90),
         reasons=dict(result.reasons),
         stage_ttft_p90=stage_p90,
     )

@@ -48,6 +48,8 @@ class Live:
     decoding: bool = False
     gen_base: int = 0
     epoch: int = 0
+    held_elsewhere: int = 0  # prefix tokens another replica had computed when it arrived (wasted-prefill figure)
+    floor_s: float = -1.0  # its TTFT floor: prefill of what no replica held at arrival, alone, no wait
 
 
 @dataclass(slots=True)
@@ -120,6 +122,30 @@ class Replica:
             else:
                 break
         return n
+
+    def held_blocks(self, keys: list[int], limit: int) -> tuple[int, int]:
+        """Leading blocks of ``keys[:limit]`` computed here, and computed or completing in the step running now."""
+        pinned, ev = self.pinned, self.evictable
+        n = 0
+        for k in keys[:limit]:
+            if k in pinned or k in ev:
+                n += 1
+            else:
+                break
+        step = self.step
+        if step is None or not step.chunks or n >= limit:
+            return n, n
+        bt = self.block_tokens
+        coming: set[int] = set()
+        for r, c in step.chunks:
+            coming.update(r.keys[r.computed // bt: (r.computed + c) // bt])
+        m = n
+        for k in keys[n:limit]:
+            if k in coming or k in pinned or k in ev:
+                m += 1
+            else:
+                break
+        return n, m
 
     def known_blocks(self, keys: list[int]) -> int:
         """Leading blocks of ``keys`` cached here or about to be computed by a request already here."""

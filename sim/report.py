@@ -13,12 +13,13 @@ from kvroute.sim.runner import Comparison
 
 CSV_FIELDS = ("policy", "requests", "completed", "dropped", "hit_rate", "first_pass_hit_rate", "ttft_p50_s",
               "ttft_p90_s", "ttft_p99_s", "ttft_mean_s", "output_tok_s", "queue_depth_mean", "queue_depth_max",
-              "hotspot", "cost_per_task", "currency", "makespan_s", "preemptions", "evictions", "wall_s")
+              "hotspot", "cost_per_task", "currency", "makespan_s", "preemptions", "evictions", "wall_s",
+              "wasted_prefill_tokens", "wasted_prefill_share", "floor_p50_s", "floor_p90_s", "gap_to_floor_p90")
 
 
 def to_json(comp: Comparison) -> dict[str, Any]:
     """Exactly ``{"workload", "replicas", "policies": {name: {hit_rate, ttft_*_s, output_tok_s, hotspot,
-    cost_per_task}}}``."""
+    cost_per_task, wasted_prefill_tokens, wasted_prefill_share, floor_p50_s, floor_p90_s, gap_to_floor_p90}}}``."""
     return {
         "workload": comp.workload.name,
         "replicas": comp.fleet.replicas,
@@ -57,12 +58,21 @@ def table_rows(comp: Comparison) -> list[list[str]]:
     for m in comp.metrics:
         rows.append([m.policy, f"{m.hit_rate:.1%}", _fmt_s(m.ttft_p50_s), _fmt_s(m.ttft_p90_s), _fmt_s(m.ttft_p99_s),
                      _fmt_s(m.ttft_mean_s), f"{m.output_tok_s:,.0f}", f"{m.queue_depth_mean:.1f}",
-                     f"{m.hotspot:.2f}", f"{m.cost_per_task} {m.currency}"])
+                     f"{m.hotspot:.2f}", f"{m.cost_per_task} {m.currency}", _fmt_tokens(m.wasted_prefill_tokens,
+                     m.wasted_prefill_share), _fmt_s(m.floor_p90_s), _fmt_x(m.gap_to_floor_p90)])
     return rows
 
 
+def _fmt_tokens(tokens: int, share: float) -> str:
+    return "0" if tokens == 0 else f"{tokens / 1e6:,.2f} M ({share:.1%})"
+
+
+def _fmt_x(x: float) -> str:
+    return f"{x:.2f}x" if math.isfinite(x) else "-"
+
+
 HEADERS = ["policy", "hit rate", "TTFT p50", "TTFT p90", "TTFT p99", "TTFT mean", "output tok/s", "queue/replica",
-           "hotspot", "cost/task"]
+           "hotspot", "cost/task", "wasted prefill", "floor p90", "p90 / floor"]
 
 
 def print_table(comp: Comparison, console: Any = None) -> None:
@@ -82,6 +92,9 @@ def print_table(comp: Comparison, console: Any = None) -> None:
     console.print(t)
     if comp.verdict is not None:
         console.print(f"[bold]Verdict:[/bold] {comp.verdict.summary}")
+    console.print("[dim]wasted prefill: prompt tokens computed on a replica while another had them computed at "
+                  "arrival; floor: per request, the prefill of what no replica held at arrival, alone, no wait "
+                  "(no router beats it); p90 / floor = TTFT p90 over the floor's p90[/dim]")
     for note in comp.workload.notes:
         console.print(f"[dim]note: {note}[/dim]")
 

@@ -1,4 +1,4 @@
-"""Workload generators with the anchors' exact parameters (each generator names its source), plus chat, RAG,
+"""Workload generators with the anchors' exact parameters (their upstream benchmark defaults), plus chat, RAG,
 agent loops and unique short prompts. Prompts are segment lists hashed into block keys; no text exists.
 """
 
@@ -52,6 +52,19 @@ def gsp(block_tokens: int, *, groups: int = 64, prompts_per_group: int = 16, sys
     return Workload("gsp", block_tokens, reqs, [
         f"SGLang gsp: {groups}x{prompts_per_group}, system {system_len}, question {question_len}, "
         f"output {output_len}, range {range_ratio}, rate {rate_s}, seed {seed}"])
+
+
+def one_shared_prefix(block_tokens: int, *, requests: int = 400, system_len: int = 2548, question_len: int = 7252,
+                      output_len: int = 256, rate: float = 3.0, seed: int = 1) -> Workload:
+    """SGLang ``generated-shared-prefix`` with one group: every prompt = one shared system prompt + its own long
+    question, Poisson ``rate``. The field case where SGLang's ``cache_aware`` on two workers lost to round robin
+    (TTFT ~1,617 vs ~627 ms): one prefix concentrates all load on its holder."""
+    wl = gsp(block_tokens, groups=1, prompts_per_group=requests, system_len=system_len, question_len=question_len,
+             output_len=output_len, rate=rate, seed=seed)
+    wl.name = "one-shared-prefix"
+    wl.notes = [f"one shared prefix: {requests} prompts, system {system_len} + question {question_len}, output "
+                f"{output_len}, Poisson {rate:g}/s, seed {seed}"]
+    return wl
 
 
 #: llm-d guide.yaml (precise-prefix-cache-aware benchmark template): (QPS, seconds) per Poisson stage.
@@ -243,6 +256,7 @@ def unique(block_tokens: int, *, requests: int = 5000, prompt_len: int = 200, ou
 
 GENERATORS: dict[str, Callable[..., Workload]] = {
     "gsp": gsp,
+    "one-shared-prefix": one_shared_prefix,
     "llmd-ladder": llmd_shared_prefix,
     "prefix-repetition": prefix_repetition,
     "prefix-ratio": prefix_ratio,

@@ -11,10 +11,12 @@ import pytest
 from typer.testing import CliRunner
 
 from kvroute.plugin.cli import app
+from kvroute.sim.baselines import DEFAULT_LINEUP
 
 SMALL = ["-p", "groups=6", "-p", "prompts_per_group=4", "-r", "3", "--preset", "llama-3.1-8b-a100", "-q"]
 FIELDS = {"hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "ttft_mean_s", "output_tok_s", "hotspot",
-          "cost_per_task"}
+          "cost_per_task", "wasted_prefill_tokens", "wasted_prefill_share", "floor_p50_s", "floor_p90_s",
+          "gap_to_floor_p90"}
 
 
 def test_simulate_json_has_exactly_the_issue_shape() -> None:
@@ -37,7 +39,8 @@ def test_simulate_default_lineup_table_csv_html_and_plots(tmp_path: Path) -> Non
     assert res.exit_code == 0, res.output
     assert "Verdict" in res.stdout
     rows = list(csv.DictReader(io.StringIO(out_csv.read_text())))
-    assert [r["policy"] for r in rows][:2] == ["cache_aware", "round_robin"] and len(rows) == 9
+    assert [r["policy"] for r in rows][:2] == ["cache_aware", "round_robin"] and len(rows) == len(DEFAULT_LINEUP)
+    assert {"wasted_prefill_tokens", "floor_p90_s", "gap_to_floor_p90"} <= set(rows[0])
     page = html.read_text()
     assert "Verdict" in page and "http://" not in page and "https://" not in page
     assert "data:image/png;base64," in page

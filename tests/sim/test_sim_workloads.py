@@ -77,7 +77,18 @@ def test_chat_turns_extend_the_previous_prompt() -> None:
 def test_every_generator_builds_small(name: str) -> None:
     small = {"gsp": {"groups": 2}, "llmd-ladder": {"scale": 0.01}, "prefix-repetition": {"num_prompts": 20},
              "prefix-ratio": {"requests": 10}, "chat": {"users": 2}, "rag": {"requests": 10},
-             "agent": {"tasks": 2}, "unique": {"requests": 10}}[name]
+             "agent": {"tasks": 2}, "unique": {"requests": 10}, "one-shared-prefix": {"requests": 10}}[name]
     w = GENERATORS[name](64, **small)
     assert w.requests and all(r.prompt_tokens >= len(r.keys) * 64 for r in w.requests)
     assert all(math.isfinite(r.arrival) for r in w.requests)
+
+
+def test_one_shared_prefix_is_the_field_case() -> None:
+    w = GENERATORS["one-shared-prefix"](64)
+    assert w.name == "one-shared-prefix" and len(w.requests) == 400
+    assert all(r.prompt_tokens == 2548 + 7252 for r in w.requests)
+    shared = 2548 // 64
+    assert len({tuple(r.keys[:shared]) for r in w.requests}) == 1
+    assert len({tuple(r.keys[: shared + 1]) for r in w.requests}) == 400
+    span = w.requests[-1].arrival - w.requests[0].arrival
+    assert 400 / span == pytest.approx(3.0, rel=0.15)
