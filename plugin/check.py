@@ -238,11 +238,14 @@ def _get(target: str, url: str, timeout: float) -> Probe:
 
 
 def _redis(url: str, timeout: float) -> Probe:
+    from kvroute.plugin.redis_url import shown
+
+    secret_url, url = url, shown(url)
     if missing_modules("redis"):
         return Probe("redis", url, False, "not checked: needs the 'redis' extra: pip install 'kvroute[redis]'")
     import redis
 
-    client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+    client = redis.Redis.from_url(secret_url, socket_timeout=timeout, socket_connect_timeout=timeout)
     try:
         client.ping()
     except redis.RedisError as exc:
