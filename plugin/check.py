@@ -221,6 +221,10 @@ def check_config(path: str | Path) -> CheckReport:
         report.problems.append("kvroute: must be a mapping")
     else:
         _check_block(report, block)
+    s = report.settings
+    if s is not None and s.redis_url and not (s.hash_secret or s.hash_secret_file):
+        report.problems.append("kvroute.hash_secret: required with redis_url (instances must share one secret and "
+                               "it is never stored in Redis): set hash_secret, os.environ/NAME or hash_secret_file")
     groups = _check_model_list(report, doc.get("model_list"))
     _check_callbacks(report, doc)
     _check_groups(report, doc, groups)

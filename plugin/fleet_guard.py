@@ -16,6 +16,9 @@
   back (restarted without persistence) holds the fleet's spend again within one heartbeat;
 - the other instances' share-window counts and their last over-target time travel in the heartbeat the shared
   state already sends (``SharedState.publish``); the number of instances is the most recently seen.
+
+``FleetTtft`` shares the hosted TTFT observations the same way: each instance publishes its newest own samples
+per hosted backend (wall clock) and adds the ones it has not seen from the others to its own window.
 """
 
 from __future__ import annotations
@@ -249,3 +252,49 @@ class RedisSpend:
 
     def stats(self) -> dict[str, Any]:
         return {**self.counters, "booked": len(self._book), "connected": self._usable()}
+
+
+class FleetTtft:
+    """Hosted TTFT samples of one hybrid group, shared through the heartbeat (``max_samples`` newest per backend
+    and instance)."""
+
+    def __init__(self, shared: Any, group: str, policy: Any, max_samples: int = 32) -> None:
+        self.shared = shared
+        self.policy = policy
+        self.name = f"ttft:{group}"
+        self.max_samples = max_samples
+        self._mine: dict[str, deque[tuple[float, float]]] = {}
+        self._seen: dict[tuple[str, str], float] = {}  # (worker, backend) -> newest sample time applied
+        self.merged = 0
+        policy.ttft_listeners.append(self._observed)
+        shared.publish(self.name, self._publish)
+
+    def _observed(self, backend: str, ttft_s: float) -> None:
+        q = self._mine.get(backend)
+        if q is None:
+            q = self._mine[backend] = deque(maxlen=self.max_samples)
+        q.append((round(self.shared.wall(), 3), float(ttft_s)))
+
+    def _publish(self) -> dict[str, list[tuple[float, float]]]:
+        self.merge()
+        return {b: list(q) for b, q in list(self._mine.items())}
+
+    def merge(self) -> int:
+        """Add the other instances' samples not seen yet; returns how many."""
+        wall, now = self.shared.wall(), self.shared.clock()
+        added = 0
+        for worker, status in list(self.shared.peer_status.items()):
+            per = (status.get("x") or {}).get(self.name) if isinstance(status, dict) else None
+            if not isinstance(per, dict):
+                continue
+            for backend, samples in per.items():
+                seen = self._seen.get((worker, backend), 0.0)
+                newest = seen
+                for at_wall, ttft in samples:
+                    if at_wall > seen:
+                        self.policy.observe_hosted_ttft(str(backend), float(ttft), now - max(0.0, wall - at_wall))
+                        newest = max(newest, at_wall)
+                        added += 1
+                self._seen[(worker, backend)] = newest
+        self.merged += added
+        return added

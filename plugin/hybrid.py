@@ -60,17 +60,18 @@ def route_kind(backend: Backend | None) -> str | None:
 
 
 def share_guard(policy: Any, shared: Any, group: str) -> None:
-    """Give a hybrid group's guard the fleet's spend window, share and overflow clock (``plugin.fleet_guard``)
-    when instances share state; once per guard."""
+    """Give a hybrid group's guard the fleet's spend window, share and overflow clock, and its marketplace the
+    fleet's hosted TTFT samples (``plugin.fleet_guard``) when instances share state; once per guard."""
     if not isinstance(policy, Hybrid) or shared is None or policy.guard.fleet is not None:
         return
-    from kvroute.plugin.fleet_guard import RedisSpend
+    from kvroute.plugin.fleet_guard import FleetTtft, RedisSpend
 
     guard = policy.guard
     fleet = RedisSpend(shared, group, window_s=guard.spend_window_s, reservation_ttl_s=guard.reservation_ttl_s)
     fleet.guard = guard
     guard.fleet = fleet
     guard.scope = "fleet"
+    FleetTtft(shared, group, policy)
 
 
 def is_hybrid(policy: Any) -> bool:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
@@ -196,6 +196,9 @@ class Hybrid:
                                                 cfg.self_hosted_output_price or Decimal(0), cfg.currency)
         self.overflowing = False
         self.reasons: Counter[str] = Counter()
+        # called with (hosted backend, TTFT seconds) for every hosted response this instance sees (a fleet shares
+        # them: ``observe_hosted_ttft`` on the other instances)
+        self.ttft_listeners: list[Callable[[str, float], None]] = []
         self.last_why: dict[str, Any] | None = None
         self.errors = None if not cfg.prediction_quantile else PredictionError(cfg.prediction_quantile,
                                                                                cfg.prediction_window_s)
@@ -238,6 +241,9 @@ class Hybrid:
             return
         self.market.record_success(request, backend, now, cached_tokens=cached_tokens, ttft_s=ttft_s,
                                    output_tokens=output_tokens, duration_s=duration_s, prompt_tokens=prompt_tokens)
+        if ttft_s is not None:
+            for listener in self.ttft_listeners:
+                listener(backend, ttft_s)
         q = self.market.quote(backend)
         if q is None or q.currency != self.config.currency:
             self.guard.release(request.request_id)
@@ -248,6 +254,11 @@ class Hybrid:
         cost = q.input_price * (prompt - cached) + q.cache_read_price * cached + q.output_price * max(
             0, output_tokens or 0)
         self.guard.record_spend(now, cost, request.request_id)
+
+    def observe_hosted_ttft(self, backend: str, ttft_s: float, at: float) -> None:
+        """Another instance saw ``ttft_s`` from hosted ``backend`` at ``at`` (this instance's clock)."""
+        if self.is_hosted(backend):
+            self.market.observe(backend, at, ttft_s=ttft_s)
 
     def record_failure(self, request: RoutingRequest) -> None:
         """An attempt failed: its reservation goes (what a failed attempt was billed reaches the ledger, not here)."""

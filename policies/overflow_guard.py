@@ -10,8 +10,8 @@ Money is ``Decimal`` in one currency; spend per hour is what the last ``spend_wi
 With a ``FleetSpend`` (several proxy instances) the spend window is the fleet's: ``admit`` is one atomic
 check-and-hold on the shared window, and the share and the overflow mode count the other instances' decisions.
 While the fleet cannot answer, this instance spends only its share of the cap (the window's budget divided by
-the instances it last knew, its own spend in the window counted against it): the fleet as a whole stays within
-the cap however long the outage lasts.
+the instances it last knew, at least two, its own spend in the window counted against it): the fleet as a whole
+stays within the cap however long the outage lasts.
 """
 
 from __future__ import annotations
@@ -210,11 +210,12 @@ class OverflowGuard:
         return self.max_spend_per_hour * Decimal(str(self.spend_window_s)) / Decimal(str(HOUR_S))
 
     def local_budget(self) -> Decimal | None:
-        """This instance's share of the window's budget while the fleet is away (budget / instances known)."""
+        """This instance's share of the window's budget while the fleet is away: budget / instances known, and
+        never the whole budget (an instance that has not seen the others yet counts itself as one of two)."""
         budget = self.budget()
         if budget is None or self.fleet is None:
             return budget
-        return budget / Decimal(max(1, self.fleet.instances()))
+        return budget / Decimal(max(2, self.fleet.instances()))
 
     # --- the answer -----------------------------------------------------------------------------
     def _share_blocks(self, now: float) -> bool:

@@ -103,3 +103,28 @@ def test_redis_away_means_the_local_share_then_the_window_reconciles(own_redis):
     finally:
         for s in shared:
             s.close()
+
+
+def test_hosted_ttft_share_and_overflow_clock_reach_the_other_instances(redis_url):
+    from kvroute.plugin.hybrid import share_guard
+    from kvroute.policies.hybrid import Hybrid, HybridConfig
+    from kvroute.policies.request import RoutingRequest
+
+    shared = instances(redis_url, 2, f"kvtest-fg-{uuid.uuid4().hex[:8]}")
+    try:
+        a, b = (Hybrid(HybridConfig(hosted=("h",), min_dwell_s=30.0)) for _ in shared)
+        share_guard(a, shared[0], "g")
+        share_guard(b, shared[1], "g")
+        req = RoutingRequest(model="g", keys=[], block_tokens=64.0, prompt_tokens=100, request_id="r1")
+        a.record_success(req, "h", shared[0].clock(), ttft_s=3.5, output_tokens=4)
+        for _ in range(5):
+            a.guard.record_decision(shared[0].clock(), True)
+        a._mode(2.0, shared[0].clock())  # a sees a ratio above enter_ratio: the fleet overflows
+        assert wait_for(lambda: b.market.observed_ttft("h", shared[1].clock(), 0.9) == 3.5)
+        assert wait_for(lambda: b.guard.share(shared[1].clock()) == 1.0)
+        assert b._mode(0.9, shared[1].clock()) is True and b.overflowing
+        status = shared[1].peer_status[shared[0].worker_id]
+        assert "replication" in status and status["fp"] is None
+    finally:
+        for s in shared:
+            s.close()
