@@ -158,7 +158,7 @@ class KvrouteCallback(CustomLogger):
             self.chain, self.chain_source = resolve_chain_key(
                 s.hash_secret.get_secret_value() if s.hash_secret else None, s.redis_url, s.data_dir,
                 s.hash_secret_file)
-            self.chain_fingerprint = fingerprint(self.chain)
+            self.chain_fingerprint = fingerprint(self.chain) if s.redis_url else ""  # compared with other instances
         if self._health is None:
             self._health = HealthAdapter.build(self._metrics, breaker_config(s.breaker),
                                                redis=self._shared_state())

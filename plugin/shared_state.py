@@ -12,7 +12,15 @@ design that costs a Redis round trip per pick). Writes are queued and a backgrou
   sums everybody else's into the local view (a dead worker's load vanishes with its key);
 - publishes breaker openings and probe-confirmed closings to ``<ns>:health`` (latest per backend also in
   the hash ``<ns>:breakers`` for late joiners); followers adopt them, waiting ``follower_grace_s`` longer
-  than the opener before probing, so normally the opener's probe is the only one.
+  than the opener before probing, so normally the opener's probe is the only one;
+- writes its status to ``<ns>:status:<worker>`` (TTL ``worker_ttl_s``) every heartbeat: the plugin's counters,
+  its replication lag, the fingerprint of its hash secret (a live worker with another one is logged, listed in
+  ``secret_mismatch`` and its index updates are not applied) and what others asked it to ``publish`` (the
+  hybrid guard's counts and TTFT samples); ``peer_published`` reads the others'.
+
+Every key is under ``namespace``; the long-lived ones expire ``key_ttl_s`` after the last heartbeat touched them.
+The hash secret is never written here (``kvroute.plugin.hash_secret``); one an older kvroute left at
+``<ns>:hash_secret`` is deleted on connect.
 
 When Redis is down each worker routes on its local state (no exception reaches the request path), the
 queue keeps the newest ``max_outbox`` updates, and the thread reconnects with jittered exponential
@@ -516,6 +524,12 @@ class SharedState:
         if self.counters["connects"] or self._bootstrapped:
             log.info("kvroute: redis shared state reconnected")
         self.counters["connects"] += 1
+        if not self.counters.get("cluster_checked"):
+            self.counters["cluster_checked"] = 1
+            with contextlib.suppress(Exception):
+                if int(c.info("cluster").get("cluster_enabled", 0)):
+                    log.error("kvroute.redis_url: points at a Redis Cluster node; Cluster is not supported "
+                              "(multi-key scripts and streams): use one primary")
         # Older kvroute stored the hash secret here, next to the keys it protects: never leave it readable.
         if c.delete(f"{self.config.namespace}:hash_secret"):
             log.warning("kvroute: deleted the hash secret an older kvroute stored in Redis "

@@ -208,3 +208,20 @@ def test_a_bad_redis_url_is_one_line_naming_the_key(url, words, tmp_path):
                                  "unix:///run/redis.sock", "redis://:secret@10.0.0.5"])
 def test_password_and_tls_urls_are_accepted(url):
     assert load_settings(None, redis_url=url).redis_url == url
+
+
+def test_redis_url_litellm_follows_litellms_own_redis_settings(tmp_path, monkeypatch):
+    from kvroute.plugin.redis_url import from_litellm, shown
+
+    proxy = {"litellm_settings": {"cache_params": {"host": "cache.internal", "port": 6380, "password": "p@ss w",
+                                                   "ssl": True}}}
+    url = from_litellm(proxy, {})
+    assert url == "rediss://:p%40ss%20w@cache.internal:6380/0" and shown(url) == "rediss://:***@cache.internal:6380/0"
+    assert from_litellm({}, {"REDIS_HOST": "r1", "REDIS_PORT": "7000"}) == "redis://r1:7000/0"
+    assert from_litellm({}, {"REDIS_URL": "redis://r2:6379/3"}) == "redis://r2:6379/3"
+    with pytest.raises(ConfigError) as err:
+        from_litellm({}, {})
+    assert err.value.key == "kvroute.redis_url"
+    cfg = tmp_path / "proxy.yaml"
+    cfg.write_text("litellm_settings: {cache_params: {url: 'redis://shared:6379/1'}}\nkvroute: {redis_url: litellm}\n")
+    assert load_settings(cfg).redis_url == "redis://shared:6379/1"
