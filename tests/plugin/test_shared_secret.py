@@ -177,6 +177,10 @@ def test_an_empty_redis_restart_splits_nothing(own_redis):
             assert wait_for(lambda: router_c.index.match(keys, [chosen], router_c.clock()).get(chosen, 0) > 0)
             assert send(c, msgs) == chosen and send(b, msgs) == chosen
             assert wait_for(lambda: not any(x._shared.secret_mismatch for x in (a, b, c)))
+            # every instance's replication lag is on the status page (c applied a's update: it has one)
+            assert wait_for(lambda: len(c.status()["shared_state"]["workers"]) == 3)
+            workers = c.status()["shared_state"]["workers"]
+            assert 0 <= workers[c._shared.worker_id]["lag_s"] < 5 and all("lag_max_s" in w for w in workers.values())
         finally:
             close(c)
     finally:
