@@ -218,11 +218,12 @@ class RedisSpend:
         return [int(x) for x in reply]
 
     def _ensure(self) -> Any:
-        if self._script is None:
-            if self._client is None:
-                self._client = self.shared.new_client(guard=True)
-            self._script = self._client.register_script(_SCRIPT)
-        return self._script
+        with self._lock:  # the request path and the heartbeat thread both call Redis
+            if self._script is None:
+                if self._client is None:
+                    self._client = self.shared.new_client(guard=True)
+                self._script = self._client.register_script(_SCRIPT)
+            return self._script
 
     def replay(self) -> bool:
         """Book again, with the time each was billed, what this instance settled inside the window (idempotent:

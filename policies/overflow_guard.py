@@ -114,9 +114,11 @@ class OverflowGuard:
         return hosted, total
 
     def local_counts(self, now: float) -> tuple[int, int]:
-        """This instance's own (hosted, all) decisions in the share window (what it publishes)."""
-        self._trim_share(now)
-        return self._hosted, len(self._decisions)
+        """This instance's own (hosted, all) decisions in the share window (what it publishes). Read-only: safe
+        to call from another thread than the one deciding."""
+        start = now - self.share_window_s
+        recent = [hosted for at, hosted in list(self._decisions) if at >= start]
+        return sum(recent), len(recent)
 
     def share(self, now: float) -> float:
         """Share of the window's decisions that went hosted (0 with none)."""
