@@ -108,7 +108,7 @@ def test_unreadable_and_missing_files(tmp_path):
 def test_live_says_what_does_not_answer(tmp_path):
     port = closed_port()
     out = check(EXAMPLE, "--live", "--timeout", "1", **example_env(f"http://127.0.0.1:{port}"),
-                KVROUTE_REDIS_URL=f"redis://127.0.0.1:{port}/0",
+                KVROUTE_REDIS_URL=f"redis://127.0.0.1:{port}/0", KVROUTE_HASH_SECRET="live-check-secret-0123456789",
                 KVROUTE_BILLING_DB=f"postgresql+psycopg://kvroute@127.0.0.1:{port}/x")
     assert out.returncode == 1
     lines = out.stdout.splitlines()
@@ -118,3 +118,15 @@ def test_live_says_what_does_not_answer(tmp_path):
     db = next(ln for ln in lines if ln.startswith("FAIL billing db:"))
     assert "Connection refused" in db
     assert "10 of 10 live checks failed" in out.stderr
+
+
+def test_redis_without_a_hash_secret_is_a_problem_and_a_bad_url_one_line():
+    out = check(EXAMPLE, **example_env(), KVROUTE_REDIS_URL="redis://127.0.0.1:6379/0")
+    assert out.returncode == 1
+    assert any(p.startswith("kvroute.hash_secret: required with redis_url") for p in problems(out, EXAMPLE))
+    ok = check(EXAMPLE, **example_env(), KVROUTE_REDIS_URL="rediss://:pw@127.0.0.1:6380/0",
+               KVROUTE_HASH_SECRET="a-long-enough-secret-0123")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    bad = check(EXAMPLE, **example_env(), KVROUTE_REDIS_URL="redis+sentinel://127.0.0.1:26379/m")
+    line = next(ln for ln in bad.stdout.splitlines() if "kvroute.redis_url:" in ln)
+    assert bad.returncode == 1 and "Redis Sentinel is not supported" in line
