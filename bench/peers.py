@@ -333,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny workloads, one repeat: a CI smoke run")
     p.add_argument("--json", action="store_true", help="print the result as JSON only")
     p.add_argument("--render", metavar="FILE", help="print the table of a result saved with --json, run nothing")
+    p.add_argument("--save", action="store_true",
+                   help="also write the result to bench/results/peers-<UTC date and time>-<fleet>.json")
     args = p.parse_args(argv)
     if args.render:
         print(render(json.loads(Path(args.render).read_text())))
@@ -350,6 +352,11 @@ def main(argv: list[str] | None = None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     result = run(args, say)
+    if args.save:
+        stamp = time.strftime("%Y-%m-%dT%H%M", time.gmtime(time.time() - result["wall_s"]))
+        path = Path(__file__).resolve().parent / "results" / f"peers-{stamp}-{args.fleet}.json"
+        path.write_text(json.dumps(result) + "\n")
+        say(f"saved {path}")
     print(json.dumps(result) if args.json else render(result))
     return 0 if all(r["started"] for r in result["rivals"].values()) else 1
 
