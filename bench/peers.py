@@ -214,6 +214,9 @@ def _one_run(rival: Rival, workload: Workload, model: str, kind: str, base_urls:
     cpu0 = cpu_seconds(rival.pids)
     result = asyncio.run(replay(rival.base_url, rival.headers, model, workload, salt))
     cpu = cpu_seconds(rival.pids) - cpu0
+    if kind != "fake":  # llama.cpp's system_fingerprint is its build, the same on every replica: not an identity
+        for outcome in result.outcomes:
+            outcome.replica = None
     # fake engines cache 16-token blocks of 4 bytes a token; llama.cpp reuses any token prefix (~4 bytes a token)
     return run_figures(result, before, engine_counters(kind, base_urls), cpu, 64 if kind == "fake" else 4)
 
