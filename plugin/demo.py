@@ -101,8 +101,27 @@ def run_demo(options: DemoOptions, status=None, progress=None) -> dict:
                 say(f"replaying {spec.requests} requests with {key.replace('_', ' ')}")
                 reports[key] = asyncio.run(replay(proxy.base_url, proxy.master_key or "", group, sessions,
                                                   spec.concurrency, spec.max_tokens, on_result))
+            wasted = {key: wasted_prefill(proxy.base_url, proxy.headers, group) for key, group, _ in POLICIES}
     return {"engine": ENGINE_LABEL[kind], "replicas": options.replicas, "requests": spec.requests,
-            "policies": {key: reports[key].as_dict() for key, _, _ in POLICIES}}
+            "policies": {key: {**reports[key].as_dict(), "wasted_prefill_tokens": wasted[key]}
+                         for key, _, _ in POLICIES}}
+
+
+def wasted_prefill(base_url: str, headers: dict[str, str], group: str) -> int | None:
+    """The proxy's ``kvroute_wasted_prefill_tokens_total`` for ``group`` (prompt tokens prefilled on a replica while
+    another held them, from kvroute's index at each pick); None when the metrics cannot be read."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(base_url + "/kvroute/metrics", headers=headers, trust_env=False, timeout=30).text
+        for family in text_string_to_metric_families(text):
+            if family.name == "kvroute_wasted_prefill_tokens":
+                return int(sum(s.value for s in family.samples
+                               if s.name.endswith("_total") and s.labels.get("group") == group))
+    except Exception:
+        return None
+    return 0
 
 
 def render(result: dict, console) -> None:
@@ -114,6 +133,9 @@ def render(result: dict, console) -> None:
     def secs(x: float | None) -> str:
         return "-" if x is None else f"{x * 1000:.0f} ms"
 
+    def tokens(x: int | None) -> str:
+        return "-" if x is None else f"{x:,}"
+
     kv, rr = result["policies"]["kvroute"], result["policies"]["round_robin"]
     table = Table(title=f"kvroute demo: {result['replicas']} {result['engine']} replicas and "
                         f"{result['requests']} requests per policy")
@@ -124,6 +146,8 @@ def render(result: dict, console) -> None:
     table.add_row("TTFT p50", secs(kv["ttft_p50_s"]), secs(rr["ttft_p50_s"]))
     table.add_row("TTFT p90", secs(kv["ttft_p90_s"]), secs(rr["ttft_p90_s"]))
     table.add_row("requests/s", f"{kv['requests_per_s']:.2f}", f"{rr['requests_per_s']:.2f}")
+    table.add_row("wasted prefill (tokens held elsewhere)", tokens(kv.get("wasted_prefill_tokens")),
+                  tokens(rr.get("wasted_prefill_tokens")))
     table.add_row("failed", str(kv["failed"]), str(rr["failed"]))
     console.print(fold(table))
 

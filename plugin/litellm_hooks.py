@@ -409,7 +409,8 @@ class KvrouteCallback(CustomLogger):
             self._attach(policy, backends)
             self._attached[id(policy)] = len(backends)
         decision = router.pick(request, [b.id for b in backends], group=group, policy=policy)
-        self.metrics.decision(group, decision.policy, decision.reason.split(":", 1)[0], decision.matched_tokens)
+        self.metrics.decision(group, decision.policy, decision.reason.split(":", 1)[0], decision.matched_tokens,
+                              decision.wasted_prefill_tokens)
         if decision.why is not None:
             hybrid.observe_decision(self.metrics, group, policy, decision, now)
         if decision.backend is None:
@@ -552,6 +553,23 @@ class KvrouteCallback(CustomLogger):
         stripped = _set_engine_salt(kwargs, None)
         return forwarded or stripped
 
+    async def async_post_call_success_deployment_hook(self, request_data: dict, response: Any,
+                                                      call_type: Any) -> Any:
+        """A whole (non-streamed) answer is back, before LiteLLM returns it: release the pick's load now. The
+        success event that reports it runs later as a background task in the SDK; a client sending its next
+        request at once would otherwise see the replica that just answered as still busy."""
+        if not request_data.get("stream"):
+            self._answered(request_data)
+        return None
+
+    def _answered(self, kwargs: Mapping[str, Any]) -> None:
+        try:
+            ticket = self._ticket(kwargs)
+            if ticket is not None:
+                ticket.router.on_answered(ticket.rid)
+        except Exception:
+            self._count_error("answered")
+
     async def async_post_call_streaming_deployment_hook(self, request_data: dict, response_chunk: Any,
                                                         call_type: Any) -> Any:
         self._first_token(request_data)
@@ -580,6 +598,7 @@ class KvrouteCallback(CustomLogger):
                     relayed += 1
                 yield item
             done = True
+            self._answered(request_data)  # the stream is over: the replica is done with it
             if self.billing is not None and usage_chunk is not None:  # before the proxy sends [DONE]
                 try:
                     self.billing.pre_response(request_data, usage_chunk,

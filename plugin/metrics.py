@@ -90,6 +90,9 @@ class Metrics:
                                  registry=r)
         self.predicted_cached = Counter("kvroute_predicted_cached_tokens_total",
                                         "Prompt tokens the router predicted cached", ["group"], registry=r)
+        self.wasted_prefill = Counter("kvroute_wasted_prefill_tokens_total",
+                                      "Prompt tokens a pick sent to be prefilled on a replica while another "
+                                      "replica held them (the index at decision time)", ["group"], registry=r)
         self.confirmed_cached = Counter("kvroute_confirmed_cached_tokens_total",
                                         "Prompt tokens the backend reported cached", ["group"], registry=r)
         self.prompt_tokens = Counter("kvroute_prompt_tokens_total", "Prompt tokens of completed requests",
@@ -143,10 +146,13 @@ class Metrics:
             child = self._children[key] = metric.labels(*labels)
         return child
 
-    def decision(self, group: str, policy: str, reason: str, predicted_tokens: int) -> None:
+    def decision(self, group: str, policy: str, reason: str, predicted_tokens: int,
+                 wasted_prefill_tokens: int | None = None) -> None:
         self._child(self.decisions, group, policy, reason).inc()
         if predicted_tokens > 0:
             self._child(self.predicted_cached, group).inc(predicted_tokens)
+        if wasted_prefill_tokens:
+            self._child(self.wasted_prefill, group).inc(wasted_prefill_tokens)
 
     def completed(self, group: str, backend: str, app: str | None, prompt_tokens: int, cached_tokens: int | None,
                   ttft_s: float | None, cost: float | Decimal | None, currency: str = "USD") -> None:

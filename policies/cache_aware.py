@@ -6,11 +6,12 @@
   in fleets over ``max_scored``, backends holding nothing of the prompt go unscored when even an idle one
   could not reach the tie band
 
-Shape: filter (hot-spot bound in busy seconds) → score (weighted scorers, ``policies/scorers.py``, each
-in seconds) → pick (lowest; near-ties go to the longer match, among equal matches to the cheapest, exact
-ties to the prefix's rendezvous order for warm requests, or the least busy then least recently used backend
-for cold ones). Seconds come from
-an ``EngineSpeed`` prior (knobs) times a factor the load tracker learns per backend from observed TTFT,
+Shape: filter (hot-spot bound in busy seconds; a holder of the prefix is over it only while it is working
+now, so an idle fleet keeps a prefix home) → score (weighted scorers, ``policies/scorers.py``, each in seconds)
+→ pick (lowest; near-ties go to the longer match, among equal matches to the cheapest, exact ties to the
+prefix's rendezvous order for warm requests, or the least busy then least recently used backend for cold
+ones); the decision reports the prefill it wastes (tokens another backend held). Seconds come from an
+``EngineSpeed`` prior (knobs) times a factor the load tracker learns per backend from observed TTFT,
 so a session stays on its replica until the wait there costs more than recomputing its whole context
 elsewhere — load is weighed as work, never as a request count.
 """
@@ -24,7 +25,7 @@ from operator import itemgetter
 
 from kvroute.policies.base import RoutingState, least_load_decision
 from kvroute.policies.decision import Decision
-from kvroute.policies.filters import busy_limit
+from kvroute.policies.filters import hot_limit, hot_load
 from kvroute.policies.hashing import Rendezvous
 from kvroute.policies.load import SCORING_FIELDS, BackendLoad
 from kvroute.policies.request import RoutingRequest
@@ -37,7 +38,8 @@ _PRIOR = EngineSpeed()
 #: (tests/policies/test_scorer_properties.py checks it), so backends equal in those share their values
 RESIDENT_SCORERS = frozenset({"evict"})
 _IDLE = BackendLoad(0, 0, 0.0, 0, 0.0, float("-inf"))
-_WORK, _QUEUED, _DECODE = (SCORING_FIELDS.index(n) for n in ("work_s", "queued", "decode_s"))
+_INFLIGHT, _QTOKENS, _WORK, _QUEUED, _DECODE = (
+    SCORING_FIELDS.index(n) for n in ("inflight", "queue_tokens", "work_s", "queued", "decode_s"))
 _VALUE = itemgetter(1)  # a (backend, score) item's score
 _MEMO_MAX = 4096  # entries per memo of pure functions (cleared when full)
 
@@ -107,7 +109,7 @@ class CacheAware:
         self._idle_memo: dict[tuple[int, float, int, float], tuple[float, float]] = {}
         self._first_memo: dict[tuple[object, ...], str] = {}
 
-    def _cold_cannot_win(self, holders: Sequence[str], busy_of: dict[str, float], limit: float | None,
+    def _cold_cannot_win(self, holders: Sequence[str], hot_of: dict[str, float], limit: float | None,
                          ttft_of: dict[str, float], cost_of: dict[str, float], prompt: int, factor: float,
                          best_matched: int, best_own: float, own_by_match: dict[int, float]) -> bool:
         """True when no backend that holds nothing of this prompt can change the pick, so they go unscored.
@@ -122,7 +124,7 @@ class CacheAware:
         that band) picks the same. Only the reported ``scores`` lack these backends.
         """
         cfg = self.config
-        within = holders if limit is None else [b for b in holders if busy_of[b] <= limit]
+        within = holders if limit is None else [b for b in holders if hot_of[b] <= limit]
         if not within:
             return False
         best = min(map(cost_of.__getitem__, within))
@@ -190,10 +192,16 @@ class CacheAware:
         bt = request.block_tokens
         capacity_of = getattr(index, "capacity_blocks", None) or getattr(getattr(index, "fallback", None),
                                                                            "capacity_blocks", None)
+        factor = load.factor(candidates[0])  # fleet-wide (see LoadTracker.factor)
+        # every candidate's scorer inputs in one pass (the hot-spot bound reads which holders are working now)
+        all_states, all_picks = load.scoring_inputs(candidates, now)
+        state_of = dict(zip(candidates, all_states, strict=True))
         busy = load.busy_many(candidates, now)
-        busy_of = dict(zip(candidates, busy, strict=True))
-        limit: float | None = busy_limit(busy, cfg.epsilon, cfg.busy_floor_s)  # the hot-spot bound, below
-        if not min(busy) <= limit:  # none within (NaN too, as in ``within_busy_bound``): all pass (None)
+        hot = [hot_load(v, st[_INFLIGHT] > 0 or st[_QTOKENS] > 0, b in matches)
+               for b, v, st in zip(candidates, busy, all_states, strict=True)]
+        limit: float | None = hot_limit(busy, cfg.epsilon, cfg.busy_floor_s)  # the hot-spot bound, below
+        hot_of = dict(zip(candidates, hot, strict=True))
+        if not min(hot) <= limit:  # none within (NaN too, as in ``within_hot_bound``): all pass (None)
             limit = None
         holders = [b for b in candidates if b in matches]
         matched = dict.fromkeys(candidates, 0)
@@ -205,7 +213,6 @@ class CacheAware:
                 matched[b] = m if m > 0 else 0
         best_matched = max(map(matched.__getitem__, holders)) if holders else 0
         best_own = speed.prefill_s(prompt - best_matched, best_matched)
-        factor = load.factor(candidates[0])  # fleet-wide (see LoadTracker.factor)
         own_by_match: dict[int, float] = {best_matched: best_own}
         prefill_s = speed.prefill_s
         blocks_of = index.blocks
@@ -299,35 +306,39 @@ class CacheAware:
 
         if holders and len(holders) < len(candidates) and len(candidates) > cfg.max_scored:
             # large fleets only (smaller ones report a score for every backend, as they always did)
-            score(holders, load.scoring_inputs(holders, now)[0])
-            if self._cold_cannot_win(holders, busy_of, limit, ttft_of, cost_of, prompt, factor, best_matched, best_own,
+            score(holders, [state_of[b] for b in holders])
+            if self._cold_cannot_win(holders, hot_of, limit, ttft_of, cost_of, prompt, factor, best_matched, best_own,
                                      own_by_match):
                 candidates = holders
         if len(candidates) > len(cost_of):
             rest_of = [b for b in candidates if b not in matches]
-            states, picks = load.scoring_inputs(rest_of, now)
+            if len(rest_of) == len(candidates):
+                states, picks = all_states, all_picks
+            else:
+                pick_of = dict(zip(candidates, all_picks, strict=True))
+                states, picks = [state_of[b] for b in rest_of], [pick_of[b] for b in rest_of]
             if len(candidates) > cfg.max_scored:
                 # Large fleets: every holder of a prefix, plus the least loaded of the rest (backends holding
                 # nothing of this prompt differ only by load, so the cheapest few stand for all of them).
                 keep = max(4, cfg.max_scored - len(matches))
                 if len(rest_of) > keep:
                     # by (work, busy, last pick, name); the position last orders equal keys as a stable sort
-                    ranked = sorted(zip([s[_WORK] for s in states], [busy_of[b] for b in rest_of], picks, rest_of,
+                    ranked = sorted(zip([s[_WORK] for s in states], load.busy_many(rest_of, now), picks, rest_of,
                                         range(len(rest_of)), strict=True))
                     order = [r[4] for r in ranked[:keep]]
                     rest_of = [rest_of[i] for i in order]
                     states = [states[i] for i in order]
                     candidates = holders + rest_of
             if holders and not cost_of:
-                score(holders, load.scoring_inputs(holders, now)[0])
+                score(holders, [state_of[b] for b in holders])
             score(rest_of, states)
         ttft = {b: ttft_of[b] for b in candidates}
         costs = {b: cost_of[b] for b in candidates}
         top_holder = best_matched
-        # Hot-spot bound (busy seconds): over-bound backends are left out unless that costs this request
-        # more than ``bound_cost_s`` of predicted TTFT (a session whose long context is cached there stays:
-        # moving it would recompute that whole context; new or short work spreads).
-        allowed = list(costs) if limit is None else [b for b in costs if busy_of[b] <= limit]
+        # Hot-spot bound (``filters.hot_load``): working backends over the bound are left out unless that
+        # costs this request more than ``bound_cost_s`` of predicted TTFT (a session whose long context is
+        # cached there stays: moving it would recompute that whole context; new or short work spreads).
+        allowed = list(costs) if limit is None else [b for b in costs if hot_of[b] <= limit]
         if (allowed and len(allowed) < len(costs)
                 and min(map(ttft.__getitem__, allowed)) - min(ttft.values()) <= cfg.bound_cost_s):
             costs = {b: costs[b] for b in allowed}
@@ -372,4 +383,5 @@ class CacheAware:
             work_s=work,
             predicted_ttft_s=queued + own,
             fixed_wait_s=fixed,
+            wasted_prefill_tokens=best_matched - chosen.matched,
         )

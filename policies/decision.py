@@ -29,6 +29,10 @@ class Decision:
     predicted_ttft_s: float = 0.0  # the prediction's part in prior seconds (learned factor applies)
     fixed_wait_s: float = 0.0  # the prediction's part already in real seconds (decode-slot wait)
     why: dict[str, object] | None = None  # a policy's own account (hybrid: predicted vs target, route prices)
+    #: prompt tokens this pick prefills although another candidate held them at decision time (the index's
+    #: view): the longest other candidate's match minus the chosen backend's, floored at 0. None until known:
+    #: the ``Router`` fills it in from the index for policies that match nothing themselves.
+    wasted_prefill_tokens: int | None = None
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -42,5 +46,6 @@ class Decision:
             "skipped": self.skipped,
             "fallback": self.fallback,
             "request_id": self.request_id,
+            "wasted_prefill_tokens": self.wasted_prefill_tokens,
             **({"why": dict(self.why)} if self.why is not None else {}),
         }

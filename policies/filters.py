@@ -18,24 +18,28 @@ def bounded_load(candidates: Sequence[str], load: LoadTracker, epsilon: float, m
     return (allowed or list(candidates)), cap
 
 
-def bounded_busy(candidates: Sequence[str], load: LoadTracker, epsilon: float, floor_s: float,
-                 now: float) -> list[str]:
-    """Backends whose recent busy seconds stay within ``(1+ε)·mean + floor_s`` (the hot-spot bound).
+def hot_limit(busy_s: Sequence[float], epsilon: float, floor_s: float) -> float:
+    """The hot-spot bound's limit: ``(1+ε)·mean + floor_s`` of the candidates' recent busy seconds
+    (``LoadTracker.busy``: work assigned lately, decayed; where new work should not pile up)."""
+    return (1.0 + epsilon) * sum(busy_s) / len(busy_s) + floor_s
 
-    Busy seconds are the decayed work assigned at pick (``LoadTracker.busy``); never empty.
+
+def hot_load(busy_s: float, working: bool, holds_prefix: bool) -> float:
+    """What the hot-spot bound compares with ``hot_limit`` for one backend: its busy seconds, except for a backend
+    that holds a prefix of the request and is idle now (``working``: requests in flight or a prefill queue,
+    charged or reported), which counts 0.
+
+    So a prefix is taken away from its holder only while the holder is working: the same prompt repeated one
+    request at a time on an idle fleet stays on its first replica, however much it served lately; new content
+    (no holder, or away from a working hot holder) still goes where work has not been piling up.
     """
-    return within_busy_bound(candidates, load.busy_many(candidates, now), epsilon, floor_s)
+    return 0.0 if holds_prefix and not working else busy_s
 
 
-def busy_limit(busy: Sequence[float], epsilon: float, floor_s: float) -> float:
-    """The hot-spot bound's limit: ``(1+ε)·mean + floor_s`` of the candidates' busy seconds."""
-    return (1.0 + epsilon) * sum(busy) / len(busy) + floor_s
-
-
-def within_busy_bound(candidates: Sequence[str], busy: Sequence[float], epsilon: float, floor_s: float) -> list[str]:
-    """``bounded_busy`` on busy seconds the caller already read (``busy[i]`` is ``candidates[i]``'s)."""
-    limit = busy_limit(busy, epsilon, floor_s)
-    allowed = [b for b, v in zip(candidates, busy, strict=True) if v <= limit]
+def within_hot_bound(candidates: Sequence[str], load_s: Sequence[float], limit: float) -> list[str]:
+    """Backends whose ``hot_load`` (``load_s[i]`` is ``candidates[i]``'s) is within ``limit``; every candidate
+    when none is (or the limit is NaN), so never empty."""
+    allowed = [b for b, v in zip(candidates, load_s, strict=True) if v <= limit]
     return allowed or list(candidates)
 
 

@@ -43,6 +43,7 @@ class _Pending:
     matched_blocks: int  # leading blocks the index said the backend held at pick time
     confirmed_blocks: int  # of those, blocks already computed (not another request's prefill in progress)
     settled: bool = False  # its own new blocks are computed (first token) or given up
+    answered_at: float | None = None  # the answer is back (``on_answered``); its outcome may come later
 
 
 class Router:
@@ -126,9 +127,34 @@ class Router:
             decision = Decision(backend, chosen.name, "fallback", prompt_tokens=request.prompt_tokens,
                                 fallback=f"{type(exc).__name__}: {exc}"[:200], request_id=request.request_id,
                                 predicted_prefill_tokens=request.prompt_tokens)
+        if decision.wasted_prefill_tokens is None and decision.backend is not None:
+            decision.wasted_prefill_tokens = self._wasted_prefill(request, candidates, decision.backend, now)
         if record and decision.backend is not None:
             self._record(request, decision, now)
         return decision
+
+    def _wasted_prefill(self, request: RoutingRequest, candidates: Sequence[str], backend: str, now: float) -> int:
+        """``Decision.wasted_prefill_tokens`` from the index, for policies that match nothing themselves:
+        the longest other candidate's matched tokens minus ``backend``'s (both capped at ``prompt_tokens - 1``,
+        as ``cache_aware`` counts them), floored at 0; 0 if the index cannot tell."""
+        keys = request.keys
+        if not keys or len(candidates) < 2:
+            return 0
+        try:
+            matches = self.index.match(keys, candidates, now)
+        except Exception:
+            self.errors += 1
+            return 0
+        if not matches:
+            return 0
+        other = max((n for b, n in matches.items() if b != backend), default=0)
+        if other == 0:
+            return 0
+        top = request.prompt_tokens - 1
+        bt = request.block_tokens
+        best = min(top, int(other * bt))
+        own = min(top, int(matches.get(backend, 0) * bt))
+        return best - own if best > own else 0
 
     def route(self, kwargs: Mapping[str, Any], candidates: Sequence[str], *, group: str | None = None,
               **fields: Any) -> tuple[RoutingRequest, Decision]:
@@ -232,6 +258,16 @@ class Router:
         if pending is not None:
             self._settle(pending)
 
+    def on_answered(self, request_id: str) -> None:
+        """The backend's answer is back (its outcome may be reported later): release the request's load now, so
+        the next request does not see a replica that has finished as still busy. ``on_complete`` still
+        confirms the index (its own release is then a no-op)."""
+        now = self.clock()
+        self.state.load.release(request_id, now)
+        pending = self._pending.get(request_id)
+        if pending is not None and pending.answered_at is None:
+            pending.answered_at = now
+
     def on_complete(self, request_id: str, cached_tokens: int | None = None,
                     backend: str | None = None) -> None:
         """Release load and confirm the index with the reported cached-token count (if any).
@@ -273,8 +309,11 @@ class Router:
 
     def expire(self) -> int:
         """Release requests older than ``max_request_age_s`` (callbacks that never came)."""
-        released = self.state.load.expire(self.clock(), self.config.max_request_age_s)
-        for rid in [rid for rid in self._pending if self.state.load.backend_of(rid) is None]:
+        now = self.clock()
+        max_age = self.config.max_request_age_s
+        released = self.state.load.expire(now, max_age)
+        for rid in [rid for rid, p in self._pending.items() if self.state.load.backend_of(rid) is None
+                    and (p.answered_at is None or now - p.answered_at > max_age)]:
             self._settle(self._pending.pop(rid))
         return released
 

@@ -14,7 +14,8 @@ from kvroute.plugin.demo_workload import PolicyReport, RequestResult
 from kvroute.plugin.workloads import WorkloadSpec, build_sessions
 from kvroute.policies.errors import ConfigError
 
-POLICY_KEYS = {"cached_token_share", "ttft_p50_s", "ttft_p90_s", "requests_per_s", "failed"}
+REPORT_KEYS = {"cached_token_share", "ttft_p50_s", "ttft_p90_s", "requests_per_s", "failed"}
+POLICY_KEYS = REPORT_KEYS | {"wasted_prefill_tokens"}  # the last one from the proxy's metrics
 
 
 def test_sessions_total_the_requested_count_and_share_prefixes():
@@ -40,7 +41,7 @@ def test_report_figures():
                                    for t, c in [(0.1, 0), (0.2, 50), (0.3, 100), (0.4, 90)]]
                           + [RequestResult(ok=False, error="APIError")], wall_s=2.0)
     d = report.as_dict()
-    assert set(d) == POLICY_KEYS
+    assert set(d) == REPORT_KEYS
     assert d["cached_token_share"] == 0.6 and d["failed"] == 1 and d["requests_per_s"] == 2.0
     assert d["ttft_p50_s"] == 0.2 and d["ttft_p90_s"] == 0.4
     assert PolicyReport().as_dict() == {"cached_token_share": 0.0, "ttft_p50_s": None, "ttft_p90_s": None,
@@ -57,11 +58,13 @@ def test_capacity_fits_own_share_of_prefixes_only():
 def test_render_table(capsys):
     from rich.console import Console
 
-    fig = {"cached_token_share": 0.5, "ttft_p50_s": 0.1, "ttft_p90_s": None, "requests_per_s": 3.0, "failed": 0}
-    render({"engine": "fake", "replicas": 3, "requests": 8, "policies": {"kvroute": fig, "round_robin": fig}},
-           Console(width=120))
+    fig = {"cached_token_share": 0.5, "ttft_p50_s": 0.1, "ttft_p90_s": None, "requests_per_s": 3.0, "failed": 0,
+           "wasted_prefill_tokens": 0}
+    render({"engine": "fake", "replicas": 3, "requests": 8,
+            "policies": {"kvroute": fig, "round_robin": {**fig, "wasted_prefill_tokens": 12345}}}, Console(width=120))
     out = capsys.readouterr().out
     assert "cached-token share" in out and "50.0%" in out and "100 ms" in out
+    assert "wasted prefill" in out and "12,345" in out
 
 
 @pytest.mark.e2e
@@ -80,6 +83,7 @@ def test_demo_cli_json_with_fake_engines():
     assert kv["cached_token_share"] > rr["cached_token_share"]
     assert kv["cached_token_share"] > 0.5
     assert 0 < kv["ttft_p50_s"] <= kv["ttft_p90_s"]
+    assert rr["wasted_prefill_tokens"] > kv["wasted_prefill_tokens"] >= 0  # round robin recomputes held prefixes
 
 
 def _descendants(root: int) -> set[int]:

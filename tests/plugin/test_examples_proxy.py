@@ -208,3 +208,34 @@ def test_sdk_example_runs_as_written_against_fake_replicas():
         cached = [int(ln.split(" cached ", 1)[1].split("/", 1)[0]) for ln in turns]
         assert sum(cached[3:]) > 0  # later turns reuse the shared system prompt on the replica that holds it
         assert recorder.requests == [], recorder.requests
+
+
+def _usage_of(resp: httpx.Response, stream: bool) -> dict:
+    if not stream:
+        return resp.json()["usage"]
+    chunks = [json.loads(line[5:]) for line in resp.text.splitlines()
+              if line.startswith("data:") and line.strip() != "data: [DONE]"]
+    return next(c["usage"] for c in reversed(chunks) if c.get("usage"))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("repeats", [110, 450], ids=["1.5k", "6k"])
+def test_repeats_of_one_long_prompt_stay_on_the_first_replica_and_are_cached(stack, repeats, stream):
+    """A user's first test: the same long prompt, one request at a time, to the example's idle replicas. Every
+    repeat goes to the replica that served the first and the engine reports the prefix cached."""
+    proxy = stack["proxy"]
+    system = f"Case {repeats}-{stream}. " + "You are a careful assistant for contract law questions. " * repeats
+    seen = []
+    with httpx.Client(trust_env=False, timeout=60) as client:
+        for i in range(5):
+            body = {"model": "llama", "stream": stream, "max_tokens": 8,
+                    "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"q{i}"}]}
+            if stream:
+                body["stream_options"] = {"include_usage": True}
+            resp = client.post(proxy.base_url + "/v1/chat/completions", headers=proxy.headers, json=body)
+            assert resp.status_code == 200, resp.text[:300]
+            usage = _usage_of(resp, stream)
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            seen.append((resp.headers.get("x-litellm-model-id"), usage["prompt_tokens"], cached))
+    assert seen[0][0] and all(b == seen[0][0] for b, _, _ in seen), seen
+    assert all(cached >= 0.9 * prompt for _, prompt, cached in seen[1:]), seen

@@ -1,5 +1,7 @@
-"""``cache_aware``'s picker as of e9da8e7 (one ``Candidate`` and every scorer per backend), kept verbatim as the
-oracle the faster ``CacheAware.select`` must agree with (tests/policies/test_cache_aware_equivalence.py)."""
+"""``cache_aware``'s picker as of e9da8e7 (one ``Candidate`` and every scorer per backend), kept as the oracle the
+faster ``CacheAware.select`` must agree with (tests/policies/test_cache_aware_equivalence.py), with the changes
+since marked: equal holders go to the cheapest; the hot-spot bound never counts a holder of the prefix that is
+idle now as hot (``filters.hot_load``); the decision reports its wasted prefill."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from collections.abc import Sequence
 from kvroute.policies.base import RoutingState, least_load_decision
 from kvroute.policies.cache_aware import CacheAware
 from kvroute.policies.decision import Decision
-from kvroute.policies.filters import bounded_busy
+from kvroute.policies.filters import hot_limit, hot_load, within_hot_bound
 from kvroute.policies.request import RoutingRequest
 from kvroute.policies.scorers import Candidate, own_prefill, slot_wait
 
@@ -36,7 +38,12 @@ class ReferenceCacheAware(CacheAware):
         scorers, fleet = self.scorers, self.fleet_scorers
         ttft: dict[str, float] = {}
         matched: dict[str, int] = {}
-        within = bounded_busy(candidates, load, cfg.epsilon, cfg.busy_floor_s, now)  # hot-spot bound, below
+        factor = load.factor(candidates[0])  # fleet-wide (see LoadTracker.factor)
+        # changed: the hot-spot bound (below) never counts an idle holder of the prefix as hot
+        busy = [load.busy(b, now) for b in candidates]
+        hot = [hot_load(busy_s, (v := load.view(b, now)).inflight > 0 or v.queue_tokens > 0, b in matches)
+               for b, busy_s in zip(candidates, busy, strict=True)]
+        within = within_hot_bound(candidates, hot, hot_limit(busy, cfg.epsilon, cfg.busy_floor_s))
         if len(candidates) > cfg.max_scored:
             # Large fleets: every holder of a prefix, plus the least loaded of the rest (backends holding
             # nothing of this prompt differ only by load, so the cheapest few stand for all of them).
@@ -50,7 +57,6 @@ class ReferenceCacheAware(CacheAware):
             matched[b] = max(0, m)
         best_matched = max(matched.values())
         best_own = speed.prefill_s(prompt - best_matched, best_matched)
-        factor = load.factor(candidates[0])  # fleet-wide (see LoadTracker.factor)
         own_by_match: dict[int, float] = {best_matched: best_own}
         prefill_s = speed.prefill_s
         for b in candidates:
@@ -70,7 +76,7 @@ class ReferenceCacheAware(CacheAware):
                 t += w * f(c, speed)
             costs[b] = t
         top_holder = best_matched
-        # Hot-spot bound (busy seconds): over-bound backends are left out unless that costs this request
+        # Hot-spot bound (load now): over-bound backends are left out unless that costs this request
         # more than ``bound_cost_s`` of predicted TTFT (a session whose long context is cached there stays:
         # moving it would recompute that whole context; new or short work spreads).
         allowed = [b for b in within if b in costs]
@@ -118,4 +124,5 @@ class ReferenceCacheAware(CacheAware):
             work_s=work,
             predicted_ttft_s=queued + own,
             fixed_wait_s=fixed,
+            wasted_prefill_tokens=best_matched - chosen.matched,  # changed: the decision reports it
         )

@@ -25,7 +25,7 @@ from kvroute.sim.presets import get_preset
 from kvroute.sim.workloads import GENERATORS
 
 FIELDS = ("backend", "reason", "matched_tokens", "matched_blocks", "prompt_tokens", "predicted_prefill_tokens",
-          "work_s", "predicted_ttft_s", "fixed_wait_s", "skipped")
+          "work_s", "predicted_ttft_s", "fixed_wait_s", "skipped", "wasted_prefill_tokens")
 
 
 @dataclass

@@ -169,7 +169,8 @@ def test_prefix_hash_routes_stable_start_and_skips_short():
 
 @given(st.integers(2, 12), st.integers(0, 2**31 - 1))
 def test_cache_aware_hot_spot_bound_in_busy_seconds_under_cold_traffic(n, seed):
-    """Cold work (moving it costs nothing) never lands on a backend over (1+ε)·mean + floor busy seconds."""
+    """Cold work (moving it costs nothing; nobody holds it) never lands on a backend over (1+ε)·mean + floor
+    busy seconds."""
     eps, floor = 0.25, 0.01
     router, clock = make(epsilon=eps, busy_floor_s=floor)
     backends = [f"r{i}" for i in range(n)]
@@ -221,3 +222,77 @@ def test_near_tied_equal_holders_go_to_the_cheapest_not_always_the_same_replica(
     _, d = router.route(group_prompt(7, 12, q_len=60000), ["r0", "r1"])
     assert d.reason == "prefix_match" and d.matched_tokens == idle_pick.matched_tokens
     assert d.backend != first, d
+
+
+@pytest.mark.parametrize("replicas", [2, 4, 8])
+@pytest.mark.parametrize("repeats", [110, 450, 1800], ids=["1.5k", "6k", "25k"])
+def test_repeats_of_one_long_prompt_on_an_idle_fleet_stay_on_the_first_replica(replicas, repeats):
+    """The same long prompt, one request at a time, to an idle fleet: every repeat goes to the replica that
+    computed it first (a replica with nothing in flight is never over the hot-spot bound, whatever it served)."""
+    router = Router()  # the real clock and the default config, as a user would start
+    backends = [f"gpu-{i}" for i in range(replicas)]
+    system = "You are a careful assistant for contract law questions. " * repeats
+    picks = []
+    for i in range(6):
+        req, d = router.route({"model": "m", "messages": [{"role": "system", "content": system},
+                                                          {"role": "user", "content": f"q{i}"}]}, backends)
+        picks.append(d)
+        router.on_first_token(req.request_id)
+        router.on_complete(req.request_id, cached_tokens=d.matched_tokens)
+    assert picks[0].reason == "cold"
+    assert {d.backend for d in picks} == {picks[0].backend}, [(d.backend, d.reason) for d in picks]
+    for d in picks[1:]:
+        assert d.reason == "prefix_match" and d.matched_tokens >= d.prompt_tokens - 64
+        assert d.wasted_prefill_tokens == 0
+
+
+def test_an_idle_holder_keeps_its_prefix_after_a_busy_minute():
+    """Recent work does not make an idle replica hot: after serving a burst, once its requests are done the
+    holder takes the next repeat of its prefix (busy seconds decay over a minute; the bound ignores them now)."""
+    router, clock = make()
+    first = None
+    for i in range(30):  # a busy stretch: requests overlap on the holder
+        req, d = router.route(group_prompt(2, i, sys_len=24000), BACKENDS)
+        first = first or d.backend
+        clock.t += 0.05
+        router.on_complete(req.request_id, cached_tokens=d.matched_tokens)
+    clock.t += 1.0
+    others = [router.load.busy(b, clock.t) for b in BACKENDS if b != first]
+    assert router.load.busy(first, clock.t) > 10 * 0.05 and max(others) == 0.0  # much recent work, none now
+    d = router.route(group_prompt(2, 99, sys_len=24000), BACKENDS)[1]
+    assert d.backend == first and d.reason == "prefix_match"
+
+
+def test_a_working_holder_over_the_bound_spreads_a_cheap_prefix():
+    """The bound still acts while the holder is working: with a long queue of work there, a prefix whose
+    recompute is cheap spills (the hot prefix gains a second holder), with the wasted prefill reported."""
+    router, _ = make()
+    req, d0 = router.route(group_prompt(4, 0), BACKENDS)
+    router.on_complete(req.request_id, cached_tokens=0)
+    for i in range(6):  # the holder is kept working: unrelated requests in flight
+        router.route(group_prompt(200 + i, 0, sys_len=8000), [d0.backend])
+    d = router.route(group_prompt(4, 1), BACKENDS)[1]
+    assert d.backend != d0.backend and d.reason == "prefix_spill"
+    assert d.wasted_prefill_tokens > 900 and d.matched_tokens == 0
+
+
+def test_wasted_prefill_is_reported_for_every_policy():
+    """``Decision.wasted_prefill_tokens``: the longest other candidate's match minus the chosen backend's,
+    from the index at decision time; cache_aware computes it itself, the Router fills it in for the others."""
+    router, _ = make("round_robin")
+    picks = []
+    for i in range(4):
+        req, d = router.route(group_prompt(6, i), BACKENDS[:2])
+        router.on_complete(req.request_id, cached_tokens=0)
+        picks.append(d)
+    assert picks[0].wasted_prefill_tokens == 0  # nobody held anything
+    assert picks[1].wasted_prefill_tokens > 900  # r1 prefills the system prompt r0 held
+    assert picks[2].wasted_prefill_tokens == 0 and picks[3].wasted_prefill_tokens == 0  # both hold it now
+    ca, _ = make()
+    req, d = ca.route(group_prompt(6, 0), BACKENDS)
+    ca.on_complete(req.request_id, cached_tokens=0)
+    again = ca.route(group_prompt(6, 1), BACKENDS)[1]
+    assert d.wasted_prefill_tokens == 0 and again.wasted_prefill_tokens == 0
+    spilled = ca.route(group_prompt(6, 2), [b for b in BACKENDS if b != d.backend])[1]
+    assert spilled.wasted_prefill_tokens == 0  # no candidate held it: nothing wasted among these
+    assert "wasted_prefill_tokens" in again.as_dict()

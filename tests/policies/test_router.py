@@ -150,3 +150,25 @@ def test_a_repicked_request_id_becomes_the_newest_pending_and_the_oldest_is_rele
     assert router.pending_backend("a") is not None and router.pending_backend("c") is not None
     assert router.load.backend_of("b") is None and router.load.backend_of("a") is not None
     assert router.errors == 0
+
+
+def test_an_answered_request_releases_its_load_and_still_confirms_the_index_later() -> None:
+    """``on_answered`` (the answer is back, its outcome reported later): the load goes at once, the pending pick
+    survives ``expire`` until its outcome confirms the index (or it is older than ``max_request_age_s``)."""
+    t = [0.0]
+    router = Router(RouterConfig(max_request_age_s=60.0), clock=lambda: t[0])
+    msgs = {"model": "m", "messages": [{"role": "user", "content": "word " * 2000}]}
+    req, d = router.route(msgs, ["a", "b"])
+    assert router.load.inflight(d.backend) == 1
+    router.on_answered(req.request_id)
+    assert router.load.inflight(d.backend) == 0 and router.load.work_s(d.backend) == 0.0
+    t[0] = 10.0
+    router.expire()
+    assert router.pending_backend(req.request_id) == d.backend
+    router.on_complete(req.request_id, cached_tokens=0)
+    assert router.pending_backend(req.request_id) is None
+    req2, _ = router.route(msgs, ["a", "b"])
+    router.on_answered(req2.request_id)
+    t[0] = 100.0
+    router.expire()  # its outcome never came: dropped once older than max_request_age_s
+    assert router.pending_backend(req2.request_id) is None
