@@ -115,7 +115,9 @@ def run_figures(result: RunResult, before: list[tuple[float, float]], after: lis
     p50, p90 = quantile(ttfts, 0.5), quantile(ttfts, 0.9)
     served = _served(result)
     waste = wasted_prefill(served, block_bytes) if served is not None else None
+    in_flight = wasted_prefill(served, block_bytes, in_flight=True) if served is not None else None
     return {"wasted_share": None if waste is None else waste.share,
+            "wasted_in_flight_share": None if in_flight is None else in_flight.share,
             "wasted_exact": None if waste is None else waste.exact,
             "replicas_seen": len({o.replica for o in ok if o.replica}),
             "requests": len(result.outcomes), "failed": len(result.outcomes) - len(ok),
@@ -129,6 +131,7 @@ def run_figures(result: RunResult, before: list[tuple[float, float]], after: lis
 
 METRICS = ("cached_share", "ttft_p50_ms", "ttft_p90_ms", "req_per_s", "wasted_share", "spread",
            "router_cpu_ms_per_req")
+EXTRA_METRICS = ("wasted_in_flight_share",)  # medians too, where the run recorded them
 RATIO_METRICS = ("cached_share", "ttft_p90_ms", "req_per_s", "router_cpu_ms_per_req")
 KVROUTE = "kvroute"
 
@@ -152,6 +155,7 @@ def summarise(runs: dict[str, list[dict]]) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for key, per_repeat in runs.items():
         row: dict = {m: _median([r[m] for r in per_repeat]) for m in METRICS}
+        row.update({m: _median([r.get(m) for r in per_repeat]) for m in EXTRA_METRICS})
         row["failed"] = sum(r["failed"] for r in per_repeat)
         row["requests"] = sum(r["requests"] for r in per_repeat)
         row["wasted_exact"] = all(r.get("wasted_exact") for r in per_repeat)
@@ -314,6 +318,8 @@ def render(result: dict) -> str:
                   "cached × kvroute | p90 × kvroute | CPU × kvroute | CPU × shuffle |", "|---|" + "---|" * 11]
         for key, row in w["summary"].items():
             wasted = _fmt(row.get("wasted_share"), "share") + ("" if row.get("wasted_exact") else " ≤")
+            if row.get("wasted_in_flight_share") is not None:
+                wasted += f" ({_fmt(row['wasted_in_flight_share'], 'share')})"
             lines.append(f"| {labels[key]} | {_fmt(row['cached_share'], 'share')} | {_fmt(row['ttft_p50_ms'], 'ms')} "
                          f"| {_fmt(row['ttft_p90_ms'], 'ms')} | {_fmt(row['req_per_s'], '')} | {row['failed']} "
                          f"| {wasted} | {_fmt(row['router_cpu_ms_per_req'], '')} ms "
@@ -324,7 +330,8 @@ def render(result: dict) -> str:
         for target, t in w["targets"].items():
             lines.append(f"- target {target}: {'met' if t['met'] else 'MISSED'} {json.dumps(t)}")
     lines.append("- wasted prefill: share of prompt tokens computed while another replica had been sent them "
-                 "(bench/peers_waste.py); ≤: replicas not visible (llama.cpp), an upper bound")
+                 "by a finished request (in brackets: by any request sent earlier, still in flight included; "
+                 "bench/peers_waste.py); ≤: replicas not visible (llama.cpp), an upper bound")
     lines.append(f"- kvroute precise: {result['kvroute_precise']}")
     return "\n".join(lines)
 

@@ -16,6 +16,10 @@ wasted prefill is ``Σ wasted_i / Σ P_i``: the share of all prompt tokens that 
 another replica held them. "Held" means "had been sent", so a prefix the other replica evicted meanwhile still
 counts. Where the replica is unknown, ``H_i`` is taken over every earlier request, whichever replica answered it:
 an upper bound that also counts a replica recomputing its own evicted prefix (``exact`` is then False).
+
+``in_flight=True`` widens "earlier" from "finished before ``i`` was sent" to "sent before ``i``": it also counts
+a prefix computed on a second replica while the first was still computing it (two requests of one prefix placed
+apart under load), which the default leaves out because no replica held those tokens yet.
 """
 
 from __future__ import annotations
@@ -59,15 +63,16 @@ def _block_keys(text: str, block_bytes: int) -> list[int]:
     return keys
 
 
-def wasted_prefill(served: Sequence[Served], block_bytes: int = BLOCK_BYTES) -> Waste:
+def wasted_prefill(served: Sequence[Served], block_bytes: int = BLOCK_BYTES, in_flight: bool = False) -> Waste:
     """The run's wasted prefill as the module docstring defines it (requests in any order)."""
     exact = all(s.replica is not None for s in served)
-    finished = sorted(served, key=lambda s: s.end_s)
+    finished = sorted(served, key=(lambda s: s.start_s) if in_flight else (lambda s: s.end_s))
     holders: dict[int, set[str | None]] = {}  # block key → replicas that had been sent that prefix
     done = 0
     total_prompt = total_wasted = 0
     for s in sorted(served, key=lambda s: s.start_s):
-        while done < len(finished) and finished[done].end_s <= s.start_s:
+        while done < len(finished) and (finished[done].start_s < s.start_s if in_flight
+                                         else finished[done].end_s <= s.start_s):
             f = finished[done]
             for key in _block_keys(f.prompt + f.answer, block_bytes):
                 holders.setdefault(key, set()).add(f.replica)

@@ -82,6 +82,8 @@ def test_wasted_prefill_counts_prefixes_another_replica_held():
     unknown = [dataclasses.replace(s, replica=None) for s in (a, own_only)]
     bound = wasted_prefill(unknown)  # replicas unknown: an upper bound that counts the eviction too
     assert not bound.exact and bound.tokens == 160
+    # early was sent while a was in flight: not held yet, but computed twice; in_flight counts it (and other)
+    assert wasted_prefill([a, same, other, early], in_flight=True).tokens == 320
 
 
 def test_run_figures_and_same_repeat_ratios():
