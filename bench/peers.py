@@ -1,15 +1,19 @@
-"""kvroute side by side with the real peers: sglang-router 0.3.2 and LiteLLM's own strategies on the same fleet.
+"""kvroute side by side with the real peers: SMG 1.13, vllm-router 0.1.17, sglang-router 0.3.2 and LiteLLM's own
+strategies, on the same fleet.
 
 Starts N replicas (fake engines or llama.cpp, through ``plugin/fleet.py``), then every rival in front of them
-(``bench/peers_rivals.py``): sglang-router ``cache_aware`` / ``round_robin`` directly and behind LiteLLM, LiteLLM's
-strategies and affinity checks, LiteLLM + kvroute. Each workload is replayed once per rival per repeat, rivals
+(``bench/peers_rivals.py``): each Rust router's ``cache_aware`` directly and behind LiteLLM, its session-sticky
+mode directly, LiteLLM's strategies and affinity checks, LiteLLM + kvroute. Each workload
+(``bench/peers_workloads.py``: demo, apps, agent, shared) is replayed once per rival per repeat, rivals
 interleaved (A B C … A B C …), every run with its own prompt salt. Per rival: cached-token share (the engines'
-own counters), TTFT p50/p90, req/s, failures, spread over replicas (max/mean prompt tokens served), routing CPU per
-request (the rival's router processes), and ratios against LiteLLM simple-shuffle and LiteLLM → sglang-router
-``cache_aware`` in the same repeat (medians over repeats). Usage::
+own counters), TTFT p50/p90, req/s, failures, wasted prefill (``bench/peers_waste.py``), spread over replicas
+(max/mean prompt tokens served), routing CPU per request (every process of the rival's chain: LiteLLM and the
+router, summed), and same-repeat ratios against kvroute and LiteLLM simple-shuffle (medians over repeats).
+Usage::
 
     LITELLM_LOCAL_MODEL_COST_MAP=True .venv/bin/python bench/peers.py [--fleet fake|llamacpp]
-        [--workload demo --workload apps --workload agent] [--repeats 3] [--quick] [--json]
+        [--workload demo --workload shared ...] [--repeats 3] [--rival kvroute --rival smg-ca ...]
+        [--quick] [--json]
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -30,9 +35,10 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from peers_rivals import CHAIN, RIVALS, SGLANG, SHUFFLE, FleetView, Rival, start_rivals
+from peer_routers import KINDS, ensure_venv
+from peers_rivals import PEERS, RIVALS, SHUFFLE, FleetView, Rival, start_rivals
+from peers_waste import Served, wasted_prefill
 from peers_workloads import WORKLOADS, RunResult, Size, Workload, build, replay, replica_capacity_tokens
-from sglang_router import DEFAULT_VENV, SGLANG_ROUTER_PIN, ensure_venv
 
 from kvroute.plugin.fleet import Fleet, ReplicaOptions
 
@@ -90,8 +96,16 @@ def quantile(values: list[float], q: float) -> float | None:
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
+def _served(result: RunResult) -> list[Served] | None:
+    """The answered requests as ``peers_waste`` needs them (None when an engine reported no usage)."""
+    ok = [o for o in result.outcomes if o.ok]
+    if any(o.prompt_tokens is None or o.cached_tokens is None for o in ok):
+        return None
+    return [Served(o.prompt, o.answer, o.replica, o.prompt_tokens, o.cached_tokens, o.start_s, o.end_s) for o in ok]
+
+
 def run_figures(result: RunResult, before: list[tuple[float, float]], after: list[tuple[float, float]],
-                cpu_s: float) -> dict:
+                cpu_s: float, block_bytes: int = 64) -> dict:
     """The figures of one run of one rival."""
     prompt = [a[0] - b[0] for a, b in zip(after, before, strict=True)]
     cached = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
@@ -99,7 +113,14 @@ def run_figures(result: RunResult, before: list[tuple[float, float]], after: lis
     ttfts = [o.ttft_s for o in ok if o.ttft_s is not None]
     mean_prompt = sum(prompt) / len(prompt) if prompt else 0.0
     p50, p90 = quantile(ttfts, 0.5), quantile(ttfts, 0.9)
-    return {"requests": len(result.outcomes), "failed": len(result.outcomes) - len(ok),
+    served = _served(result)
+    waste = wasted_prefill(served, block_bytes) if served is not None else None
+    in_flight = wasted_prefill(served, block_bytes, in_flight=True) if served is not None else None
+    return {"wasted_share": None if waste is None else waste.share,
+            "wasted_in_flight_share": None if in_flight is None else in_flight.share,
+            "wasted_exact": None if waste is None else waste.exact,
+            "replicas_seen": len({o.replica for o in ok if o.replica}),
+            "requests": len(result.outcomes), "failed": len(result.outcomes) - len(ok),
             "cached_share": round(cached / sum(prompt), 4) if sum(prompt) > 0 else 0.0,
             "ttft_p50_ms": None if p50 is None else round(p50 * 1000, 1),
             "ttft_p90_ms": None if p90 is None else round(p90 * 1000, 1),
@@ -108,8 +129,11 @@ def run_figures(result: RunResult, before: list[tuple[float, float]], after: lis
             "router_cpu_ms_per_req": round(cpu_s * 1000 / len(result.outcomes), 3) if result.outcomes else None}
 
 
-METRICS = ("cached_share", "ttft_p50_ms", "ttft_p90_ms", "req_per_s", "spread", "router_cpu_ms_per_req")
+METRICS = ("cached_share", "ttft_p50_ms", "ttft_p90_ms", "req_per_s", "wasted_share", "spread",
+           "router_cpu_ms_per_req")
+EXTRA_METRICS = ("wasted_in_flight_share",)  # medians too, where the run recorded them
 RATIO_METRICS = ("cached_share", "ttft_p90_ms", "req_per_s", "router_cpu_ms_per_req")
+KVROUTE = "kvroute"
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -117,39 +141,54 @@ def _median(values: list[float | None]) -> float | None:
     return round(statistics.median(present), 4) if present else None
 
 
+def same_repeat_ratio(runs: dict[str, list[dict]], key: str, base: str, metric: str) -> float | None:
+    """Median over repeats of ``key``'s ``metric`` divided by ``base``'s in the same repeat."""
+    if key not in runs or base not in runs:
+        return None
+    return _median([r[metric] / b[metric] if r[metric] is not None and b[metric] else None
+                    for r, b in zip(runs[key], runs[base], strict=False)])
+
+
 def summarise(runs: dict[str, list[dict]]) -> dict[str, dict]:
-    """Per rival: the median of each figure over repeats, failures summed, and same-repeat ratio medians."""
+    """Per rival: the median of each figure over repeats, failures summed, and same-repeat ratio medians
+    against kvroute and LiteLLM simple-shuffle (kvroute's row also against every peer's LiteLLM chain)."""
     out: dict[str, dict] = {}
     for key, per_repeat in runs.items():
         row: dict = {m: _median([r[m] for r in per_repeat]) for m in METRICS}
+        row.update({m: _median([r.get(m) for r in per_repeat]) for m in EXTRA_METRICS})
         row["failed"] = sum(r["failed"] for r in per_repeat)
         row["requests"] = sum(r["requests"] for r in per_repeat)
-        for base in (SHUFFLE, CHAIN):
-            if base not in runs:
-                continue
+        row["wasted_exact"] = all(r.get("wasted_exact") for r in per_repeat)
+        bases = [SHUFFLE, KVROUTE] + ([chain for _, chain in PEERS.values()] if key == KVROUTE else [])
+        for base in bases:
             for m in RATIO_METRICS:
-                ratios = [r[m] / b[m] if r[m] is not None and b[m] else None
-                          for r, b in zip(per_repeat, runs[base], strict=False)]
-                row[f"{m}_vs_{base}"] = _median(ratios)
+                ratio = same_repeat_ratio(runs, key, base, m)
+                if ratio is not None:
+                    row[f"{m}_vs_{base}"] = ratio
         out[key] = row
     return out
 
 
 def targets(summary: dict[str, dict]) -> dict:
-    """The issue's targets on one workload: kvroute's cached share ≥ sglang-router cache_aware's (direct), its
-    TTFT p90 ≤ LiteLLM → sglang-router's, its routing CPU per request ≤ 1.03 × LiteLLM simple-shuffle's."""
-    kv, sgl, chain, shuffle = (summary.get(k) for k in ("kvroute", SGLANG, CHAIN, SHUFFLE))
+    """The issue's targets on one workload, per peer: kvroute's cached share ≥ the peer's ``cache_aware`` direct,
+    kvroute's TTFT p90 ≤ LiteLLM → that peer's (same-repeat ratio), and once kvroute's routing CPU per request ≤
+    1.03 × LiteLLM simple-shuffle's. A peer that did not run gets no verdict rather than a wrong one."""
+    kv, shuffle = summary.get(KVROUTE), summary.get(SHUFFLE)
     out: dict = {}
-    if kv and sgl and kv["cached_share"] is not None and sgl["cached_share"] is not None:
-        out["cached_share"] = {"kvroute": kv["cached_share"], SGLANG: sgl["cached_share"],
-                               "difference": round(kv["cached_share"] - sgl["cached_share"], 4),
-                               "met": kv["cached_share"] >= sgl["cached_share"]}
-    if kv and chain and kv.get(f"ttft_p90_ms_vs_{CHAIN}") is not None:
-        ratio = kv[f"ttft_p90_ms_vs_{CHAIN}"]
-        out["ttft_p90"] = {"kvroute_ms": kv["ttft_p90_ms"], f"{CHAIN}_ms": chain["ttft_p90_ms"],
-                           "ratio": ratio, "met": ratio <= 1.0}
-    if kv and shuffle and kv.get(f"router_cpu_ms_per_req_vs_{SHUFFLE}") is not None:
-        ratio = kv[f"router_cpu_ms_per_req_vs_{SHUFFLE}"]
+    if not kv:
+        return out
+    for peer, (direct_key, chain_key) in PEERS.items():
+        direct, chain = summary.get(direct_key), summary.get(chain_key)
+        if direct and kv["cached_share"] is not None and direct["cached_share"] is not None:
+            out[f"cached_share {peer}"] = {"kvroute": kv["cached_share"], direct_key: direct["cached_share"],
+                                           "difference": round(kv["cached_share"] - direct["cached_share"], 4),
+                                           "met": kv["cached_share"] >= direct["cached_share"]}
+        ratio = kv.get(f"ttft_p90_ms_vs_{chain_key}")
+        if chain and ratio is not None:
+            out[f"ttft_p90 {peer}"] = {"kvroute_ms": kv["ttft_p90_ms"], f"{chain_key}_ms": chain["ttft_p90_ms"],
+                                       "ratio": ratio, "met": ratio <= 1.0}
+    ratio = kv.get(f"router_cpu_ms_per_req_vs_{SHUFFLE}")
+    if shuffle and ratio is not None:
         out["proxy_cpu"] = {"kvroute_ms": kv["router_cpu_ms_per_req"],
                             f"{SHUFFLE}_ms": shuffle["router_cpu_ms_per_req"], "ratio": ratio, "goal": 1.03,
                             "met": ratio <= 1.03}
@@ -179,7 +218,11 @@ def _one_run(rival: Rival, workload: Workload, model: str, kind: str, base_urls:
     cpu0 = cpu_seconds(rival.pids)
     result = asyncio.run(replay(rival.base_url, rival.headers, model, workload, salt))
     cpu = cpu_seconds(rival.pids) - cpu0
-    return run_figures(result, before, engine_counters(kind, base_urls), cpu)
+    if kind != "fake":  # llama.cpp's system_fingerprint is its build, the same on every replica: not an identity
+        for outcome in result.outcomes:
+            outcome.replica = None
+    # fake engines cache 16-token blocks of 4 bytes a token; llama.cpp reuses any token prefix (~4 bytes a token)
+    return run_figures(result, before, engine_counters(kind, base_urls), cpu, 64 if kind == "fake" else 4)
 
 
 def run(args: argparse.Namespace, say) -> dict:
@@ -188,11 +231,17 @@ def run(args: argparse.Namespace, say) -> dict:
     capacity = replica_capacity_tokens(size, args.replicas)
     specs = [s for s in RIVALS if not args.rival or s.key in args.rival]
     started_at = time.time()
-    say(f"sglang-router venv: {args.venv}")
-    binary = ensure_venv(Path(args.venv))
+    needed = sorted({s.router for s in specs if s.router})
+    binaries: dict[str, Path] = {}
+    for key in needed:  # a router that cannot be installed is reported by the rivals that need it
+        try:
+            binaries[key] = ensure_venv(KINDS[key])
+            say(f"{KINDS[key].pin}: {binaries[key]}")
+        except Exception as exc:
+            say(f"{KINDS[key].pin}: NOT INSTALLED: {exc}")
     result: dict = {"fleet": args.fleet, "replicas": args.replicas, "repeats": args.repeats, "quick": args.quick,
-                    "size": dataclasses.asdict(size),
-                    "capacity_tokens_per_replica": capacity, "sglang_router": SGLANG_ROUTER_PIN,
+                    "size": dataclasses.asdict(size), "routers": {k: KINDS[k].pin for k in needed},
+                    "capacity_tokens_per_replica": capacity,
                     "kvroute_precise": PRECISE_NOTE, "cpu_count": os.cpu_count(),
                     "load_average_start": list(os.getloadavg())}
     with contextlib.ExitStack() as stack:
@@ -202,7 +251,7 @@ def run(args: argparse.Namespace, say) -> dict:
         view = FleetView(fleet.api_bases, fleet.model, "llamacpp" if args.fleet == "llamacpp" else "vllm",
                          capacity, 16 if args.fleet == "fake" else None)
         say(f"{args.replicas} {args.fleet} replicas up (cache ≈ {capacity} tokens each); starting {len(specs)} rivals")
-        rivals = start_rivals(specs, view, binary, stack)
+        rivals = start_rivals(specs, view, binaries, stack)
         for rival in rivals:
             if rival.error is None:
                 try:
@@ -210,8 +259,8 @@ def run(args: argparse.Namespace, say) -> dict:
                 except httpx.HTTPError as exc:
                     rival.error = f"warm-up request failed: {type(exc).__name__}: {exc}"
         live = [r for r in rivals if r.error is None]
-        result["rivals"] = {r.spec.key: {"label": r.spec.label, "started": r.error is None, "error": r.error}
-                            for r in rivals}
+        result["rivals"] = {r.spec.key: {"label": r.spec.label, "started": r.error is None, "error": r.error,
+                                         "router_args": list(r.spec.router_args)} for r in rivals}
         say(f"started {len(live)}/{len(rivals)} rivals in {time.time() - started_at:.0f} s")
         result["workloads"] = {}
         for name in args.workload:
@@ -219,7 +268,9 @@ def run(args: argparse.Namespace, say) -> dict:
             runs: dict[str, list[dict]] = {r.spec.key: [] for r in live}
             for repeat in range(args.repeats):
                 for rival in live:
-                    salt = f"{name}-{repeat}-{rival.spec.key}-{started_at:.0f}"
+                    # the same length for every rival: a longer salt shifts block boundaries and the cached share
+                    # with them (rival keys of 6 to 18 characters moved it by up to 0.06 points)
+                    salt = hashlib.sha256(f"{name}-{repeat}-{rival.spec.key}-{started_at}".encode()).hexdigest()[:16]
                     runs[rival.spec.key].append(_one_run(rival, workload, fleet.model, args.fleet,
                                                          fleet.base_urls, salt))
                     say(f"{name} repeat {repeat + 1}/{args.repeats} {rival.spec.key}: "
@@ -227,6 +278,13 @@ def run(args: argparse.Namespace, say) -> dict:
             summary = summarise(runs)
             result["workloads"][name] = {"requests_per_run": workload.requests, "flows": len(workload.flows),
                                          "summary": summary, "targets": targets(summary), "runs": runs}
+        if args.fleet == "fake":  # which vLLM token endpoints the routers called (vllm-router's cache_aware does)
+            calls: dict[str, int] = {}
+            with httpx.Client(timeout=10.0, trust_env=False) as client:
+                for url in fleet.base_urls:
+                    for path, n in client.get(url + "/admin/stats").json().get("token_calls", {}).items():
+                        calls[path] = calls.get(path, 0) + n
+            result["engine_token_calls"] = calls
     result["load_average_end"] = list(os.getloadavg())
     result["wall_s"] = round(time.time() - started_at, 1)
     return result
@@ -250,23 +308,30 @@ def render(result: dict) -> str:
     labels = {k: v["label"] for k, v in result["rivals"].items()}
     lines = [f"{result['replicas']} {result['fleet']} replicas, {result['repeats']} interleaved repeats, medians; "
              f"load average {result['load_average_start'][0]:.1f} → {result['load_average_end'][0]:.1f} on "
-             f"{result['cpu_count']} CPUs"]
+             f"{result['cpu_count']} CPUs; routers {', '.join(result.get('routers', {}).values())}"]
     for key, info in result["rivals"].items():
         if not info["started"]:
             lines.append(f"NOT STARTED {key}: {info['error']}")
     for name, w in result["workloads"].items():
         lines += ["", f"### {name} ({w['requests_per_run']} requests per run)", "",
-                  "| router | cached share | TTFT p50 | TTFT p90 | req/s | failed | spread | CPU/req | "
-                  "cached × shuffle | p90 × chain | CPU × shuffle |", "|---|" + "---|" * 10]
+                  "| router | cached share | TTFT p50 | TTFT p90 | req/s | failed | wasted prefill | CPU/req | "
+                  "cached × kvroute | p90 × kvroute | CPU × kvroute | CPU × shuffle |", "|---|" + "---|" * 11]
         for key, row in w["summary"].items():
+            wasted = _fmt(row.get("wasted_share"), "share") + ("" if row.get("wasted_exact") else " ≤")
+            if row.get("wasted_in_flight_share") is not None:
+                wasted += f" ({_fmt(row['wasted_in_flight_share'], 'share')})"
             lines.append(f"| {labels[key]} | {_fmt(row['cached_share'], 'share')} | {_fmt(row['ttft_p50_ms'], 'ms')} "
                          f"| {_fmt(row['ttft_p90_ms'], 'ms')} | {_fmt(row['req_per_s'], '')} | {row['failed']} "
-                         f"| {_fmt(row['spread'], 'x')} | {_fmt(row['router_cpu_ms_per_req'], '')} ms "
-                         f"| {_fmt(row.get(f'cached_share_vs_{SHUFFLE}'), 'x')} "
-                         f"| {_fmt(row.get(f'ttft_p90_ms_vs_{CHAIN}'), 'x')} "
+                         f"| {wasted} | {_fmt(row['router_cpu_ms_per_req'], '')} ms "
+                         f"| {_fmt(row.get(f'cached_share_vs_{KVROUTE}'), 'x')} "
+                         f"| {_fmt(row.get(f'ttft_p90_ms_vs_{KVROUTE}'), 'x')} "
+                         f"| {_fmt(row.get(f'router_cpu_ms_per_req_vs_{KVROUTE}'), 'x')} "
                          f"| {_fmt(row.get(f'router_cpu_ms_per_req_vs_{SHUFFLE}'), 'x')} |")
         for target, t in w["targets"].items():
             lines.append(f"- target {target}: {'met' if t['met'] else 'MISSED'} {json.dumps(t)}")
+    lines.append("- wasted prefill: share of prompt tokens computed while another replica had been sent them "
+                 "by a finished request (in brackets: by any request sent earlier, still in flight included; "
+                 "bench/peers_waste.py); ≤: replicas not visible (llama.cpp), an upper bound")
     lines.append(f"- kvroute precise: {result['kvroute_precise']}")
     return "\n".join(lines)
 
@@ -274,14 +339,15 @@ def render(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--fleet", choices=("fake", "llamacpp"), default="fake")
-    p.add_argument("--workload", action="append", choices=WORKLOADS, help="repeatable; default: all three")
+    p.add_argument("--workload", action="append", choices=WORKLOADS, help="repeatable; default: all four")
     p.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 3, --quick 1)")
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--rival", action="append", help="only these rivals (repeatable), e.g. kvroute")
     p.add_argument("--quick", action="store_true", help="tiny workloads, one repeat: a CI smoke run")
-    p.add_argument("--venv", default=str(DEFAULT_VENV), help=f"where {SGLANG_ROUTER_PIN}'s venv is kept")
     p.add_argument("--json", action="store_true", help="print the result as JSON only")
     p.add_argument("--render", metavar="FILE", help="print the table of a result saved with --json, run nothing")
+    p.add_argument("--save", action="store_true",
+                   help="also write the result to bench/results/peers-<UTC date and time>-<fleet>.json")
     args = p.parse_args(argv)
     if args.render:
         print(render(json.loads(Path(args.render).read_text())))
@@ -299,6 +365,11 @@ def main(argv: list[str] | None = None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     result = run(args, say)
+    if args.save:
+        stamp = time.strftime("%Y-%m-%dT%H%M", time.gmtime(time.time() - result["wall_s"]))
+        path = Path(__file__).resolve().parent / "results" / f"peers-{stamp}-{args.fleet}.json"
+        path.write_text(json.dumps(result) + "\n")
+        say(f"saved {path}")
     print(json.dumps(result) if args.json else render(result))
     return 0 if all(r["started"] for r in result["rivals"].values()) else 1
 

@@ -1,8 +1,15 @@
 """The routers ``bench/peers.py`` compares, each started for real in front of the same fleet.
 
 A rival is a chain of real processes: an optional LiteLLM proxy (with one routing strategy, or with kvroute's
-callback) and an optional ``sglang-router`` (one policy, its defaults). With both, LiteLLM has one deployment,
-the router, which spreads over the replicas: what a LiteLLM user deploys instead of kvroute.
+callback) and an optional Rust router (``peer_routers``: sglang-router 0.3.2, SMG 1.13, vllm-router 0.1.17; one
+policy with its CLI defaults, plus the flags that turn on its session-sticky mode). With both, LiteLLM has one
+deployment, the router, which spreads over the replicas: what a LiteLLM user deploys instead of kvroute.
+
+Session keys: the replay sends each conversation's key as ``x-litellm-session-id`` (kvroute and LiteLLM's
+session affinity) and ``x-session-id``. SMG's sticky sessions (``--sticky-sessions`` on ``cache_aware``, new keys
+placed by ``cache_aware`` then pinned) read it through ``--routing-key-headers x-session-id``; vllm-router's
+``sticky_least_loaded`` reads ``X-Session-ID`` first by default. Sticky modes run direct only: LiteLLM 1.110
+does not forward client headers to a deployment unless told to, so behind it they would see no key.
 """
 
 from __future__ import annotations
@@ -15,27 +22,41 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sglang_router import SglangRouter
+from peer_routers import KINDS, SGLANG_ROUTER, SMG, VLLM_ROUTER, PeerRouter, RouterKind
 
 from kvroute.plugin.proxy_process import ModelGroup, ProxyProcess, build_proxy_config
 
 
 @dataclass(frozen=True)
 class RivalSpec:
-    """``sglang_policy``: an sglang-router in the path; ``litellm``: LiteLLM router_settings in front (None: none)."""
+    """``router``: a Rust router in the path (``peer_routers.KINDS`` key) with ``policy`` and ``router_args``;
+    ``litellm``: LiteLLM router_settings in front (None: no LiteLLM)."""
 
     key: str
     label: str
-    sglang_policy: str | None = None
+    router: str | None = None
+    policy: str = "cache_aware"
+    router_args: tuple[str, ...] = ()
     litellm: Mapping[str, Any] | None = None
     kvroute: bool = False
 
 
+_SMG_STICKY = ("--sticky-sessions", "--routing-key-headers", "x-session-id")
 RIVALS: tuple[RivalSpec, ...] = (
-    RivalSpec("sglang-ca", "sglang-router cache_aware (direct)", sglang_policy="cache_aware"),
-    RivalSpec("sglang-rr", "sglang-router round_robin (direct)", sglang_policy="round_robin"),
-    RivalSpec("litellm-sglang-ca", "LiteLLM → sglang-router cache_aware", sglang_policy="cache_aware", litellm={}),
-    RivalSpec("litellm-sglang-rr", "LiteLLM → sglang-router round_robin", sglang_policy="round_robin", litellm={}),
+    RivalSpec("sglang-ca", "sglang-router 0.3.2 cache_aware (direct)", router=SGLANG_ROUTER.key),
+    RivalSpec("sglang-rr", "sglang-router 0.3.2 round_robin (direct)", router=SGLANG_ROUTER.key,
+              policy="round_robin"),
+    RivalSpec("litellm-sglang-ca", "LiteLLM → sglang-router cache_aware", router=SGLANG_ROUTER.key, litellm={}),
+    RivalSpec("litellm-sglang-rr", "LiteLLM → sglang-router round_robin", router=SGLANG_ROUTER.key,
+              policy="round_robin", litellm={}),
+    RivalSpec("smg-ca", "SMG 1.13 cache_aware (direct)", router=SMG.key),
+    RivalSpec("smg-sticky", "SMG 1.13 cache_aware + sticky sessions (direct)", router=SMG.key,
+              router_args=_SMG_STICKY),
+    RivalSpec("litellm-smg-ca", "LiteLLM → SMG cache_aware", router=SMG.key, litellm={}),
+    RivalSpec("vllm-ca", "vllm-router 0.1.17 cache_aware (direct)", router=VLLM_ROUTER.key),
+    RivalSpec("vllm-sll", "vllm-router 0.1.17 sticky_least_loaded (direct)", router=VLLM_ROUTER.key,
+              policy="sticky_least_loaded"),
+    RivalSpec("litellm-vllm-ca", "LiteLLM → vllm-router cache_aware", router=VLLM_ROUTER.key, litellm={}),
     RivalSpec("litellm-shuffle", "LiteLLM simple-shuffle", litellm={"routing_strategy": "simple-shuffle"}),
     RivalSpec("litellm-least-busy", "LiteLLM least-busy", litellm={"routing_strategy": "least-busy"}),
     RivalSpec("litellm-usage-v2", "LiteLLM usage-based-routing-v2",
@@ -46,7 +67,11 @@ RIVALS: tuple[RivalSpec, ...] = (
               litellm={"optional_pre_call_checks": ["deployment_affinity"]}),
     RivalSpec("kvroute", "LiteLLM + kvroute (cache_aware)", litellm={}, kvroute=True),
 )
-SHUFFLE, CHAIN, SGLANG = "litellm-shuffle", "litellm-sglang-ca", "sglang-ca"
+SHUFFLE = "litellm-shuffle"
+# each peer's cache_aware direct and its LiteLLM chain: the targets compare kvroute with both
+PEERS: dict[str, tuple[str, str]] = {"sglang-router": ("sglang-ca", "litellm-sglang-ca"),
+                                     "smg": ("smg-ca", "litellm-smg-ca"),
+                                     "vllm-router": ("vllm-ca", "litellm-vllm-ca")}
 
 
 @dataclass
@@ -75,17 +100,19 @@ class FleetView:
     block_size: int | None
 
 
-def _start(spec: RivalSpec, fleet: FleetView, sglang_binary: Path | None) -> Rival:
+def _start(spec: RivalSpec, fleet: FleetView, binaries: Mapping[str, Path]) -> Rival:
     rival = Rival(spec)
     try:
-        if spec.sglang_policy:
-            if sglang_binary is None:
-                raise RuntimeError("no sglang-router executable")
-            router = rival._stack.enter_context(SglangRouter(
-                sglang_binary, [b.removesuffix("/v1") for b in fleet.api_bases], spec.sglang_policy))
+        if spec.router:
+            kind: RouterKind = KINDS[spec.router]
+            if spec.router not in binaries:
+                raise RuntimeError(f"no {kind.executable} executable ({kind.pin} not installed)")
+            router = rival._stack.enter_context(PeerRouter(
+                kind, binaries[spec.router], [b.removesuffix("/v1") for b in fleet.api_bases], spec.policy,
+                spec.router_args))
             rival.base_url, rival.pids = router.base_url, [router.process.pid]
         if spec.litellm is not None:
-            if spec.sglang_policy:  # one deployment: the router
+            if spec.router:  # one deployment: the router
                 group = ModelGroup(fleet.model, [rival.base_url + "/v1"], model=fleet.model, engine=None,
                                    metrics=False, prices={"input_cost_per_token": 0.0, "output_cost_per_token": 0.0})
             else:
@@ -102,14 +129,15 @@ def _start(spec: RivalSpec, fleet: FleetView, sglang_binary: Path | None) -> Riv
     return rival
 
 
-def start_rivals(specs: Sequence[RivalSpec], fleet: FleetView, sglang_binary: Path | None,
+def start_rivals(specs: Sequence[RivalSpec], fleet: FleetView, binaries: Mapping[str, Path],
                  stack: contextlib.ExitStack) -> list[Rival]:
     """Start every rival, as many at a time as there are CPUs (a proxy takes seconds of CPU to import);
     ``stack`` stops them. The starting threads live until then: children get SIGTERM when the thread that
-    spawned them ends (``PR_SET_PDEATHSIG`` follows the thread, not the process)."""
+    spawned them ends (``PR_SET_PDEATHSIG`` follows the thread, not the process). ``binaries``: each router's
+    executable by ``RouterKind.key``."""
     pool = ThreadPoolExecutor(max_workers=max(1, min(len(specs), os.cpu_count() or 2)))
     stack.callback(pool.shutdown)
-    rivals = list(pool.map(lambda s: _start(s, fleet, sglang_binary), specs))
+    rivals = list(pool.map(lambda s: _start(s, fleet, binaries), specs))
     for rival in rivals:
         stack.callback(rival.close)
     return rivals

@@ -1,17 +1,22 @@
-"""The three workloads of ``bench/peers.py`` as flows of chat turns, and the streaming client that replays them.
+"""The four workloads of ``bench/peers.py`` as flows of chat turns, and the streaming client that replays them.
 
 A flow is one ``Conversation`` (``kvroute.plugin.workloads``, where the builders live): it starts at ``start_s``
 after the run begins and sends its turns one after another, each turn appending the previous answer and its
 own message. ``demo`` is the demo's closed-loop
 shared-prefix chat; ``apps`` is several apps × multi-turn sessions with Poisson arrivals and 20 % unique prompts;
-``agent`` is tool-calling loops whose context grows past one replica's cache. Every prompt of a run starts with
-the run's salt, so no run reuses the cache another run left behind.
+``agent`` is tool-calling loops whose context grows past one replica's cache; ``shared`` is the field's
+one-shared-prefix shape (one system prompt of 2,548 tokens, each request its own 7,252-token question, 3 req/s
+on 2 workers there) scaled to this fleet: the same split shrunk to 3/4 of one replica's cache, 1.5 req/s per
+replica (fake engines; llama.cpp: 0.5). Every prompt of a run starts with the run's salt, so no run
+reuses the cache another run left behind. The replay records, per request, which replica answered (the
+``system_fingerprint`` the fake engine stamps; None where an engine does not say) and what it reported cached.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -19,9 +24,17 @@ from dataclasses import dataclass, field
 import httpx
 
 from kvroute.plugin import demo as _demo
-from kvroute.plugin.workloads import Conversation, WorkloadSpec, app_sessions, build_sessions, tool_loops
+from kvroute.plugin.fake_engine import render_chat
+from kvroute.plugin.workloads import (
+    Conversation,
+    WorkloadSpec,
+    app_sessions,
+    build_sessions,
+    tool_loops,
+    vocabulary_text,
+)
 
-WORKLOADS = ("demo", "apps", "agent")
+WORKLOADS = ("demo", "apps", "agent", "shared")
 
 
 @dataclass(frozen=True)
@@ -50,17 +63,21 @@ class Size:
     agent_steps: int = 8
     agent_rate_per_s: float = 2.0
     prefix_tokens: int = 1024
+    # one shared prefix: the field's 3 req/s on 2 workers is 1.5 req/s per replica, 6 req/s for 4
+    shared_requests: int = 48
+    shared_rate_per_s: float = 6.0
 
     @classmethod
     def llamacpp(cls) -> Size:
-        """Smaller for llama.cpp, whose CPU prefill is ~50× slower than the fake engine's default."""
+        """Smaller for llama.cpp, whose CPU prefill is ~50× slower than the fake engine's default (four 1-thread
+        replicas share this machine's cores: the shared shape at 2 req/s, not 6)."""
         return cls(demo_requests=24, app_requests=30, app_rate_per_s=3.0, agents=3, agent_steps=6,
-                   agent_rate_per_s=1.0, prefix_tokens=768)
+                   agent_rate_per_s=1.0, prefix_tokens=768, shared_requests=16, shared_rate_per_s=2.0)
 
     @classmethod
     def quick(cls) -> Size:
         return cls(demo_requests=8, apps=2, app_requests=8, app_rate_per_s=8.0, agents=2, agent_steps=3,
-                   agent_rate_per_s=4.0, prefix_tokens=512)
+                   agent_rate_per_s=4.0, prefix_tokens=512, shared_requests=6, shared_rate_per_s=8.0)
 
 
 def replica_capacity_tokens(size: Size, replicas: int) -> int:
@@ -96,6 +113,26 @@ def agent(size: Size, capacity_tokens: int, seed: int = 2) -> Workload:
                     concurrency=0, max_tokens=8)
 
 
+FIELD_SYSTEM_TOKENS, FIELD_QUESTION_TOKENS = 2548, 7252  # the field case's one shared prefix and question
+
+
+def shared_tokens(capacity_tokens: int, fill: float = 0.75) -> tuple[int, int]:
+    """(system, question) tokens of the shared shape: the field's split, the whole prompt at most ``fill`` of one
+    replica's cache (the field's 9.8k-token prompt fits a GPU replica's cache; here it would not)."""
+    scale = min(1.0, fill * capacity_tokens / (FIELD_SYSTEM_TOKENS + FIELD_QUESTION_TOKENS))
+    return round(FIELD_SYSTEM_TOKENS * scale), round(FIELD_QUESTION_TOKENS * scale)
+
+
+def shared(size: Size, capacity_tokens: int, seed: int = 3) -> Workload:
+    """One system prompt shared by every request, each with its own long question, at a fixed rate (open loop)."""
+    rng = random.Random(seed)
+    system_tokens, question_tokens = shared_tokens(capacity_tokens)
+    system = "You are the support assistant. Reference manual:\n" + vocabulary_text(rng, system_tokens)
+    flows = tuple(Conversation(f"shared-{n}", system, (f"Question {n}: " + vocabulary_text(rng, question_tokens),),
+                               n / size.shared_rate_per_s, 0) for n in range(size.shared_requests))
+    return Workload("shared", flows, concurrency=0, max_tokens=8)
+
+
 def build(name: str, size: Size, capacity_tokens: int) -> Workload:
     """The workload called ``name`` (one of ``WORKLOADS``)."""
     if name == "demo":
@@ -104,6 +141,8 @@ def build(name: str, size: Size, capacity_tokens: int) -> Workload:
         return apps(size)
     if name == "agent":
         return agent(size, capacity_tokens)
+    if name == "shared":
+        return shared(size, capacity_tokens)
     raise ValueError(f"unknown workload {name!r}; expected one of {', '.join(WORKLOADS)}")
 
 
@@ -116,6 +155,13 @@ class Outcome:
     ttft_s: float | None = None
     latency_s: float = 0.0
     error: str | None = None
+    replica: str | None = None  # the engine's system_fingerprint (the fake engine's replica name)
+    prompt_tokens: int | None = None  # as the engine reported them in usage
+    cached_tokens: int | None = None
+    prompt: str = ""  # the rendered prompt and the answer, for wasted prefill; never printed or saved
+    answer: str = ""
+    start_s: float = 0.0  # since the run began
+    end_s: float = 0.0
 
 
 @dataclass
@@ -126,16 +172,26 @@ class RunResult:
     wall_s: float = 0.0
 
 
-async def _stream_one(client: httpx.AsyncClient, body: dict, headers: Mapping[str, str]) -> tuple[Outcome, str]:
+def _usage_cached(usage: dict, chunk: dict) -> int | None:
+    details = usage.get("prompt_tokens_details") or {}
+    if isinstance(details.get("cached_tokens"), int):
+        return details["cached_tokens"]
+    timings = chunk.get("timings") or {}  # llama.cpp's own report
+    return timings.get("cache_n") if isinstance(timings.get("cache_n"), int) else None
+
+
+async def _stream_one(client: httpx.AsyncClient, body: dict, headers: Mapping[str, str]) -> Outcome:
+    """One streamed request; the outcome's ``answer`` is the text streamed back."""
     start = time.perf_counter()
     ttft = None
     parts: list[str] = []
+    out = Outcome(False)
     try:
         async with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response:
             if response.status_code != 200:
                 await response.aread()
-                return Outcome(False, latency_s=time.perf_counter() - start,
-                               error=f"HTTP {response.status_code}"), ""
+                out.latency_s, out.error = time.perf_counter() - start, f"HTTP {response.status_code}"
+                return out
             async for line in response.aiter_lines():
                 if not line.startswith("data:"):
                     continue
@@ -144,7 +200,12 @@ async def _stream_one(client: httpx.AsyncClient, body: dict, headers: Mapping[st
                     break
                 chunk = json.loads(data)
                 if "error" in chunk:
-                    return Outcome(False, latency_s=time.perf_counter() - start, error="stream error"), ""
+                    out.latency_s, out.error = time.perf_counter() - start, "stream error"
+                    return out
+                out.replica = out.replica or chunk.get("system_fingerprint") or None
+                usage = chunk.get("usage")
+                if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+                    out.prompt_tokens, out.cached_tokens = usage["prompt_tokens"], _usage_cached(usage, chunk)
                 for choice in chunk.get("choices") or ():
                     content = (choice.get("delta") or {}).get("content")
                     if content:
@@ -152,15 +213,19 @@ async def _stream_one(client: httpx.AsyncClient, body: dict, headers: Mapping[st
                             ttft = time.perf_counter() - start
                         parts.append(content)
     except (httpx.HTTPError, ValueError) as exc:
-        return Outcome(False, latency_s=time.perf_counter() - start, error=type(exc).__name__), ""
-    latency = time.perf_counter() - start
-    return Outcome(True, ttft_s=ttft if ttft is not None else latency, latency_s=latency), "".join(parts)
+        out.latency_s, out.error = time.perf_counter() - start, type(exc).__name__
+        return out
+    out.latency_s = time.perf_counter() - start
+    out.ok, out.ttft_s, out.answer = True, ttft if ttft is not None else out.latency_s, "".join(parts)
+    return out
 
 
 async def replay(base_url: str, headers: Mapping[str, str], model: str, workload: Workload, salt: str,
                  timeout_s: float = 120.0) -> RunResult:
     """Send every flow of ``workload`` to ``base_url`` (streaming, usage included); every prompt starts with
-    ``salt``. Each conversation carries ``x-litellm-session-id`` (LiteLLM's session affinity reads it)."""
+    ``salt``. Each conversation carries its session key in ``x-litellm-session-id`` (LiteLLM's session affinity and
+    kvroute read it) and, the same value, in ``x-session-id`` (vllm-router's sticky and hash policies read it
+    first; SMG's sticky sessions are pointed at it with ``--routing-key-headers``)."""
     result = RunResult()
     limit = workload.concurrency or len(workload.flows) or 1
     gate = asyncio.Semaphore(limit)
@@ -175,14 +240,18 @@ async def replay(base_url: str, headers: Mapping[str, str], model: str, workload
                 await asyncio.sleep(delay)
             async with gate:
                 messages: list[dict] = [{"role": "system", "content": f"[{salt}] {flow.system}"}]
-                session = {"x-litellm-session-id": f"{salt}-{flow.conv_id}"}
+                key = f"{salt}-{flow.conv_id}"
+                session = {"x-litellm-session-id": key, "x-session-id": key}
                 for turn in flow.turns:
                     messages.append({"role": "user", "content": turn})
                     body = {"model": model, "messages": messages, "max_tokens": workload.max_tokens,
                             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-                    outcome, answer = await _stream_one(client, body, session)
+                    sent_at = time.perf_counter() - start
+                    outcome = await _stream_one(client, body, session)
+                    outcome.start_s, outcome.end_s = sent_at, time.perf_counter() - start
+                    outcome.prompt = render_chat(messages)
                     result.outcomes.append(outcome)
-                    messages.append({"role": "assistant", "content": answer or "(no answer)"})
+                    messages.append({"role": "assistant", "content": outcome.answer or "(no answer)"})
 
         await asyncio.gather(*(run_flow(f) for f in workload.flows))
         result.wall_s = time.perf_counter() - start

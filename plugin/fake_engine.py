@@ -1,7 +1,9 @@
 """An OpenAI-compatible fake replica with a real prefix-cache model and fault injection, for tests and the demo.
 
 Serves ``/v1/chat/completions`` and ``/v1/completions`` (JSON and SSE), ``/v1/models``, ``/health``, ``/metrics``
-(vLLM- or llama.cpp-style names), ``POST/DELETE /admin/fault``, ``GET /admin/stats`` and ``POST /admin/reset``.
+(vLLM- or llama.cpp-style names), vLLM's ``/tokenize``, ``/detokenize``, ``/v1/chat/completions/render`` and
+``/v1/completions/render`` (``fake_tokens``), ``POST/DELETE /admin/fault``, ``GET /admin/stats`` and
+``POST /admin/reset``.
 Timing follows the work, as on a continuous-batching engine (calibrated to the llama.cpp CI preset,
 ``cpu-llamacpp-ci`` in ``sim/presets.py``): one compute queue per replica runs prefills in arrival order, each taking
 ``uncached / prefill_tokens_per_s · (1 + context_cost · (cached + uncached / 2))`` seconds (linear work plus
@@ -30,6 +32,14 @@ from kvroute.plugin.child_processes import write_ready_file
 from kvroute.plugin.fake_cache import BYTES_PER_TOKEN, PrefixCache, token_count
 from kvroute.plugin.fake_faults import FaultPlan
 from kvroute.plugin.fake_http import ConnectionDropped, Exchange, Request, start_server
+from kvroute.plugin.fake_tokens import (
+    TokenRequestError,
+    detokenize_body,
+    error_body,
+    render_chat_body,
+    render_completion_body,
+    tokenize,
+)
 from kvroute.policies.errors import ConfigError
 
 log = logging.getLogger("kvroute.fake_engine")
@@ -58,6 +68,7 @@ class FakeEngineConfig:
     default_max_tokens: int = 16
     max_tokens_limit: int = 4096  # larger requests get a 400 (one unbounded request once grew to 5 GB)
     metrics_style: str = "vllm"
+    max_model_len: int = 131072  # what /tokenize reports; the fake engine enforces no context limit
 
     def __post_init__(self) -> None:
         if self.capacity_tokens < 0:
@@ -94,7 +105,12 @@ class EngineStats:
     completion_tokens: int = 0
     prefill_seconds: float = 0.0
     queue_seconds: float = 0.0  # simulated time prefills waited behind this replica's earlier prefills
+    token_calls: dict[str, int] = field(default_factory=dict)  # /tokenize, /detokenize, render calls by path
     last_request: dict = field(default_factory=dict)
+
+
+_TOKEN_ROUTES = {("POST", p) for p in ("/tokenize", "/detokenize", "/v1/chat/completions/render",
+                                        "/v1/completions/render")}
 
 
 class BadRequest(ValueError):
@@ -189,6 +205,8 @@ class FakeEngine:
             await ex.send_json(200, {"object": "list", "data": [
                 {"id": self.config.model, "object": "model", "created": int(self.started_at),
                  "owned_by": "kvroute-fake"}]})
+        elif route in _TOKEN_ROUTES:
+            await self._token_endpoint(request, ex)
         elif route == ("GET", "/metrics"):
             await ex.send(200, self.metrics_text().encode(), {"content-type": "text/plain; version=0.0.4"})
         elif route == ("POST", "/admin/fault"):
@@ -204,6 +222,25 @@ class FakeEngine:
             await ex.send_json(200, {"reset": True})
         else:
             await ex.send_json(404, {"error": {"message": f"no route {request.method} {request.path}"}})
+
+    async def _token_endpoint(self, request: Request, ex: Exchange) -> None:
+        """vLLM's tokenizer endpoints (see ``fake_tokens``): no prefill, no cache change, counted by path."""
+        path = request.path.rstrip("/")
+        self.stats.token_calls[path] = self.stats.token_calls.get(path, 0) + 1
+        try:
+            body = request.json()
+            if path == "/tokenize":
+                answer: object = tokenize(body, render_chat, self.config.max_model_len)
+            elif path == "/detokenize":
+                answer = detokenize_body(body)
+            elif path.endswith("/chat/completions/render"):
+                answer = render_chat_body(body, render_chat, self.config.model)
+            else:
+                answer = render_completion_body(body, self.config.model)
+        except (ValueError, RecursionError, TokenRequestError) as exc:
+            await ex.send_json(400, error_body(str(exc)))
+            return
+        await ex.send_json(200, answer)
 
     async def _set_fault(self, request: Request, ex: Exchange) -> None:
         try:
