@@ -18,6 +18,13 @@ When Redis is down each worker routes on its local state (no exception reaches t
 queue keeps the newest ``max_outbox`` updates, and the thread reconnects with jittered exponential
 backoff; on return it flushes the queue, reads what it missed and re-publishes its open breakers. The
 prefix stream keeps ``stream_retention_s`` of history (Redis memory ≈ update rate × that window).
+
+A Redis that comes back empty (restarted without persistence, flushed) is told from a brief outage by the
+deployment's epoch marker ``<ns>:epoch``: the first worker to reconnect writes a new one and re-seeds the
+prefix stream with the newest ``reseed_blocks`` keys per backend of its local index (every worker holds the
+same index, so one seeder suffices), so a worker that starts after the restart learns what was known before.
+Replication lag (Redis append of an entry to its application here, from the stream entry's id) is kept for
+the last ``lag_samples`` entries: ``replication()``.
 """
 
 from __future__ import annotations
@@ -65,13 +72,17 @@ class SharedStateConfig:
     backoff_max_s: float = 5.0
     socket_timeout_s: float = 1.0
     follower_grace_s: float = 10.0
+    reseed_blocks: int = 100_000
+    reseed_chunk: int = 512
+    lag_samples: int = 2_048
 
     def __post_init__(self) -> None:
         for name in ("flush_interval_s", "heartbeat_s", "worker_ttl_s", "backoff_min_s", "backoff_max_s",
                      "socket_timeout_s", "stream_retention_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")
-        for name in ("stream_maxlen", "max_batch_ops", "max_outbox", "bootstrap_entries", "max_pending_per_group"):
+        for name in ("stream_maxlen", "max_batch_ops", "max_outbox", "bootstrap_entries", "max_pending_per_group",
+                     "reseed_blocks", "reseed_chunk", "lag_samples"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an integer >= 1")
         if self.follower_grace_s < 0:
@@ -147,6 +158,18 @@ class SharedPrefixIndex:
         for b in gone:
             self._shared._queue_index(self.group, ("x", b))
         return gone
+
+    def snapshot_ops(self, max_blocks: int, chunk: int) -> list[tuple[Any, ...]]:
+        """Record ops that rebuild this index elsewhere: per backend its newest ``max_blocks`` keys, replayed
+        oldest first in chunks of ``chunk`` (each chunk reversed, as ``record`` inserts deepest first)."""
+        ops: list[tuple[Any, ...]] = []
+        with self._lock:
+            held = {b: list(s.entries) for b, s in self.local._backends.items()}
+        for backend, keys in held.items():
+            keys = keys[-max_blocks:]
+            for i in range(0, len(keys), chunk):
+                ops.append(("r", backend, keys[i:i + chunk][::-1]))
+        return ops
 
     # --- remote updates (sync thread) -----------------------------------------------------------
     def apply(self, op: Sequence[Any], now: float) -> None:
@@ -305,6 +328,9 @@ class SharedState:
         ns = cfg.namespace
         self._k_prefix, self._k_health, self._k_breakers = f"{ns}:prefix", f"{ns}:health", f"{ns}:breakers"
         self._k_workers, self._k_load, self._k_status = f"{ns}:workers", f"{ns}:load:", f"{ns}:status:"
+        self._k_epoch, self._k_seeder = f"{ns}:epoch", f"{ns}:seeder"
+        self._epoch: bytes | None = None
+        self._lags: deque[float] = deque(maxlen=cfg.lag_samples)
         self.status_source: Callable[[], dict[str, Any]] | None = None  # this worker's counters for status
         self.peer_status: dict[str, dict[str, Any]] = {}  # the other live workers' counters, per heartbeat
         self._indexes: dict[str, SharedPrefixIndex] = {}
@@ -323,7 +349,8 @@ class SharedState:
         self._last_sync = -math.inf
         self._rng = random.Random()
         self.connected = False
-        self.counters = {"sent": 0, "applied": 0, "dropped": 0, "connects": 0, "errors": 0, "health_applied": 0}
+        self.counters = {"sent": 0, "applied": 0, "dropped": 0, "connects": 0, "errors": 0, "health_applied": 0,
+                         "entries": 0, "reseeds": 0}
         self.last_error = ""
         _INSTANCES.add(self)
         if start:
@@ -388,6 +415,16 @@ class SharedState:
             for tracker in list(self._loads.values()):
                 if tracker._remote:
                     tracker.set_remote({})
+
+    def replication(self) -> dict[str, Any]:
+        """Lag of the other workers' stream entries applied here (seconds from Redis' append to applied,
+        by the entry id's millisecond clock: meaningful when hosts' clocks agree), over the last
+        ``lag_samples`` entries; a bootstrap's replayed history is not counted."""
+        lags = sorted(self._lags)
+        if not lags:
+            return {"samples": 0, "lag_p50_s": None, "lag_p90_s": None, "lag_max_s": None}
+        pick = lambda q: round(lags[min(len(lags) - 1, int(q * len(lags)))], 4)  # noqa: E731
+        return {"samples": len(lags), "lag_p50_s": pick(0.5), "lag_p90_s": pick(0.9), "lag_max_s": round(lags[-1], 4)}
 
     def stats(self) -> dict[str, Any]:
         return {"worker": self.worker_id, "connected": self.connected,
@@ -473,6 +510,7 @@ class SharedState:
         if self.counters["connects"] or self._bootstrapped:
             log.info("kvroute: redis shared state reconnected")
         self.counters["connects"] += 1
+        self._check_epoch()
         if not self._bootstrapped:
             # Late joiner: replay the newest updates and the breakers that are open right now.
             for stream in (self._k_prefix,):
@@ -489,6 +527,30 @@ class SharedState:
             for event in self._health.republish():
                 self._queue_health(event)
         self.connected = True
+
+    def _check_epoch(self) -> None:
+        """Adopt the deployment's epoch; of the workers that find Redis emptied, the first re-seeds it
+        (``<ns>:seeder``, SET NX: it vanishes with the next restart). A worker new to the deployment never does."""
+        c = self._client
+        c.set(self._k_epoch, os.urandom(8).hex().encode(), nx=True)
+        stored = c.get(self._k_epoch)
+        lost = self._epoch is not None and stored != self._epoch
+        self._epoch = stored
+        if lost:
+            seeder = bool(c.set(self._k_seeder, self.worker_id, nx=True))
+            if seeder:
+                self._reseed()
+            log.warning("kvroute: redis came back empty; %s", "re-seeding it from this worker's index" if seeder
+                        else "another worker re-seeds it")
+
+    def _reseed(self) -> None:
+        """Queue this worker's index ahead of its pending updates (newest keys replayed last)."""
+        cfg = self.config
+        ops = [("i", (group, op)) for group, idx in list(self._indexes.items())
+               for op in idx.snapshot_ops(cfg.reseed_blocks, cfg.reseed_chunk)]
+        room = (self._outbox.maxlen or 0) - len(self._outbox)
+        self._outbox.extendleft(reversed(ops[-room:] if room > 0 else []))
+        self.counters["reseeds"] += 1
 
     def _load_breakers(self) -> None:
         """Adopt the latest transition of every backend (a worker that starts or attaches late)."""
@@ -581,23 +643,28 @@ class SharedState:
         full = False
         for stream, entries in result or []:
             name = stream.decode() if isinstance(stream, bytes) else str(stream)
+            wall = self.wall()
             for entry_id, fields in entries:
-                self._apply_entry(name, fields)
-                self._ids[name] = _id(entry_id)
+                eid = _id(entry_id)
+                if self._apply_entry(name, fields):
+                    self._lags.append(max(0.0, wall - int(eid.split("-", 1)[0]) / 1000.0))
+                self._ids[name] = eid
             full = full or len(entries) >= count
         return full
 
-    def _apply_entry(self, stream: str, fields: dict[Any, Any]) -> None:
+    def _apply_entry(self, stream: str, fields: dict[Any, Any]) -> bool:
+        """Apply another worker's entry; False for this worker's own."""
         worker = fields.get(b"w", fields.get("w"))
         if isinstance(worker, bytes):
             worker = worker.decode()
         if worker == self.worker_id:
-            return
+            return False
+        self.counters["entries"] += 1
         data = _decode(fields.get(b"d", fields.get("d")))
         if stream == self._k_health:
             if self._health is not None and self._health.apply(data):
                 self.counters["health_applied"] += 1
-            return
+            return True
         now = self.clock()
         for group, op in data:
             idx = self._indexes.get(group)
@@ -611,6 +678,7 @@ class SharedState:
             idx.apply(op, now)
             self.counters["applied"] += 1
             time.sleep(0)  # yield the GIL between ops: the request path comes first
+        return True
 
 
 _INSTANCES: weakref.WeakSet[SharedState] = weakref.WeakSet()
