@@ -341,6 +341,7 @@ class SharedState:
         self._health_out: deque[dict[str, Any]] = deque(maxlen=10_000)
         self._groups_lock = threading.Lock()
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set by the request path: an index update waits for no poll tick
         self._thread: threading.Thread | None = None
         self._client: Any = None
         self._ids = {self._k_prefix: "$", self._k_health: "$"}
@@ -362,6 +363,7 @@ class SharedState:
         self.worker_id = f"{socket.gethostname()}:{os.getpid()}:{os.urandom(3).hex()}"
         self._thread, self._client, self.connected = None, None, False
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._groups_lock = threading.Lock()
         for idx in self._indexes.values():
             idx._lock = threading.Lock()
@@ -436,6 +438,7 @@ class SharedState:
         if len(self._outbox) == self._outbox.maxlen:
             self.counters["dropped"] += 1
         self._outbox.append(("i", (group, op)))
+        self._wake.set()
 
     def _queue_health(self, event: dict[str, Any]) -> None:
         # A queue of its own: a long outage's index updates never push breaker events out.
@@ -451,6 +454,7 @@ class SharedState:
     def close(self, timeout: float = 2.0) -> None:
         """Stop the thread after a last flush attempt; local state stays usable."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
@@ -479,9 +483,10 @@ class SharedState:
                 self._expire_remote()
                 more = self._read()
                 if not more:
-                    # Poll instead of XREAD BLOCK: Redis ends blocking reads only at its ``hz`` tick
-                    # (100 ms by default), far coarser than ``flush_interval_s``.
-                    self._stop.wait(self.config.flush_interval_s)
+                    # Poll instead of XREAD BLOCK (one connection also writes); an update queued on the
+                    # request path wakes the thread at once, so a pick reaches Redis without a poll tick.
+                    self._wake.wait(self.config.flush_interval_s)
+                    self._wake.clear()
             except Exception as exc:
                 self._on_error(exc)
                 wake = self.clock() + delay * (0.5 + self._rng.random())
