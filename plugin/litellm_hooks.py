@@ -822,9 +822,15 @@ class KvrouteCallback(CustomLogger):
             errors = router.errors + sum(int((p.get("errors") or {}).get(name, 0)) for p in peers.values())
             groups[name] = {"policy": router.policy_for(name).name, "errors": errors,
                             **hybrid.status_of(router.policy_for(name), now)}
-        return {"groups": groups, "backends": backends, "rules": [r.name for r in self.rules.rules],
-                "pending": pending, "workers": 1 + len(peers),
-                "hash_key": {"keyed": bool(self.chain and self.chain.keyed), "source": self.chain_source}}
+        out = {"groups": groups, "backends": backends, "rules": [r.name for r in self.rules.rules],
+               "pending": pending, "workers": 1 + len(peers),
+               "hash_key": {"keyed": bool(self.chain and self.chain.keyed), "source": self.chain_source}}
+        if self._shared is not None and hasattr(self._shared, "replication"):
+            stats = self._shared.stats()
+            out["shared_state"] = {"connected": stats["connected"], "entries": stats["entries"],
+                                   "applied": stats["applied"], "reseeds": stats["reseeds"],
+                                   "errors": stats["errors"], "replication": self._shared.replication()}
+        return out
 
     async def aclose(self) -> None:
         if self.billing is not None:
