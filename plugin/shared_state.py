@@ -195,6 +195,12 @@ class SharedLoadTracker(LoadTracker):
         # backend -> (in-flight, prefill tokens, last pick on this worker's clock); replaced wholesale by
         # the sync thread, and emptied when heartbeats stop succeeding (the hot path only does dict gets).
         self._remote: dict[str, tuple[int, int, float]] = {}
+        # backend -> when another worker's pick of it (its index record) was applied here: the least recently
+        # used order of cold picks sees the fleet's picks within the replication lag, not a heartbeat later.
+        self._seen_picks: dict[str, float] = {}
+
+    def saw_remote_pick(self, backend: str, now: float) -> None:
+        self._seen_picks[backend] = now
 
     def local_counts(self) -> dict[str, tuple[int, int, float]]:
         """This worker's own counts (read by the sync thread; dict copies are atomic)."""
@@ -227,7 +233,7 @@ class SharedLoadTracker(LoadTracker):
 
     def last_pick(self, backend: str) -> float:
         r = self._remote.get(backend)
-        return max(super().last_pick(backend), r[2] if r else -math.inf)
+        return max(super().last_pick(backend), r[2] if r else -math.inf, self._seen_picks.get(backend, -math.inf))
 
     def view(self, backend: str, now: float) -> BackendLoad:
         local = super().view(backend, now)
@@ -238,7 +244,7 @@ class SharedLoadTracker(LoadTracker):
         prefill = local.prefill_tokens + r[1]
         # The local view already took the max with engine signals; adding the remote counts keeps that max.
         return BackendLoad(inflight, prefill, max(local.queue_tokens, float(prefill)), max(local.running, inflight),
-                           local.kv_usage, max(local.last_pick, r[2]))
+                           local.kv_usage, max(local.last_pick, r[2], self._seen_picks.get(backend, -math.inf)))
 
 
 class SharedHealth:
@@ -681,6 +687,10 @@ class SharedState:
                         q.append(op)
                         continue
             idx.apply(op, now)
+            if op[0] == "r":
+                tracker = self._loads.get(group)
+                if tracker is not None:
+                    tracker.saw_remote_pick(str(op[1]), now)
             self.counters["applied"] += 1
             time.sleep(0)  # yield the GIL between ops: the request path comes first
         return True
