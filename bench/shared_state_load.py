@@ -130,9 +130,9 @@ def _reader(url: str, ns: str, name: str, seconds: float, q: mp.Queue) -> None:
     time.sleep(seconds)
     cpu = time.process_time() - cpu0
     rep = shared.replication()
-    ms = {k: (round(rep[f"lag_{k}_s"] * 1000, 2) if rep["samples"] else None) for k in ("p50", "p90", "max")}
+    ms = {k: (round(rep[f"lag_{k}_s"] * 1000, 2) if rep["samples"] else None) for k in ("p50", "p90", "window_max")}
     q.put({"name": name, "applied": shared.counters["applied"], "entries": shared.counters["entries"],
-           "cpu_s": round(cpu, 3), "lag_p50_ms": ms["p50"], "lag_p90_ms": ms["p90"], "lag_max_ms": ms["max"]})
+           "cpu_s": round(cpu, 3), "lag_p50_ms": ms["p50"], "lag_p90_ms": ms["p90"], "lag_max_ms": ms["window_max"]})
     shared.close()
 
 

@@ -221,6 +221,10 @@ def check_config(path: str | Path) -> CheckReport:
         report.problems.append("kvroute: must be a mapping")
     else:
         _check_block(report, block)
+    s = report.settings
+    if s is not None and s.redis_url and not (s.hash_secret or s.hash_secret_file):
+        report.problems.append("kvroute.hash_secret: required with redis_url (instances must share one secret and "
+                               "it is never stored in Redis): set hash_secret, os.environ/NAME or hash_secret_file")
     groups = _check_model_list(report, doc.get("model_list"))
     _check_callbacks(report, doc)
     _check_groups(report, doc, groups)
@@ -238,11 +242,14 @@ def _get(target: str, url: str, timeout: float) -> Probe:
 
 
 def _redis(url: str, timeout: float) -> Probe:
+    from kvroute.plugin.redis_url import shown
+
+    secret_url, url = url, shown(url)
     if missing_modules("redis"):
         return Probe("redis", url, False, "not checked: needs the 'redis' extra: pip install 'kvroute[redis]'")
     import redis
 
-    client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+    client = redis.Redis.from_url(secret_url, socket_timeout=timeout, socket_connect_timeout=timeout)
     try:
         client.ping()
     except redis.RedisError as exc:

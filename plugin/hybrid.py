@@ -59,6 +59,21 @@ def route_kind(backend: Backend | None) -> str | None:
     return "marketplace" if backend.provider == "marketplace" else "direct"
 
 
+def share_guard(policy: Any, shared: Any, group: str) -> None:
+    """Give a hybrid group's guard the fleet's spend window, share and overflow clock, and its marketplace the
+    fleet's hosted TTFT samples (``plugin.fleet_guard``) when instances share state; once per guard."""
+    if not isinstance(policy, Hybrid) or shared is None or policy.guard.fleet is not None:
+        return
+    from kvroute.plugin.fleet_guard import FleetTtft, RedisSpend
+
+    guard = policy.guard
+    fleet = RedisSpend(shared, group, window_s=guard.spend_window_s, reservation_ttl_s=guard.reservation_ttl_s)
+    fleet.guard = guard
+    guard.fleet = fleet
+    guard.scope = "fleet"
+    FleetTtft(shared, group, policy)
+
+
 def is_hybrid(policy: Any) -> bool:
     return isinstance(policy, Hybrid)
 
@@ -83,6 +98,7 @@ def observe_decision(metrics: Metrics, group: str, policy: Any, decision: Decisi
     snap = policy.snapshot(now)
     metrics.hybrid_state(group, snap["overflow_share"], snap["mode"] == "overflow",
                          Decimal(snap["hosted_spend_per_hour"]), snap["currency"])
+    metrics.guard_scope(group, snap["guard_scope"] == "local_share")
     if log.isEnabledFor(logging.DEBUG):
         log.debug("kvroute hybrid %s -> %s (%s) why=%s", group, decision.backend, decision.reason,
                   json.dumps(why, default=str, sort_keys=True))

@@ -23,7 +23,7 @@ from litellm.integrations.custom_logger import CustomLogger
 from kvroute.plugin import hybrid
 from kvroute.plugin.billing_feed import BillingFeed, chunk_has_output
 from kvroute.plugin.deployments import Backend, Deployments, litellm_cost_map
-from kvroute.plugin.hash_secret import resolve_chain_key
+from kvroute.plugin.hash_secret import fingerprint, resolve_chain_key
 from kvroute.plugin.hosted import forward_cache_key, provider_quote
 from kvroute.plugin.metrics import Metrics
 from kvroute.plugin.peer_filters import PeerFilters
@@ -112,6 +112,7 @@ class KvrouteCallback(CustomLogger):
         self.mounted: list[str] = []
         self.chain: ChainKey | None = None
         self.chain_source = ""
+        self.chain_fingerprint = ""
 
     # --- lazy set-up (the proxy imports the module before its config and router exist) -----------
     @property
@@ -153,15 +154,19 @@ class KvrouteCallback(CustomLogger):
 
             self._metrics = Metrics(REGISTRY, max_app_labels=s.max_app_labels,
                                     multiproc_dir=s.prometheus_multiproc_dir, shared_load=bool(s.redis_url))
+        if self.chain is None:  # before Redis: instances sharing state must be given the secret
+            self.chain, self.chain_source = resolve_chain_key(
+                s.hash_secret.get_secret_value() if s.hash_secret else None, s.redis_url, s.data_dir,
+                s.hash_secret_file)
+            self.chain_fingerprint = fingerprint(self.chain) if s.redis_url else ""  # compared with other instances
         if self._health is None:
             self._health = HealthAdapter.build(self._metrics, breaker_config(s.breaker),
                                                redis=self._shared_state())
-        if self.chain is None:
-            self.chain, self.chain_source = resolve_chain_key(
-                s.hash_secret.get_secret_value() if s.hash_secret else None, s.redis_url, s.data_dir,
-                share=self._share_secret)
         if self._shared is not None and hasattr(self._shared, "status_source"):
             self._shared.status_source = self.worker_status
+            self._shared.fingerprint = self.chain_fingerprint
+            self._shared.on_heartbeat = lambda shared: self.metrics.shared_state(
+                len(shared.secret_mismatch), shared.replication()["lag_s"])
         self.rules = RuleBook.from_settings(s.rules)
         if s.metrics_port is not None:
             try:
@@ -196,13 +201,6 @@ class KvrouteCallback(CustomLogger):
                 log.warning("kvroute: model_list.%d not classified at startup: %s", i, exc)
         for group, backends in self.fleet.groups().items():
             self.router_for(group, backends)
-
-    def _share_secret(self, url: str, candidate: bytes) -> bytes:
-        from kvroute.plugin import shared_state
-
-        assert self._settings is not None
-        return shared_state.shared_secret(url, candidate,
-                                          shared_state.SharedStateConfig(namespace=self._settings.redis_namespace))
 
     def _shared_state(self) -> Any:
         s = self._settings
@@ -339,6 +337,8 @@ class KvrouteCallback(CustomLogger):
         cards = self.billing.rate_cards(b.id for b in backends if b.self_hosted) if (
             self.billing is not None and hybrid.is_hybrid(policy)) else None
         hybrid.attach_fleet(policy, backends, cards)
+        if self._shared is not None and backends:
+            hybrid.share_guard(policy, self._shared, backends[0].group)
 
     # --- the pick ----------------------------------------------------------------------------------
     async def async_filter_deployments(self, model: str, healthy_deployments: list, messages: Any,
@@ -825,12 +825,30 @@ class KvrouteCallback(CustomLogger):
         out = {"groups": groups, "backends": backends, "rules": [r.name for r in self.rules.rules],
                "pending": pending, "workers": 1 + len(peers),
                "hash_key": {"keyed": bool(self.chain and self.chain.keyed), "source": self.chain_source}}
-        if self._shared is not None and hasattr(self._shared, "replication"):
-            stats = self._shared.stats()
-            out["shared_state"] = {"connected": stats["connected"], "entries": stats["entries"],
-                                   "applied": stats["applied"], "reseeds": stats["reseeds"],
-                                   "errors": stats["errors"], "replication": self._shared.replication()}
+        if self._shared is not None:
+            out["hash_key"]["fingerprint"] = self.chain_fingerprint
+            mismatch = list(getattr(self._shared, "secret_mismatch", []))
+            out["hash_key"]["disagreeing_workers"] = mismatch
+            if mismatch:
+                out["hash_key"]["warning"] = (f"{len(mismatch)} live worker(s) use another hash_secret: their "
+                                              "prefixes never match here; give every instance the same secret")
+            out["shared_state"] = self.shared_state_status(peers)
         return out
+
+    def shared_state_status(self, peers: Mapping[str, Any]) -> dict[str, Any]:
+        """The Redis link (stream entries applied, re-seeds after an emptied Redis, errors) and every live worker's
+        replication lag (seconds), this one first; ``replication`` is this worker's, with recent percentiles."""
+        shared = self._shared
+        mine = shared.replication() if hasattr(shared, "replication") else {}
+        workers = {shared.worker_id: {**mine, "fingerprint": self.chain_fingerprint, "self": True}}
+        for w, p in sorted(peers.items()):
+            workers[w] = {**(p.get("replication") or {}), "fingerprint": p.get("fp")}
+        with contextlib.suppress(Exception):
+            self.metrics.shared_state(len(getattr(shared, "secret_mismatch", [])), mine.get("lag_s"))
+        stats = shared.stats() if hasattr(shared, "stats") else {}
+        return {"connected": bool(getattr(shared, "connected", False)), "namespace": shared.config.namespace,
+                "instances": len(workers), "workers": workers, "replication": mine,
+                **{k: stats[k] for k in ("entries", "applied", "reseeds", "errors") if k in stats}}
 
     async def aclose(self) -> None:
         if self.billing is not None:

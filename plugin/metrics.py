@@ -128,6 +128,15 @@ class Metrics:
         self.hybrid_spend = Gauge("kvroute_hybrid_hosted_spend_per_hour", "Hosted spend of a hybrid group over the "
                                   "guard's window, per hour", ["group", "currency"], registry=r,
                                   multiprocess_mode="livemostrecent")
+        self.hybrid_local_share = Gauge("kvroute_hybrid_guard_local_share", "1 while a hybrid group's spend guard "
+                                        "cannot reach the fleet's window and spends only this instance's share "
+                                        "of the cap", ["group"], registry=r, multiprocess_mode="livemax")
+        self.secret_mismatch = Gauge("kvroute_hash_secret_mismatch_workers", "Live workers keying their hashes "
+                                     "with another hash_secret than this one (must be 0)", registry=r,
+                                     multiprocess_mode="livemax")
+        self.replication_lag = Gauge("kvroute_shared_state_replication_lag_seconds", "Age of the newest update "
+                                     "from another worker when this worker applied it", registry=r,
+                                     multiprocess_mode="livemax")
         self.predicted_ttft = Histogram("kvroute_predicted_ttft_seconds", "Predicted time to first token at the "
                                         "pick per backend (compare kvroute_ttft_seconds)", ["backend"],
                                         buckets=TTFT_BUCKETS, registry=r)
@@ -176,6 +185,14 @@ class Metrics:
         self._child(self.hybrid_share, group).set(share)
         self._child(self.hybrid_mode, group).set(1.0 if overflowing else 0.0)
         self._child(self.hybrid_spend, group, currency).set(float(spend_per_hour))
+
+    def guard_scope(self, group: str, local_share: bool) -> None:
+        self._child(self.hybrid_local_share, group).set(1.0 if local_share else 0.0)
+
+    def shared_state(self, mismatched_workers: int, lag_s: float | None) -> None:
+        self.secret_mismatch.set(mismatched_workers)
+        if lag_s is not None:
+            self.replication_lag.set(lag_s)
 
     def failed(self, backend: str, outcome: str, app: str | None = None) -> None:
         self._child(self.outcomes, self.backend_label(backend), outcome).inc()

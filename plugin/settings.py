@@ -17,6 +17,8 @@ import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from kvroute.plugin.redis_url import FROM_LITELLM, from_litellm
+from kvroute.plugin.redis_url import check as check_redis_url
 from kvroute.policies.errors import ConfigError
 from kvroute.policies.registry import DEFAULT_POLICY, build_config
 
@@ -111,6 +113,7 @@ class KvrouteSettings(BaseSettings):
     max_request_age_s: float = Field(default=600.0, gt=0)
     metrics_scrape_interval_s: float = Field(default=1.0, gt=0)
     hash_secret: SecretStr | None = Field(default=None, min_length=16)
+    hash_secret_file: Path | None = None  # a file holding the secret (>= 16 bytes): e.g. a mounted secret
     data_dir: Path = Path(".kvroute")
     endpoint_auth: Literal["admin", "key", "open"] = "admin"
     prometheus_multiproc_dir: Path | None = Field(
@@ -147,6 +150,16 @@ class KvrouteSettings(BaseSettings):
         if v is not None and not v.is_dir():
             raise ValueError(f"{v} is not a directory (create it, empty, before the proxy starts)")
         return v
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, v: str | None) -> str | None:
+        if v is None or v == FROM_LITELLM:
+            return v
+        try:
+            return check_redis_url(v)
+        except ConfigError as exc:
+            raise ValueError(exc.message) from None
 
     @field_validator("billing_db")
     @classmethod
@@ -311,6 +324,10 @@ def load_settings(proxy_config: str | Path | None = None, **overrides: Any) -> K
             block = read_block(Path(source))
             block.pop("config", None)
         settings = KvrouteSettings(**{**block, **overrides}) if block else first
+        if settings.redis_url == FROM_LITELLM:
+            litellm_config = proxy_config or source
+            proxy = _read_yaml(Path(litellm_config)) if litellm_config else {}
+            settings = settings.model_copy(update={"redis_url": from_litellm(proxy, os.environ)})
     except ValidationError as exc:
         err = exc.errors()[0]
         loc = tuple(p for p in err.get("loc", ()) if p != "__root__")

@@ -12,7 +12,15 @@ design that costs a Redis round trip per pick). Writes are queued and a backgrou
   sums everybody else's into the local view (a dead worker's load vanishes with its key);
 - publishes breaker openings and probe-confirmed closings to ``<ns>:health`` (latest per backend also in
   the hash ``<ns>:breakers`` for late joiners); followers adopt them, waiting ``follower_grace_s`` longer
-  than the opener before probing, so normally the opener's probe is the only one.
+  than the opener before probing, so normally the opener's probe is the only one;
+- writes its status to ``<ns>:status:<worker>`` (TTL ``worker_ttl_s``) every heartbeat: the plugin's counters,
+  its replication lag, the fingerprint of its hash secret (a live worker with another one is logged, listed in
+  ``secret_mismatch`` and its index updates are not applied) and what others asked it to ``publish`` (the
+  hybrid guard's counts and TTFT samples); ``peer_published`` reads the others'.
+
+Every key is under ``namespace``; the long-lived ones expire ``key_ttl_s`` after the last heartbeat touched them.
+The hash secret is never written here (``kvroute.plugin.hash_secret``); one an older kvroute left at
+``<ns>:hash_secret`` is deleted on connect.
 
 When Redis is down each worker routes on its local state (no exception reaches the request path), the
 queue keeps the newest ``max_outbox`` updates, and the thread reconnects with jittered exponential
@@ -30,6 +38,7 @@ the last ``lag_samples`` entries: ``replication()``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -71,14 +80,16 @@ class SharedStateConfig:
     backoff_min_s: float = 0.1
     backoff_max_s: float = 5.0
     socket_timeout_s: float = 1.0
+    guard_timeout_s: float = 0.25  # the hosted path's reservation: answer or fall back to the local share
     follower_grace_s: float = 10.0
+    key_ttl_s: float = 86_400.0  # every long-lived key expires a day after the last instance touched it
     reseed_blocks: int = 100_000
     reseed_chunk: int = 512
     lag_samples: int = 2_048
 
     def __post_init__(self) -> None:
         for name in ("flush_interval_s", "heartbeat_s", "worker_ttl_s", "backoff_min_s", "backoff_max_s",
-                     "socket_timeout_s", "stream_retention_s"):
+                     "socket_timeout_s", "stream_retention_s", "guard_timeout_s", "key_ttl_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")
         for name in ("stream_maxlen", "max_batch_ops", "max_outbox", "bootstrap_entries", "max_pending_per_group",
@@ -339,6 +350,14 @@ class SharedState:
         self._lags: deque[float] = deque(maxlen=cfg.lag_samples)
         self.status_source: Callable[[], dict[str, Any]] | None = None  # this worker's counters for status
         self.peer_status: dict[str, dict[str, Any]] = {}  # the other live workers' counters, per heartbeat
+        self.fingerprint: str | None = None  # of the hash secret (``hash_secret.fingerprint``), compared with peers
+        self.secret_mismatch: list[str] = []  # live workers whose fingerprint differs from this one's
+        self._publishers: dict[str, Callable[[], Any]] = {}
+        self.on_heartbeat: Callable[[SharedState], None] | None = None  # e.g. metrics of lag and mismatches
+        self._known_instances = 1
+        self._lag_s: float | None = None  # age of the newest other worker's entry when applied (seconds)
+        self._lag_max_s = 0.0
+        self._clock_offset_s = 0.0  # Redis server time minus this host's wall clock
         self._indexes: dict[str, SharedPrefixIndex] = {}
         self._loads: dict[str, SharedLoadTracker] = {}
         self._pending: dict[str, deque[Sequence[Any]]] = {}
@@ -380,6 +399,7 @@ class SharedState:
         self._outbox.clear()
         self._health_out.clear()
         self.peer_status = {}
+        self.secret_mismatch = []
         self._last_sync = -math.inf
         if running:
             self.start()
@@ -414,6 +434,29 @@ class SharedState:
             self._health_bootstrap = True  # the sync thread loads the breakers open right now
         return self._health.board
 
+    def publish(self, name: str, source: Callable[[], Any]) -> None:
+        """Send ``source()`` with every heartbeat; the other workers read it with ``peer_published(name)``."""
+        self._publishers[name] = source
+
+    def peer_published(self, name: str) -> list[Any]:
+        """What the other live workers last published under ``name`` ([] once heartbeats are stale)."""
+        if not self.remote_fresh():
+            return []
+        return [p["x"][name] for p in list(self.peer_status.values())
+                if isinstance(p.get("x"), dict) and name in p["x"]]
+
+    def known_instances(self) -> int:
+        """Workers (this one included) seen live at the last heartbeat that reached Redis; kept while Redis is
+        away, so a share of something split by it stays conservative."""
+        return self._known_instances
+
+    def new_client(self, *, guard: bool = False) -> Any:
+        """A separate client to this Redis (``guard``: the short ``guard_timeout_s``)."""
+        cfg = self.config
+        if guard:
+            cfg = dataclasses.replace(cfg, socket_timeout_s=cfg.guard_timeout_s)
+        return self._client_factory(self.url, cfg)
+
     def remote_fresh(self) -> bool:
         """Other workers' load is trusted only while heartbeats succeed (within ``worker_ttl_s``)."""
         return self.clock() - self._last_sync <= self.config.worker_ttl_s
@@ -425,19 +468,27 @@ class SharedState:
                     tracker.set_remote({})
 
     def replication(self) -> dict[str, Any]:
-        """Lag of the other workers' stream entries applied here (seconds from Redis' append to applied,
-        by the entry id's millisecond clock: meaningful when hosts' clocks agree), over the last
-        ``lag_samples`` entries; a bootstrap's replayed history is not counted."""
+        """This worker's replication lag in seconds, on the Redis server's clock (an entry's id → applied here):
+        ``lag_s`` of the last other worker's update, ``lag_max_s`` the largest since the previous heartbeat, and
+        ``lag_p50_s``/``lag_p90_s``/``lag_window_max_s`` over the last ``lag_samples`` entries (``samples``); a
+        bootstrap's replayed history is not counted."""
         lags = sorted(self._lags)
-        if not lags:
-            return {"samples": 0, "lag_p50_s": None, "lag_p90_s": None, "lag_max_s": None}
-        pick = lambda q: round(lags[min(len(lags) - 1, int(q * len(lags)))], 4)  # noqa: E731
-        return {"samples": len(lags), "lag_p50_s": pick(0.5), "lag_p90_s": pick(0.9), "lag_max_s": round(lags[-1], 4)}
+        out: dict[str, Any] = {"lag_s": None if self._lag_s is None else round(self._lag_s, 4),
+                               "lag_max_s": round(self._lag_max_s, 4), "connected": self.connected,
+                               "outbox": len(self._outbox) + len(self._health_out), "samples": len(lags)}
+        if lags:
+            def pick(q: float) -> float:
+                return round(lags[min(len(lags) - 1, int(q * len(lags)))], 4)
+            out.update(lag_p50_s=pick(0.5), lag_p90_s=pick(0.9), lag_window_max_s=round(lags[-1], 4))
+        else:
+            out.update(lag_p50_s=None, lag_p90_s=None, lag_window_max_s=None)
+        return out
 
     def stats(self) -> dict[str, Any]:
         return {"worker": self.worker_id, "connected": self.connected,
                 "outbox": len(self._outbox) + len(self._health_out),
-                "groups": sorted(self._indexes), **self.counters, "last_error": self.last_error}
+                "groups": sorted(self._indexes), **self.counters, "last_error": self.last_error,
+                "secret_mismatch": list(self.secret_mismatch), "instances": self._known_instances}
 
     # --- queueing (request path: append only) ---------------------------------------------------
     def _queue_index(self, group: str, op: tuple[Any, ...]) -> None:
@@ -521,6 +572,17 @@ class SharedState:
         if self.counters["connects"] or self._bootstrapped:
             log.info("kvroute: redis shared state reconnected")
         self.counters["connects"] += 1
+        if not self.counters.get("cluster_checked"):
+            self.counters["cluster_checked"] = 1
+            with contextlib.suppress(Exception):
+                if int(c.info("cluster").get("cluster_enabled", 0)):
+                    log.error("kvroute.redis_url: points at a Redis Cluster node; Cluster is not supported "
+                              "(multi-key scripts and streams): use one primary")
+        # Older kvroute stored the hash secret here, next to the keys it protects: never leave it readable.
+        if c.delete(f"{self.config.namespace}:hash_secret"):
+            log.warning("kvroute: deleted the hash secret an older kvroute stored in Redis "
+                        "(%s:hash_secret); set hash_secret or hash_secret_file on every instance",
+                        self.config.namespace)
         self._check_epoch()
         if not self._bootstrapped:
             # Late joiner: replay the newest updates and the breakers that are open right now.
@@ -548,7 +610,7 @@ class SharedState:
         lost = self._epoch is not None and stored != self._epoch
         self._epoch = stored
         if lost:
-            seeder = bool(c.set(self._k_seeder, self.worker_id, nx=True))
+            seeder = bool(c.set(self._k_seeder, self.worker_id, nx=True, ex=int(self.config.key_ttl_s)))
             if seeder:
                 self._reseed()
             log.warning("kvroute: redis came back empty; %s", "re-seeding it from this worker's index" if seeder
@@ -612,24 +674,29 @@ class SharedState:
             # Last picks travel as wall-clock times so other workers can place them on their clocks.
             mine[group] = {b: (n, p, wall - (now - t) if t > -math.inf else 0.0) for b, (n, p, t) in counts.items()}
         ttl_ms = int(cfg.worker_ttl_s * 1000)
+        key_ttl = int(cfg.key_ttl_s)
         pipe = self._client.pipeline(transaction=False)
         pipe.set(self._k_load + self.worker_id, _encode(mine), px=ttl_ms)
-        if self.status_source is not None:
-            try:
-                pipe.set(self._k_status + self.worker_id, _encode(self.status_source()), px=ttl_ms)
-            except Exception as exc:  # the worker's own view must never stop the heartbeat
-                log.debug("status source failed: %s", exc)
+        pipe.set(self._k_status + self.worker_id, _encode(self._status_blob()), px=ttl_ms)
         pipe.zadd(self._k_workers, {self.worker_id: wall})
         pipe.zremrangebyscore(self._k_workers, "-inf", wall - cfg.worker_ttl_s)
         pipe.xtrim(self._k_prefix, maxlen=cfg.stream_maxlen, approximate=True)
+        for key in (self._k_workers, self._k_prefix, self._k_health, self._k_breakers, self._k_epoch):
+            pipe.expire(key, key_ttl)
+        pipe.time()
         pipe.zrange(self._k_workers, 0, -1)
-        *_, workers = pipe.execute()
+        *_, server_time, workers = pipe.execute()
+        self._clock_offset_s = float(server_time[0]) + float(server_time[1]) / 1e6 - self.wall()
         others = [w.decode() if isinstance(w, bytes) else str(w) for w in workers]
         others = [w for w in others if w != self.worker_id]
+        self._known_instances = 1 + len(others)
         blobs = self._client.mget([self._k_load + w for w in others]) if others else []
-        if self.status_source is not None:
-            statuses = self._client.mget([self._k_status + w for w in others]) if others else []
-            self.peer_status = {w: _decode(b) for w, b in zip(others, statuses, strict=True) if b}
+        statuses = self._client.mget([self._k_status + w for w in others]) if others else []
+        self.peer_status = {w: _decode(b) for w, b in zip(others, statuses, strict=True) if b}
+        self._check_fingerprints()
+        if self.on_heartbeat is not None:
+            with contextlib.suppress(Exception):
+                self.on_heartbeat(self)
         sums: dict[str, dict[str, list[float]]] = {}
         for blob in blobs:
             if not blob:
@@ -647,6 +714,35 @@ class SharedState:
             tracker.set_remote({b: (int(v[0]), int(v[1]), v[2]) for b, v in per.items()})
         self._last_sync = self.clock()
 
+    def _status_blob(self) -> dict[str, Any]:
+        """This worker's status for the others: its counters, replication, secret fingerprint, publications."""
+        blob: dict[str, Any] = {}
+        if self.status_source is not None:
+            try:
+                blob.update(self.status_source())
+            except Exception as exc:  # the worker's own view must never stop the heartbeat
+                log.debug("status source failed: %s", exc)
+        published = {}
+        for name, source in list(self._publishers.items()):
+            try:
+                published[name] = source()
+            except Exception as exc:
+                log.debug("publisher %s failed: %s", name, exc)
+        blob.update({"x": published, "fp": self.fingerprint, "replication": self.replication()})
+        self._lag_max_s = 0.0
+        return blob
+
+    def _check_fingerprints(self) -> None:
+        """Say loudly (once per worker) when a live worker keys its hashes with another secret."""
+        if self.fingerprint is None:
+            return
+        mismatch = sorted(w for w, p in self.peer_status.items() if p.get("fp") not in (None, self.fingerprint))
+        for w in set(mismatch) - set(self.secret_mismatch):
+            log.error("kvroute: worker %s uses a different hash_secret (fingerprint %s, ours %s): prefixes "
+                      "routed by it never match here; give every instance the same hash_secret",
+                      w, self.peer_status[w].get("fp"), self.fingerprint)
+        self.secret_mismatch = mismatch
+
     def _read(self) -> bool:
         """Apply the other workers' new entries; True when a full page came (more may be waiting)."""
         count = 512
@@ -654,23 +750,29 @@ class SharedState:
         full = False
         for stream, entries in result or []:
             name = stream.decode() if isinstance(stream, bytes) else str(stream)
-            wall = self.wall()
             for entry_id, fields in entries:
-                eid = _id(entry_id)
-                if self._apply_entry(name, fields):
-                    self._lags.append(max(0.0, wall - int(eid.split("-", 1)[0]) / 1000.0))
-                self._ids[name] = eid
+                self._apply_entry(name, fields, entry_id)
+                self._ids[name] = _id(entry_id)
             full = full or len(entries) >= count
         return full
 
-    def _apply_entry(self, stream: str, fields: dict[Any, Any]) -> bool:
-        """Apply another worker's entry; False for this worker's own."""
+    def _apply_entry(self, stream: str, fields: dict[Any, Any], entry_id: Any = None) -> bool:
+        """Apply another worker's entry (its lag recorded when ``entry_id`` is given); False for this worker's
+        own and for a worker keyed with another secret."""
         worker = fields.get(b"w", fields.get("w"))
         if isinstance(worker, bytes):
             worker = worker.decode()
         if worker == self.worker_id:
             return False
         self.counters["entries"] += 1
+        if entry_id is not None:
+            lag = self.wall() + self._clock_offset_s - int(_id(entry_id).split("-", 1)[0]) / 1000.0
+            self._lag_s = max(0.0, lag)
+            self._lag_max_s = max(self._lag_max_s, self._lag_s)
+            self._lags.append(self._lag_s)
+        if worker in self.secret_mismatch and stream == self._k_prefix:
+            self.counters["foreign"] = self.counters.get("foreign", 0) + 1  # keyed with another secret
+            return False
         data = _decode(fields.get(b"d", fields.get("d")))
         if stream == self._k_health:
             if self._health is not None and self._health.apply(data):
@@ -728,26 +830,3 @@ def _redis_client(url: str, config: SharedStateConfig) -> Any:
 def connect(url: str, config: SharedStateConfig | None = None, **kwargs: Any) -> SharedState:
     """Start sharing through the Redis at ``url``; never raises for an unreachable Redis (it retries)."""
     return SharedState(url, config, **kwargs)
-
-
-def shared_secret(url: str, candidate: bytes, config: SharedStateConfig | None = None,
-                  client: Any = None) -> bytes:
-    """The deployment's hash secret in ``<ns>:hash_secret``: ``candidate`` if no worker stored one yet (SET NX),
-    else the stored one, so every worker and restart agrees. Raises ``OSError`` when Redis cannot answer."""
-    import redis
-
-    cfg = config or SharedStateConfig()
-    r = client if client is not None else _redis_client(url, cfg)
-    key = f"{cfg.namespace}:hash_secret"
-    try:
-        r.set(key, candidate, nx=True)
-        stored = r.get(key)
-    except redis.RedisError as exc:
-        raise OSError(f"redis: {exc}") from exc
-    finally:
-        if client is None:
-            with contextlib.suppress(Exception):
-                r.close()
-    if not isinstance(stored, bytes) or len(stored) < 16:
-        raise OSError(f"redis key {key} holds no usable secret")
-    return stored

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
@@ -195,8 +195,10 @@ class Hybrid:
             self._default_rate = SelfHostedRate(cfg.self_hosted_input_price or Decimal(0),
                                                 cfg.self_hosted_output_price or Decimal(0), cfg.currency)
         self.overflowing = False
-        self._last_over = -math.inf
         self.reasons: Counter[str] = Counter()
+        # called with (hosted backend, TTFT seconds) for every hosted response this instance sees (a fleet shares
+        # them: ``observe_hosted_ttft`` on the other instances)
+        self.ttft_listeners: list[Callable[[str, float], None]] = []
         self.last_why: dict[str, Any] | None = None
         self.errors = None if not cfg.prediction_quantile else PredictionError(cfg.prediction_quantile,
                                                                                cfg.prediction_window_s)
@@ -239,6 +241,9 @@ class Hybrid:
             return
         self.market.record_success(request, backend, now, cached_tokens=cached_tokens, ttft_s=ttft_s,
                                    output_tokens=output_tokens, duration_s=duration_s, prompt_tokens=prompt_tokens)
+        if ttft_s is not None:
+            for listener in self.ttft_listeners:
+                listener(backend, ttft_s)
         q = self.market.quote(backend)
         if q is None or q.currency != self.config.currency:
             self.guard.release(request.request_id)
@@ -249,6 +254,11 @@ class Hybrid:
         cost = q.input_price * (prompt - cached) + q.cache_read_price * cached + q.output_price * max(
             0, output_tokens or 0)
         self.guard.record_spend(now, cost, request.request_id)
+
+    def observe_hosted_ttft(self, backend: str, ttft_s: float, at: float) -> None:
+        """Another instance saw ``ttft_s`` from hosted ``backend`` at ``at`` (this instance's clock)."""
+        if self.is_hosted(backend):
+            self.market.observe(backend, at, ttft_s=ttft_s)
 
     def record_failure(self, request: RoutingRequest) -> None:
         """An attempt failed: its reservation goes (what a failed attempt was billed reaches the ledger, not here)."""
@@ -308,13 +318,16 @@ class Hybrid:
         """Advance the hysteresis with this request's ratio; True when it should overflow."""
         cfg = self.config
         if ratio > cfg.enter_ratio:
-            self._last_over = now
+            self.guard.note_over(now)
             self.overflowing = True
             return True
+        last_over = self.guard.over_at(now)  # the fleet's: one instance entering the mode enters it for all
+        if not self.overflowing and now - last_over < cfg.min_dwell_s:
+            self.overflowing = True
         if not self.overflowing:
             return False
         if ratio <= cfg.leave_ratio:
-            if now - self._last_over >= cfg.min_dwell_s:
+            if now - last_over >= cfg.min_dwell_s:
                 self.overflowing = False
             return False
         return True
@@ -352,7 +365,7 @@ class Hybrid:
             pinned = self.market.sticky_backend(request, now)
             pin = next((q for q in quotes if q.backend == pinned), None)
             if (pin is not None and pin.meets(target) and (self_price is None or pin.price <= self_price)
-                    and self.guard.check(now, pin.price) is None):
+                    and self.guard.admit(request.request_id, now, pin.price) is None):
                 self._mode(ratio, now)
                 return self._hosted_pick(request, pin, "session_hosted", why, now)
         if not self._mode(ratio, now):
@@ -361,7 +374,7 @@ class Hybrid:
         if not meeting:
             return self._self(sd, "no_hosted_meets_target", why, now)
         best = meeting[0]
-        blocked = self.guard.check(now, best.price)
+        blocked = self.guard.admit(request.request_id, now, best.price)
         if blocked is not None:
             return self._self(sd, blocked, why, now)
         return self._hosted_pick(request, best, "overflow_latency", why, now)
@@ -376,8 +389,8 @@ class Hybrid:
             return self._refuse(request, "no_acceptable_route", why, now)
         ordered = [q for q in quotes if q.meets(target)] + [q for q in quotes if not q.meets(target)]
         for q in ordered:
-            if self.guard.check(now, q.price, share=False) is None:
-                return self._hosted_pick(request, q, "self_hosted_unavailable", why, now, reserve=True)
+            if self.guard.admit(request.request_id, now, q.price, share=False) is None:
+                return self._hosted_pick(request, q, "self_hosted_unavailable", why, now)
         return self._refuse(request, "guard_spend", why, now)
 
     def _refuse(self, request: RoutingRequest, why_word: str, why: dict[str, Any], now: float) -> Decision:
@@ -394,10 +407,9 @@ class Hybrid:
         return self._done(decision, why, now, hosted=False)
 
     def _hosted_pick(self, request: RoutingRequest, quote: HostedQuote, reason: str, why: dict[str, Any],
-                     now: float, reserve: bool = True) -> Decision:
+                     now: float) -> Decision:
+        """The hosted route (the guard's ``admit`` already holds its price)."""
         why["hosted_price"] = str(quote.price)
-        if request.request_id is not None and reserve:
-            self.guard.reserve(request.request_id, now, quote.price)
         decision = Decision(quote.backend, self.name, reason, prompt_tokens=request.prompt_tokens,
                             request_id=request.request_id, predicted_prefill_tokens=request.prompt_tokens,
                             scores={q: float(v["price"]) for q, v in (why.get("routes") or {}).items()})
@@ -415,7 +427,15 @@ class Hybrid:
     def snapshot(self, now: float) -> dict[str, Any]:
         """Mode, overflow share, hosted spend (per hour, window budget), reason counts, the last decision's why."""
         budget = self.guard.budget()
+        guard = self.guard
+        scope = guard.scope
+        if guard.fleet is not None:
+            scope = "fleet" if guard.fleet.spent() is not None else "local_share"
+            guard.scope = scope
+        local = guard.local_budget()
         return {"mode": "overflow" if self.overflowing else "normal",
+                "guard_scope": scope, "guard_instances": guard.fleet.instances() if guard.fleet else 1,
+                "hosted_budget_local_share": None if local is None or scope == "local" else str(local),
                 "overflow_share": round(self.guard.share(now), 4),
                 "hosted_spend_per_hour": str(self.guard.spend_per_hour(now)),
                 "hosted_spend_window": str(self.guard.spent(now)),

@@ -106,7 +106,7 @@ def test_unreadable_and_missing_files(tmp_path):
 def test_live_says_what_does_not_answer(tmp_path):
     port = closed_port()
     out = check(EXAMPLE, "--live", "--timeout", "1", **example_env(f"http://127.0.0.1:{port}"),
-                KVROUTE_REDIS_URL=f"redis://127.0.0.1:{port}/0",
+                KVROUTE_REDIS_URL=f"redis://127.0.0.1:{port}/0", KVROUTE_HASH_SECRET="live-check-secret-0123456789",
                 KVROUTE_BILLING_DB=f"postgresql+psycopg://kvroute@127.0.0.1:{port}/x")
     assert out.returncode == 1
     lines = out.stdout.splitlines()

@@ -67,6 +67,7 @@ def kvroute_proxy(cfg: dict, redis_url: str | None = None, env: Mapping[str, str
     block = {**KVROUTE_SETTINGS, **settings}
     if redis_url:
         block["redis_namespace"] = f"kvr-test-{time.monotonic_ns()}"
+        block.setdefault("hash_secret", "outcome-stack-secret-0123456789")
     return ProxyProcess(cfg, kvroute_settings=block, env=env, inherit_kvroute_env=False)
 
 

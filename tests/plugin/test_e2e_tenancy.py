@@ -169,7 +169,8 @@ async def test_four_workers_metrics_and_status_speak_for_the_whole_proxy(redis_u
     with Fleet(2, engine="fake", options=opts, name_prefix="mw") as replicas:
         cfg = build_proxy_config([ModelGroup("llama", replicas.api_bases, engine="vllm")], master_key=MASTER)
         env = {"PROMETHEUS_MULTIPROC_DIR": str(multiproc), "KVROUTE_REDIS_URL": redis_url,
-               "KVROUTE_REDIS_NAMESPACE": f"kvtest-mw-{tmp_path.name}", "KVROUTE_METRICS_PORT": str(metrics_port)}
+               "KVROUTE_REDIS_NAMESPACE": f"kvtest-mw-{tmp_path.name}", "KVROUTE_METRICS_PORT": str(metrics_port),
+               "KVROUTE_HASH_SECRET": "four-workers-secret-0123456789"}
         with ProxyProcess(cfg, kvroute_settings={"data_dir": str(tmp_path / "data")}, env=env,
                           inherit_kvroute_env=False, extra_args=["--num_workers", "4"], start_timeout_s=300) as proxy:
             admin = {"Authorization": f"Bearer {MASTER}"}
@@ -198,7 +199,7 @@ async def test_four_workers_metrics_and_status_speak_for_the_whole_proxy(redis_u
     assert totals == [48] * 8, totals
     assert workers == [4] * 8, workers
     assert port_total == 48
-    assert secrets_seen == {"redis"}
+    assert secrets_seen == {"settings"}
 
 
 def decisions(text: str) -> float:

@@ -158,7 +158,8 @@ def test_status_prints_table_csv_and_json(stack):
 
 def test_check_live_reaches_replicas_metrics_redis_and_billing_db(stack, redis_url, tmp_path):
     db = os.environ.get("KVROUTE_TEST_PG_URL") or str(tmp_path / "billing.db")
-    env = {**os.environ, **stack["env"], "KVROUTE_REDIS_URL": redis_url, "KVROUTE_BILLING_DB": db}
+    env = {**os.environ, **stack["env"], "KVROUTE_REDIS_URL": redis_url, "KVROUTE_BILLING_DB": db,
+           "KVROUTE_HASH_SECRET": "examples-check-secret-0123456789"}
     out = subprocess.run([*KVROUTE, "check", str(EXAMPLES / "config.yaml"), "--live"], capture_output=True,
                          text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr

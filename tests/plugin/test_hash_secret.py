@@ -1,21 +1,21 @@
-"""The hash secret: from settings, else shared through Redis (SET NX), else a 0600 file; all workers agree."""
+"""The hash secret: from settings or a secret file (required with Redis, never stored there), else a 0600 file."""
 
 from __future__ import annotations
 
 import stat
 import subprocess
 import sys
-import uuid
 
 import pytest
 
-from kvroute.plugin.hash_secret import SECRET_FILE, file_secret, resolve_chain_key
-from kvroute.plugin.shared_state import SharedStateConfig, shared_secret
+from kvroute.plugin.hash_secret import SECRET_FILE, file_secret, fingerprint, resolve_chain_key
+from kvroute.plugin.settings import load_settings
 from kvroute.policies.errors import ConfigError
+from kvroute.policies.fingerprint import ChainKey
 
 
 def test_settings_secret_wins(tmp_path):
-    key, source = resolve_chain_key("s" * 20, "redis://unused", tmp_path, share=lambda *_: pytest.fail("asked"))
+    key, source = resolve_chain_key("s" * 20, "redis://unused", tmp_path)
     assert source == "settings" and key.secret == b"s" * 20
     assert not (tmp_path / SECRET_FILE).exists()
 
@@ -44,22 +44,38 @@ def test_a_truncated_secret_file_is_a_named_error(tmp_path):
     assert err.value.key == "kvroute.data_dir"
 
 
-def test_redis_shares_the_first_secret_with_every_later_worker(redis_url, tmp_path):
-    cfg = SharedStateConfig(namespace=f"kvtest-{uuid.uuid4().hex[:8]}")
-    first = shared_secret(redis_url, b"A" * 32, cfg)
-    assert first == b"A" * 32
-    assert shared_secret(redis_url, b"B" * 32, cfg) == first  # SET NX: a later worker adopts the first one
-    key, source = resolve_chain_key(None, redis_url, tmp_path, share=lambda url, c: shared_secret(url, c, cfg))
-    assert source == "redis" and key.secret == first and not (tmp_path / SECRET_FILE).exists()
+def test_shared_state_without_a_secret_is_one_line_naming_the_key(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        resolve_chain_key(None, "redis://127.0.0.1:6379/0", tmp_path)
+    assert err.value.key == "kvroute.hash_secret" and "never stored in Redis" in str(err.value)
+    assert "\n" not in str(err.value) and not (tmp_path / SECRET_FILE).exists()
 
 
-def test_unreachable_redis_falls_back_to_the_file(tmp_path):
-    import socket
+def test_a_secret_file_is_read_and_checked(tmp_path):
+    path = tmp_path / "secret"
+    path.write_bytes(b"s" * 24 + b"\n")
+    key, source = resolve_chain_key(None, "redis://127.0.0.1:6379/0", tmp_path, path)
+    assert source == "secret_file" and key.secret == b"s" * 24
+    path.write_bytes(b"short\n")
+    with pytest.raises(ConfigError) as err:
+        resolve_chain_key(None, "redis://127.0.0.1:6379/0", tmp_path, path)
+    assert err.value.key == "kvroute.hash_secret_file"
+    with pytest.raises(ConfigError) as err:
+        resolve_chain_key(None, None, tmp_path, tmp_path / "missing")
+    assert err.value.key == "kvroute.hash_secret_file"
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cfg = SharedStateConfig(socket_timeout_s=0.3)
-    key, source = resolve_chain_key(None, f"redis://127.0.0.1:{port}/0", tmp_path,
-                                    share=lambda url, c: shared_secret(url, c, cfg))
-    assert source == "file" and key.secret == file_secret(tmp_path)
+
+def test_the_fingerprint_agrees_exactly_when_the_secrets_do():
+    a, b = ChainKey(b"a" * 32), ChainKey(b"b" * 32)
+    assert fingerprint(a) == fingerprint(ChainKey(b"a" * 32)) != fingerprint(b)
+    assert len(fingerprint(a)) == 16 and fingerprint(ChainKey()) == "unkeyed"
+    assert b"a" * 32 not in bytes.fromhex(fingerprint(a))
+
+
+def test_os_environ_reference_gives_the_secret(tmp_path, monkeypatch):
+    monkeypatch.setenv("MY_KVROUTE_SECRET", "from-the-environment-0123")
+    cfg = tmp_path / "kv.yaml"
+    cfg.write_text("kvroute: {hash_secret: os.environ/MY_KVROUTE_SECRET, redis_url: 'redis://127.0.0.1:1/0'}\n")
+    s = load_settings(cfg)
+    key, source = resolve_chain_key(s.hash_secret.get_secret_value(), s.redis_url, tmp_path, s.hash_secret_file)
+    assert source == "settings" and key.secret == b"from-the-environment-0123"

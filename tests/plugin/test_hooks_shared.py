@@ -35,7 +35,8 @@ def wait_for(cond, timeout: float = 5.0) -> bool:
 
 def test_workers_agree_on_prefix_holders_and_breakers(redis_url):
     ns = f"kvtest-{uuid.uuid4().hex[:8]}"
-    settings = KvrouteSettings(redis_url=redis_url, redis_namespace=ns, breaker={"consecutive_failures": 1})
+    settings = KvrouteSettings(redis_url=redis_url, redis_namespace=ns, breaker={"consecutive_failures": 1},
+                               hash_secret="two-workers-secret-0123456789")
     a = KvrouteCallback(settings, metrics=Metrics(CollectorRegistry()), mount=False)
     b = KvrouteCallback(settings, metrics=Metrics(CollectorRegistry()), mount=False)
     try:
