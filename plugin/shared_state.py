@@ -210,8 +210,36 @@ class SharedLoadTracker(LoadTracker):
         # used order of cold picks sees the fleet's picks within the replication lag, not a heartbeat later.
         self._seen_picks: dict[str, float] = {}
 
+        # backend -> the other workers' busy seconds (summed, as of ``_remote_busy_at``): the hot-spot bound and
+        # cold placement weigh the fleet's recent work, not the 1/N of it this worker assigned.
+        self._remote_busy: dict[str, float] = {}
+        self._remote_busy_at = 0.0
+
     def saw_remote_pick(self, backend: str, now: float) -> None:
         self._seen_picks[backend] = now
+
+    def local_busy(self, now: float) -> dict[str, float]:
+        """This worker's own busy seconds per backend at ``now`` (read by the sync thread)."""
+        return {b: v for b, v in zip(list(self._busy), LoadTracker.busy_many(self, list(self._busy), now),
+                                     strict=True) if v > 1e-6}
+
+    def set_remote_busy(self, busy: dict[str, float], at: float) -> None:
+        self._remote_busy, self._remote_busy_at = busy, at
+
+    def busy(self, backend: str, now: float) -> float:
+        own = super().busy(backend, now)
+        r = self._remote_busy.get(backend)
+        if not r:
+            return own
+        return own + r * math.pow(0.5, max(0.0, now - self._remote_busy_at) / self.busy_half_life_s)
+
+    def busy_many(self, backends: Sequence[str], now: float) -> list[float]:
+        own = super().busy_many(backends, now)
+        remote = self._remote_busy
+        if not remote:
+            return own
+        k = math.pow(0.5, max(0.0, now - self._remote_busy_at) / self.busy_half_life_s)
+        return [v + remote.get(b, 0.0) * k for v, b in zip(own, backends, strict=True)]
 
     def local_counts(self) -> dict[str, tuple[int, int, float]]:
         """This worker's own counts (read by the sync thread; dict copies are atomic)."""
@@ -466,6 +494,8 @@ class SharedState:
             for tracker in list(self._loads.values()):
                 if tracker._remote:
                     tracker.set_remote({})
+                if tracker._remote_busy:
+                    tracker.set_remote_busy({}, 0.0)
 
     def replication(self) -> dict[str, Any]:
         """This worker's replication lag in seconds, on the Redis server's clock (an entry's id → applied here):
@@ -671,8 +701,14 @@ class SharedState:
         mine = {}
         for group, tracker in list(self._loads.items()):
             counts = tracker.local_counts()
-            # Last picks travel as wall-clock times so other workers can place them on their clocks.
-            mine[group] = {b: (n, p, wall - (now - t) if t > -math.inf else 0.0) for b, (n, p, t) in counts.items()}
+            busy = tracker.local_busy(now)
+            # Last picks travel as wall-clock times so other workers can place them on their clocks; the fourth
+            # field is this worker's busy seconds (a reader of three-field entries ignores it).
+            mine[group] = {b: (n, p, wall - (now - t) if t > -math.inf else 0.0, busy.get(b, 0.0))
+                           for b, (n, p, t) in counts.items()}
+            for b, v in busy.items():
+                if b not in mine[group]:
+                    mine[group][b] = (0, 0, 0.0, v)
         ttl_ms = int(cfg.worker_ttl_s * 1000)
         key_ttl = int(cfg.key_ttl_s)
         pipe = self._client.pipeline(transaction=False)
@@ -703,15 +739,19 @@ class SharedState:
                 continue
             for group, per in _decode(blob).items():
                 g = sums.setdefault(group, {})
-                for backend, (n, p, t_wall) in per.items():
-                    acc = g.setdefault(backend, [0, 0, -math.inf])
+                for backend, entry in per.items():
+                    n, p, t_wall = entry[0], entry[1], entry[2]
+                    acc = g.setdefault(backend, [0, 0, -math.inf, 0.0])
                     acc[0] += int(n)
                     acc[1] += int(p)
                     if t_wall:
                         acc[2] = max(acc[2], now - (wall - float(t_wall)))
+                    if len(entry) > 3:
+                        acc[3] += float(entry[3])
         for group, tracker in list(self._loads.items()):
             per = sums.get(group, {})
             tracker.set_remote({b: (int(v[0]), int(v[1]), v[2]) for b, v in per.items()})
+            tracker.set_remote_busy({b: v[3] for b, v in per.items() if v[3] > 0}, now)
         self._last_sync = self.clock()
 
     def _status_blob(self) -> dict[str, Any]:
