@@ -863,7 +863,8 @@ class KvrouteCallback(CustomLogger):
         return out
 
     def shared_state_status(self, peers: Mapping[str, Any]) -> dict[str, Any]:
-        """The Redis link and every live worker's replication lag (seconds), this one first."""
+        """The Redis link (stream entries applied, re-seeds after an emptied Redis, errors) and every live worker's
+        replication lag (seconds), this one first; ``replication`` is this worker's, with recent percentiles."""
         shared = self._shared
         mine = shared.replication() if hasattr(shared, "replication") else {}
         workers = {shared.worker_id: {**mine, "fingerprint": self.chain_fingerprint, "self": True}}
@@ -871,8 +872,10 @@ class KvrouteCallback(CustomLogger):
             workers[w] = {**(p.get("replication") or {}), "fingerprint": p.get("fp")}
         with contextlib.suppress(Exception):
             self.metrics.shared_state(len(getattr(shared, "secret_mismatch", [])), mine.get("lag_s"))
+        stats = shared.stats() if hasattr(shared, "stats") else {}
         return {"connected": bool(getattr(shared, "connected", False)), "namespace": shared.config.namespace,
-                "instances": len(workers), "workers": workers}
+                "instances": len(workers), "workers": workers, "replication": mine,
+                **{k: stats[k] for k in ("entries", "applied", "reseeds", "errors") if k in stats}}
 
     async def aclose(self) -> None:
         if self.billing is not None:

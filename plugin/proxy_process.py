@@ -185,20 +185,25 @@ class ProxyProcess(ChildOwner):
 
     def start(self) -> ProxyProcess:
         """Write the config, start the proxy and wait until ``/health/readiness`` answers 200."""
+        start_with_port_retry(self.launch, self._wait_ready, self.log_path, attempts=1 if self._fixed_port else 3)
+        return self
+
+    def launch(self) -> subprocess.Popen:
+        """Write the config and spawn the proxy without waiting (``wait_ready`` waits); call from a thread that
+        outlives the child (the child is told to stop when the thread that spawned it ends)."""
         self.workdir.mkdir(parents=True, exist_ok=True)
         if self.config_file is None:
             self.config_path.write_text(yaml.safe_dump(self.config, sort_keys=False))
-        env = self.env()
+        if not self._fixed_port:
+            self.port = free_port()
+        self.process = spawn([*litellm_command(), "--config", str(self.config_path), "--host", "127.0.0.1",
+                              "--port", str(self.port), *self.extra_args], self.log_path, env=self.env(),
+                             cwd=self.workdir)
+        return self.process
 
-        def launch() -> subprocess.Popen:
-            if not self._fixed_port:
-                self.port = free_port()
-            self.process = spawn([*litellm_command(), "--config", str(self.config_path), "--host", "127.0.0.1",
-                                  "--port", str(self.port), *self.extra_args], self.log_path, env=env, cwd=self.workdir)
-            return self.process
-
-        start_with_port_retry(launch, self._wait_ready, self.log_path, attempts=1 if self._fixed_port else 3)
-        return self
+    def wait_ready(self) -> None:
+        """Wait until the launched proxy answers ``/health/readiness`` (raises with its log tail if it dies)."""
+        self._wait_ready()
 
     def _wait_ready(self) -> None:
         with httpx.Client(timeout=2.0, trust_env=False) as client:

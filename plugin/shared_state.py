@@ -26,6 +26,13 @@ When Redis is down each worker routes on its local state (no exception reaches t
 queue keeps the newest ``max_outbox`` updates, and the thread reconnects with jittered exponential
 backoff; on return it flushes the queue, reads what it missed and re-publishes its open breakers. The
 prefix stream keeps ``stream_retention_s`` of history (Redis memory ≈ update rate × that window).
+
+A Redis that comes back empty (restarted without persistence, flushed) is told from a brief outage by the
+deployment's epoch marker ``<ns>:epoch``: the first worker to reconnect writes a new one and re-seeds the
+prefix stream with the newest ``reseed_blocks`` keys per backend of its local index (every worker holds the
+same index, so one seeder suffices), so a worker that starts after the restart learns what was known before.
+Replication lag (Redis append of an entry to its application here, from the stream entry's id) is kept for
+the last ``lag_samples`` entries: ``replication()``.
 """
 
 from __future__ import annotations
@@ -76,13 +83,17 @@ class SharedStateConfig:
     guard_timeout_s: float = 0.25  # the hosted path's reservation: answer or fall back to the local share
     follower_grace_s: float = 10.0
     key_ttl_s: float = 86_400.0  # every long-lived key expires a day after the last instance touched it
+    reseed_blocks: int = 100_000
+    reseed_chunk: int = 512
+    lag_samples: int = 2_048
 
     def __post_init__(self) -> None:
         for name in ("flush_interval_s", "heartbeat_s", "worker_ttl_s", "backoff_min_s", "backoff_max_s",
                      "socket_timeout_s", "stream_retention_s", "guard_timeout_s", "key_ttl_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")
-        for name in ("stream_maxlen", "max_batch_ops", "max_outbox", "bootstrap_entries", "max_pending_per_group"):
+        for name in ("stream_maxlen", "max_batch_ops", "max_outbox", "bootstrap_entries", "max_pending_per_group",
+                     "reseed_blocks", "reseed_chunk", "lag_samples"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an integer >= 1")
         if self.follower_grace_s < 0:
@@ -159,6 +170,18 @@ class SharedPrefixIndex:
             self._shared._queue_index(self.group, ("x", b))
         return gone
 
+    def snapshot_ops(self, max_blocks: int, chunk: int) -> list[tuple[Any, ...]]:
+        """Record ops that rebuild this index elsewhere: per backend its newest ``max_blocks`` keys, replayed
+        oldest first in chunks of ``chunk`` (each chunk reversed, as ``record`` inserts deepest first)."""
+        ops: list[tuple[Any, ...]] = []
+        with self._lock:
+            held = {b: list(s.entries) for b, s in self.local._backends.items()}
+        for backend, keys in held.items():
+            keys = keys[-max_blocks:]
+            for i in range(0, len(keys), chunk):
+                ops.append(("r", backend, keys[i:i + chunk][::-1]))
+        return ops
+
     # --- remote updates (sync thread) -----------------------------------------------------------
     def apply(self, op: Sequence[Any], now: float) -> None:
         kind, backend = op[0], str(op[1])
@@ -183,6 +206,40 @@ class SharedLoadTracker(LoadTracker):
         # backend -> (in-flight, prefill tokens, last pick on this worker's clock); replaced wholesale by
         # the sync thread, and emptied when heartbeats stop succeeding (the hot path only does dict gets).
         self._remote: dict[str, tuple[int, int, float]] = {}
+        # backend -> when another worker's pick of it (its index record) was applied here: the least recently
+        # used order of cold picks sees the fleet's picks within the replication lag, not a heartbeat later.
+        self._seen_picks: dict[str, float] = {}
+
+        # backend -> the other workers' busy seconds (summed, as of ``_remote_busy_at``): the hot-spot bound and
+        # cold placement weigh the fleet's recent work, not the 1/N of it this worker assigned.
+        self._remote_busy: dict[str, float] = {}
+        self._remote_busy_at = 0.0
+
+    def saw_remote_pick(self, backend: str, now: float) -> None:
+        self._seen_picks[backend] = now
+
+    def local_busy(self, now: float) -> dict[str, float]:
+        """This worker's own busy seconds per backend at ``now`` (read by the sync thread)."""
+        return {b: v for b, v in zip(list(self._busy), LoadTracker.busy_many(self, list(self._busy), now),
+                                     strict=True) if v > 1e-6}
+
+    def set_remote_busy(self, busy: dict[str, float], at: float) -> None:
+        self._remote_busy, self._remote_busy_at = busy, at
+
+    def busy(self, backend: str, now: float) -> float:
+        own = super().busy(backend, now)
+        r = self._remote_busy.get(backend)
+        if not r:
+            return own
+        return own + r * math.pow(0.5, max(0.0, now - self._remote_busy_at) / self.busy_half_life_s)
+
+    def busy_many(self, backends: Sequence[str], now: float) -> list[float]:
+        own = super().busy_many(backends, now)
+        remote = self._remote_busy
+        if not remote:
+            return own
+        k = math.pow(0.5, max(0.0, now - self._remote_busy_at) / self.busy_half_life_s)
+        return [v + remote.get(b, 0.0) * k for v, b in zip(own, backends, strict=True)]
 
     def local_counts(self) -> dict[str, tuple[int, int, float]]:
         """This worker's own counts (read by the sync thread; dict copies are atomic)."""
@@ -215,7 +272,7 @@ class SharedLoadTracker(LoadTracker):
 
     def last_pick(self, backend: str) -> float:
         r = self._remote.get(backend)
-        return max(super().last_pick(backend), r[2] if r else -math.inf)
+        return max(super().last_pick(backend), r[2] if r else -math.inf, self._seen_picks.get(backend, -math.inf))
 
     def view(self, backend: str, now: float) -> BackendLoad:
         local = super().view(backend, now)
@@ -226,7 +283,7 @@ class SharedLoadTracker(LoadTracker):
         prefill = local.prefill_tokens + r[1]
         # The local view already took the max with engine signals; adding the remote counts keeps that max.
         return BackendLoad(inflight, prefill, max(local.queue_tokens, float(prefill)), max(local.running, inflight),
-                           local.kv_usage, max(local.last_pick, r[2]))
+                           local.kv_usage, max(local.last_pick, r[2], self._seen_picks.get(backend, -math.inf)))
 
 
 class SharedHealth:
@@ -316,6 +373,9 @@ class SharedState:
         ns = cfg.namespace
         self._k_prefix, self._k_health, self._k_breakers = f"{ns}:prefix", f"{ns}:health", f"{ns}:breakers"
         self._k_workers, self._k_load, self._k_status = f"{ns}:workers", f"{ns}:load:", f"{ns}:status:"
+        self._k_epoch, self._k_seeder = f"{ns}:epoch", f"{ns}:seeder"
+        self._epoch: bytes | None = None
+        self._lags: deque[float] = deque(maxlen=cfg.lag_samples)
         self.status_source: Callable[[], dict[str, Any]] | None = None  # this worker's counters for status
         self.peer_status: dict[str, dict[str, Any]] = {}  # the other live workers' counters, per heartbeat
         self.fingerprint: str | None = None  # of the hash secret (``hash_secret.fingerprint``), compared with peers
@@ -334,6 +394,7 @@ class SharedState:
         self._health_out: deque[dict[str, Any]] = deque(maxlen=10_000)
         self._groups_lock = threading.Lock()
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set by the request path: an index update waits for no poll tick
         self._thread: threading.Thread | None = None
         self._client: Any = None
         self._ids = {self._k_prefix: "$", self._k_health: "$"}
@@ -342,7 +403,8 @@ class SharedState:
         self._last_sync = -math.inf
         self._rng = random.Random()
         self.connected = False
-        self.counters = {"sent": 0, "applied": 0, "dropped": 0, "connects": 0, "errors": 0, "health_applied": 0}
+        self.counters = {"sent": 0, "applied": 0, "dropped": 0, "connects": 0, "errors": 0, "health_applied": 0,
+                         "entries": 0, "reseeds": 0}
         self.last_error = ""
         _INSTANCES.add(self)
         if start:
@@ -354,6 +416,7 @@ class SharedState:
         self.worker_id = f"{socket.gethostname()}:{os.getpid()}:{os.urandom(3).hex()}"
         self._thread, self._client, self.connected = None, None, False
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._groups_lock = threading.Lock()
         for idx in self._indexes.values():
             idx._lock = threading.Lock()
@@ -422,13 +485,6 @@ class SharedState:
             cfg = dataclasses.replace(cfg, socket_timeout_s=cfg.guard_timeout_s)
         return self._client_factory(self.url, cfg)
 
-    def replication(self) -> dict[str, Any]:
-        """This worker's replication lag: the age of the last other worker's update when it was applied, and
-        the largest since the previous heartbeat (seconds, on the Redis server's clock)."""
-        return {"lag_s": None if self._lag_s is None else round(self._lag_s, 4),
-                "lag_max_s": round(self._lag_max_s, 4), "outbox": len(self._outbox) + len(self._health_out),
-                "connected": self.connected}
-
     def remote_fresh(self) -> bool:
         """Other workers' load is trusted only while heartbeats succeed (within ``worker_ttl_s``)."""
         return self.clock() - self._last_sync <= self.config.worker_ttl_s
@@ -438,6 +494,25 @@ class SharedState:
             for tracker in list(self._loads.values()):
                 if tracker._remote:
                     tracker.set_remote({})
+                if tracker._remote_busy:
+                    tracker.set_remote_busy({}, 0.0)
+
+    def replication(self) -> dict[str, Any]:
+        """This worker's replication lag in seconds, on the Redis server's clock (an entry's id → applied here):
+        ``lag_s`` of the last other worker's update, ``lag_max_s`` the largest since the previous heartbeat, and
+        ``lag_p50_s``/``lag_p90_s``/``lag_window_max_s`` over the last ``lag_samples`` entries (``samples``); a
+        bootstrap's replayed history is not counted."""
+        lags = sorted(self._lags)
+        out: dict[str, Any] = {"lag_s": None if self._lag_s is None else round(self._lag_s, 4),
+                               "lag_max_s": round(self._lag_max_s, 4), "connected": self.connected,
+                               "outbox": len(self._outbox) + len(self._health_out), "samples": len(lags)}
+        if lags:
+            def pick(q: float) -> float:
+                return round(lags[min(len(lags) - 1, int(q * len(lags)))], 4)
+            out.update(lag_p50_s=pick(0.5), lag_p90_s=pick(0.9), lag_window_max_s=round(lags[-1], 4))
+        else:
+            out.update(lag_p50_s=None, lag_p90_s=None, lag_window_max_s=None)
+        return out
 
     def stats(self) -> dict[str, Any]:
         return {"worker": self.worker_id, "connected": self.connected,
@@ -450,6 +525,7 @@ class SharedState:
         if len(self._outbox) == self._outbox.maxlen:
             self.counters["dropped"] += 1
         self._outbox.append(("i", (group, op)))
+        self._wake.set()
 
     def _queue_health(self, event: dict[str, Any]) -> None:
         # A queue of its own: a long outage's index updates never push breaker events out.
@@ -465,6 +541,7 @@ class SharedState:
     def close(self, timeout: float = 2.0) -> None:
         """Stop the thread after a last flush attempt; local state stays usable."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
@@ -493,9 +570,10 @@ class SharedState:
                 self._expire_remote()
                 more = self._read()
                 if not more:
-                    # Poll instead of XREAD BLOCK: Redis ends blocking reads only at its ``hz`` tick
-                    # (100 ms by default), far coarser than ``flush_interval_s``.
-                    self._stop.wait(self.config.flush_interval_s)
+                    # Poll instead of XREAD BLOCK (one connection also writes); an update queued on the
+                    # request path wakes the thread at once, so a pick reaches Redis without a poll tick.
+                    self._wake.wait(self.config.flush_interval_s)
+                    self._wake.clear()
             except Exception as exc:
                 self._on_error(exc)
                 wake = self.clock() + delay * (0.5 + self._rng.random())
@@ -535,6 +613,7 @@ class SharedState:
             log.warning("kvroute: deleted the hash secret an older kvroute stored in Redis "
                         "(%s:hash_secret); set hash_secret or hash_secret_file on every instance",
                         self.config.namespace)
+        self._check_epoch()
         if not self._bootstrapped:
             # Late joiner: replay the newest updates and the breakers that are open right now.
             for stream in (self._k_prefix,):
@@ -551,6 +630,30 @@ class SharedState:
             for event in self._health.republish():
                 self._queue_health(event)
         self.connected = True
+
+    def _check_epoch(self) -> None:
+        """Adopt the deployment's epoch; of the workers that find Redis emptied, the first re-seeds it
+        (``<ns>:seeder``, SET NX: it vanishes with the next restart). A worker new to the deployment never does."""
+        c = self._client
+        c.set(self._k_epoch, os.urandom(8).hex().encode(), nx=True)
+        stored = c.get(self._k_epoch)
+        lost = self._epoch is not None and stored != self._epoch
+        self._epoch = stored
+        if lost:
+            seeder = bool(c.set(self._k_seeder, self.worker_id, nx=True, ex=int(self.config.key_ttl_s)))
+            if seeder:
+                self._reseed()
+            log.warning("kvroute: redis came back empty; %s", "re-seeding it from this worker's index" if seeder
+                        else "another worker re-seeds it")
+
+    def _reseed(self) -> None:
+        """Queue this worker's index ahead of its pending updates (newest keys replayed last)."""
+        cfg = self.config
+        ops = [("i", (group, op)) for group, idx in list(self._indexes.items())
+               for op in idx.snapshot_ops(cfg.reseed_blocks, cfg.reseed_chunk)]
+        room = (self._outbox.maxlen or 0) - len(self._outbox)
+        self._outbox.extendleft(reversed(ops[-room:] if room > 0 else []))
+        self.counters["reseeds"] += 1
 
     def _load_breakers(self) -> None:
         """Adopt the latest transition of every backend (a worker that starts or attaches late)."""
@@ -598,8 +701,14 @@ class SharedState:
         mine = {}
         for group, tracker in list(self._loads.items()):
             counts = tracker.local_counts()
-            # Last picks travel as wall-clock times so other workers can place them on their clocks.
-            mine[group] = {b: (n, p, wall - (now - t) if t > -math.inf else 0.0) for b, (n, p, t) in counts.items()}
+            busy = tracker.local_busy(now)
+            # Last picks travel as wall-clock times so other workers can place them on their clocks; the fourth
+            # field is this worker's busy seconds (a reader of three-field entries ignores it).
+            mine[group] = {b: (n, p, wall - (now - t) if t > -math.inf else 0.0, busy.get(b, 0.0))
+                           for b, (n, p, t) in counts.items()}
+            for b, v in busy.items():
+                if b not in mine[group]:
+                    mine[group][b] = (0, 0, 0.0, v)
         ttl_ms = int(cfg.worker_ttl_s * 1000)
         key_ttl = int(cfg.key_ttl_s)
         pipe = self._client.pipeline(transaction=False)
@@ -608,7 +717,7 @@ class SharedState:
         pipe.zadd(self._k_workers, {self.worker_id: wall})
         pipe.zremrangebyscore(self._k_workers, "-inf", wall - cfg.worker_ttl_s)
         pipe.xtrim(self._k_prefix, maxlen=cfg.stream_maxlen, approximate=True)
-        for key in (self._k_workers, self._k_prefix, self._k_health, self._k_breakers):
+        for key in (self._k_workers, self._k_prefix, self._k_health, self._k_breakers, self._k_epoch):
             pipe.expire(key, key_ttl)
         pipe.time()
         pipe.zrange(self._k_workers, 0, -1)
@@ -630,15 +739,19 @@ class SharedState:
                 continue
             for group, per in _decode(blob).items():
                 g = sums.setdefault(group, {})
-                for backend, (n, p, t_wall) in per.items():
-                    acc = g.setdefault(backend, [0, 0, -math.inf])
+                for backend, entry in per.items():
+                    n, p, t_wall = entry[0], entry[1], entry[2]
+                    acc = g.setdefault(backend, [0, 0, -math.inf, 0.0])
                     acc[0] += int(n)
                     acc[1] += int(p)
                     if t_wall:
                         acc[2] = max(acc[2], now - (wall - float(t_wall)))
+                    if len(entry) > 3:
+                        acc[3] += float(entry[3])
         for group, tracker in list(self._loads.items()):
             per = sums.get(group, {})
             tracker.set_remote({b: (int(v[0]), int(v[1]), v[2]) for b, v in per.items()})
+            tracker.set_remote_busy({b: v[3] for b, v in per.items() if v[3] > 0}, now)
         self._last_sync = self.clock()
 
     def _status_blob(self) -> dict[str, Any]:
@@ -683,24 +796,28 @@ class SharedState:
             full = full or len(entries) >= count
         return full
 
-    def _apply_entry(self, stream: str, fields: dict[Any, Any], entry_id: Any = None) -> None:
+    def _apply_entry(self, stream: str, fields: dict[Any, Any], entry_id: Any = None) -> bool:
+        """Apply another worker's entry (its lag recorded when ``entry_id`` is given); False for this worker's
+        own and for a worker keyed with another secret."""
         worker = fields.get(b"w", fields.get("w"))
         if isinstance(worker, bytes):
             worker = worker.decode()
         if worker == self.worker_id:
-            return
+            return False
+        self.counters["entries"] += 1
         if entry_id is not None:
             lag = self.wall() + self._clock_offset_s - int(_id(entry_id).split("-", 1)[0]) / 1000.0
             self._lag_s = max(0.0, lag)
             self._lag_max_s = max(self._lag_max_s, self._lag_s)
+            self._lags.append(self._lag_s)
         if worker in self.secret_mismatch and stream == self._k_prefix:
             self.counters["foreign"] = self.counters.get("foreign", 0) + 1  # keyed with another secret
-            return
+            return False
         data = _decode(fields.get(b"d", fields.get("d")))
         if stream == self._k_health:
             if self._health is not None and self._health.apply(data):
                 self.counters["health_applied"] += 1
-            return
+            return True
         now = self.clock()
         for group, op in data:
             idx = self._indexes.get(group)
@@ -712,8 +829,13 @@ class SharedState:
                         q.append(op)
                         continue
             idx.apply(op, now)
+            if op[0] == "r":
+                tracker = self._loads.get(group)
+                if tracker is not None:
+                    tracker.saw_remote_pick(str(op[1]), now)
             self.counters["applied"] += 1
             time.sleep(0)  # yield the GIL between ops: the request path comes first
+        return True
 
 
 _INSTANCES: weakref.WeakSet[SharedState] = weakref.WeakSet()

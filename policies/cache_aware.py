@@ -10,8 +10,8 @@ Shape: filter (hot-spot bound in busy seconds; a holder of the prefix is over it
 now, so an idle fleet keeps a prefix home) → score (weighted scorers, ``policies/scorers.py``, each in seconds)
 → pick (lowest; near-ties go to the longer match, among equal matches to the cheapest, exact ties to the
 prefix's rendezvous order for warm requests, or the least busy then least recently used backend for cold
-ones); the decision reports the prefill it wastes (tokens another backend held). Seconds come from an
-``EngineSpeed`` prior (knobs) times a factor the load tracker learns per backend from observed TTFT,
+ones, exact ties again by the prefix's rendezvous order); the decision reports the prefill it wastes (tokens
+another backend held). Seconds come from an ``EngineSpeed`` prior (knobs) times a factor the load tracker learns per backend from observed TTFT,
 so a session stays on its replica until the wait there costs more than recomputing its whole context
 elsewhere — load is weighed as work, never as a request count.
 """
@@ -360,7 +360,17 @@ class CacheAware:
                        else self._first_in_order(state.rendezvous, request.keys[0], holders))
             reason = "prefix_match" if best_match >= top_holder else "prefix_spill"
         else:
-            backend = min(near, key=lambda b: (load.busy(b, now), load.last_pick(b), costs[b], b))
+            rank = {b: (load.busy(b, now), load.last_pick(b), costs[b]) for b in near}
+            least = min(rank.values())
+            tied = [b for b in near if rank[b] == least]
+            # Exact ties (an idle fleet, or several routers that have not yet seen each other's picks) go to
+            # the prefix's rendezvous order: routers agree without talking, and different prefixes spread.
+            if len(tied) == 1:
+                backend = tied[0]
+            elif request.keys:
+                backend = self._first_in_order(state.rendezvous, request.keys[0], tied)
+            else:
+                backend = min(tied)
             reason = "cold" if top_holder == 0 else "prefix_spill"
         chosen = cand_of[backend]
         chosen.resident_tokens = resident[backend]

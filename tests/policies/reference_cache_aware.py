@@ -99,7 +99,9 @@ class ReferenceCacheAware(CacheAware):
                 backend = min(holders, key=lambda b: (-state.rendezvous.weight(anchor, b), b))
             reason = "prefix_match" if best_match >= top_holder else "prefix_spill"
         else:
-            backend = min(near, key=lambda b: (load.busy(b, now), load.last_pick(b), costs[b], b))
+            anchor = request.keys[0] if request.keys else None  # exact ties: the prefix's rendezvous order
+            backend = min(near, key=lambda b: (load.busy(b, now), load.last_pick(b), costs[b],
+                                               0 if anchor is None else -state.rendezvous.weight(anchor, b), b))
             reason = "cold" if top_holder == 0 else "prefix_spill"
         chosen = cands[backend]
         work = chosen.own_s
