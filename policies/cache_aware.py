@@ -11,8 +11,8 @@ now, so an idle fleet keeps a prefix home) → score (weighted scorers, ``polici
 → pick (lowest; near-ties go to the longer match, among equal matches to the cheapest, exact ties to the
 prefix's rendezvous order for warm requests, or the least busy then least recently used backend for cold
 ones, exact ties again by the prefix's rendezvous order); the decision reports the prefill it wastes (tokens
-another backend held). Seconds come from an ``EngineSpeed`` prior (knobs) times a factor the load tracker learns per backend from observed TTFT,
-so a session stays on its replica until the wait there costs more than recomputing its whole context
+another backend held). Seconds come from an ``EngineSpeed`` prior (knobs) times a factor the load tracker
+learns per backend from observed TTFT, so a session stays on its replica until the wait there costs more than recomputing its whole context
 elsewhere — load is weighed as work, never as a request count.
 """
 
