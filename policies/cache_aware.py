@@ -6,14 +6,14 @@
   in fleets over ``max_scored``, backends holding nothing of the prompt go unscored when even an idle one
   could not reach the tie band
 
-Shape: filter (hot-spot bound in busy seconds; a holder of the prefix is over it only while it is working
-now, so an idle fleet keeps a prefix home) → score (weighted scorers, ``policies/scorers.py``, each in seconds)
-→ pick (lowest; near-ties go to the longer match, among equal matches to the cheapest, exact ties to the
-prefix's rendezvous order for warm requests, or the least busy then least recently used backend for cold
-ones, exact ties again by the prefix's rendezvous order); the decision reports the prefill it wastes (tokens
-another backend held). Seconds come from an ``EngineSpeed`` prior (knobs) times a factor the load tracker
-learns per backend from observed TTFT, so a session stays on its replica until the wait there costs more than recomputing its whole context
-elsewhere — load is weighed as work, never as a request count.
+Shape: filter (hot-spot bound in busy seconds; a holder of the prefix is over it only while it is working now,
+so an idle fleet keeps a prefix home) → score (weighted scorers, ``policies/scorers.py``, each in seconds) →
+pick (lowest; near-ties go to the longer match, among equal matches to the cheapest, exact ties to the prefix's
+rendezvous order for warm requests, or the least busy then least recently used backend for cold ones, exact ties
+again by the prefix's rendezvous order); the decision reports the prefill it wastes (tokens another backend
+held). Seconds come from an ``EngineSpeed`` prior (knobs) times a factor the load tracker learns per backend
+from observed TTFT, so a session stays on its replica until the wait there costs more than recomputing its whole
+context elsewhere — load is weighed as work, never as a request count.
 """
 
 from __future__ import annotations
