@@ -4,15 +4,17 @@
 - use it when: self-hosted replicas with prefix reuse (chat, RAG, agents, long contexts)
 - cost: one index match; six scorers per class of backends with equal load (the eviction term per backend);
   in fleets over ``max_scored``, backends holding nothing of the prompt go unscored when even an idle one
-  could not reach the tie band
+  could not reach the tie band (always scored for a session's first request, below)
 
-Shape: filter (hot-spot bound in busy seconds; a holder of the prefix is over it only while it is working now,
-so an idle fleet keeps a prefix home) → score (weighted scorers, ``policies/scorers.py``, each in seconds) →
-pick (lowest; near-ties go to the longer match, among equal matches to the cheapest, exact ties to the prefix's
-rendezvous order for warm requests, or the least busy then least recently used backend for cold ones, exact ties
-again by the prefix's rendezvous order); the decision reports the prefill it wastes (tokens another backend
-held). Seconds come from an ``EngineSpeed`` prior (knobs) times a factor the load tracker learns per backend
-from observed TTFT, so a session stays on its replica until the wait there costs more than recomputing its whole
+Shape: filter (hot-spot bound in busy seconds; a holder of the prefix is over it only while it is working
+now, so an idle fleet keeps a prefix home) → score (weighted scorers, ``policies/scorers.py``, each in seconds;
+a session's first request that some backend holds a prefix of also pays each backend's recent busy seconds,
+the work its sessions keep bringing, since the session's later turns stay where it starts) → pick (lowest;
+near-ties go to the longer match, among equal matches to the cheapest, exact ties to the prefix's rendezvous
+order for warm requests, or the least busy then least recently used backend for cold ones, exact ties again by
+the prefix's rendezvous order); the decision reports the prefill it wastes (tokens another backend held).
+Seconds come from an ``EngineSpeed`` prior (knobs) times a factor the load tracker learns per backend from
+observed TTFT, so a session stays on its replica until the wait there costs more than recomputing its whole
 context elsewhere — load is weighed as work, never as a request count.
 """
 
@@ -30,6 +32,7 @@ from kvroute.policies.hashing import Rendezvous
 from kvroute.policies.load import SCORING_FIELDS, BackendLoad
 from kvroute.policies.request import RoutingRequest
 from kvroute.policies.scorers import FLEET_SCORERS, SCORERS, Candidate, eviction, own_prefill, slot_wait
+from kvroute.policies.sessions import SessionStarts
 from kvroute.policies.speed import EngineSpeed
 from kvroute.policies.tiers import TieredMatch
 
@@ -63,6 +66,8 @@ class CacheAwareConfig:
     tie_fraction: float = 0.05
     max_scores: int = 8
     max_scored: int = 8
+    #: session keys remembered to tell a session's first request from its later ones (0: none told apart)
+    sessions_remembered: int = 65536
     # the engine-speed prior; defaults are EngineSpeed's (policies/speed.py), repeated nowhere
     prefill_tok_s: float = _PRIOR.prefill_tok_s
     attn_s: float = _PRIOR.attn_s
@@ -77,6 +82,8 @@ class CacheAwareConfig:
                      "tie_fraction"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
+        if self.sessions_remembered < 0:
+            raise ValueError("sessions_remembered must be >= 0")
         if self.max_scored < 1:
             raise ValueError("max_scored must be >= 1")
         self.speed  # validates the speed knobs  # noqa: B018
@@ -109,6 +116,7 @@ class CacheAware:
         self._member_resident = tuple(n in RESIDENT_SCORERS for n in names[max(r, k):])
         self._idle_memo: dict[tuple[int, float, int, float], tuple[float, float]] = {}
         self._first_memo: dict[tuple[object, ...], str] = {}
+        self._sessions = SessionStarts(cfg.sessions_remembered)
 
     def _cold_cannot_win(self, holders: Sequence[str], hot_of: dict[str, float], limit: float | None,
                          ttft_of: dict[str, float], cost_of: dict[str, float], prompt: int, factor: float,
@@ -200,6 +208,8 @@ class CacheAware:
         all_states, all_picks = load.scoring_inputs(candidates, now)
         state_of = dict(zip(candidates, all_states, strict=True))
         busy = load.busy_many(candidates, now)
+        busy_of = dict(zip(candidates, busy, strict=True))
+        session_start = self._sessions.first(request.session_key)
         hot = [hot_load(v, st[_INFLIGHT] > 0 or st[_QTOKENS] > 0, b in matches)
                for b, v, st in zip(candidates, busy, all_states, strict=True)]
         limit: float | None = hot_limit(busy, cfg.epsilon, cfg.busy_floor_s)  # the hot-spot bound, below
@@ -216,6 +226,7 @@ class CacheAware:
                 matched[b] = m if m > 0 else 0
         best_matched = max(map(matched.__getitem__, holders)) if holders else 0
         best_own = speed.prefill_s(prompt - best_matched, best_matched)
+        weigh_sessions = session_start and best_matched > 0
         own_by_match: dict[int, float] = {best_matched: best_own}
         prefill_s = speed.prefill_s
         blocks_of = index.blocks
@@ -310,8 +321,9 @@ class CacheAware:
         if holders and len(holders) < len(candidates) and len(candidates) > cfg.max_scored:
             # large fleets only (smaller ones report a score for every backend, as they always did)
             score(holders, [state_of[b] for b in holders])
-            if self._cold_cannot_win(holders, hot_of, limit, ttft_of, cost_of, prompt, factor, best_matched, best_own,
-                                     own_by_match):
+            # (a session's first request adds busy seconds to the costs below, which the proof does not cover)
+            if not weigh_sessions and self._cold_cannot_win(holders, hot_of, limit, ttft_of, cost_of, prompt, factor,
+                                                            best_matched, best_own, own_by_match):
                 candidates = holders
         if len(candidates) > len(cost_of):
             rest_of = [b for b in candidates if b not in matches]
@@ -345,6 +357,12 @@ class CacheAware:
         if (allowed and len(allowed) < len(costs)
                 and min(map(ttft.__getitem__, allowed)) - min(ttft.values()) <= cfg.bound_cost_s):
             costs = {b: costs[b] for b in allowed}
+        if weigh_sessions:
+            # A session's first request that some backend holds a prefix of (a shared system prompt or tools):
+            # its later turns stay where it starts, so it also pays each backend's recent busy seconds, the work
+            # the sessions already there keep bringing. New sessions spread; later turns (no longer first) stay
+            # home; a session's cold first request already goes to the least busy backend of the tie band.
+            costs = {b: cost + busy_of[b] for b, cost in costs.items()}
         best_cost = min(costs.values())
         band = max(cfg.tie_s, cfg.tie_fraction * best_cost)
         threshold = best_cost + band

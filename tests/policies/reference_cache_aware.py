@@ -1,7 +1,8 @@
 """``cache_aware``'s picker as of e9da8e7 (one ``Candidate`` and every scorer per backend), kept as the oracle the
 faster ``CacheAware.select`` must agree with (tests/policies/test_cache_aware_equivalence.py), with the changes
 since marked: equal holders go to the cheapest; the hot-spot bound never counts a holder of the prefix that is
-idle now as hot (``filters.hot_load``); the decision reports its wasted prefill."""
+idle now as hot (``filters.hot_load``); the decision reports its wasted prefill; a session's first request
+that a backend holds a prefix of adds each backend's recent busy seconds to its cost."""
 
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ class ReferenceCacheAware(CacheAware):
         factor = load.factor(candidates[0])  # fleet-wide (see LoadTracker.factor)
         # changed: the hot-spot bound (below) never counts an idle holder of the prefix as hot
         busy = [load.busy(b, now) for b in candidates]
+        busy_of = dict(zip(candidates, busy, strict=True))
+        session_start = self._sessions.first(request.session_key)  # changed: a session's first request, below
         hot = [hot_load(busy_s, (v := load.view(b, now)).inflight > 0 or v.queue_tokens > 0, b in matches)
                for b, busy_s in zip(candidates, busy, strict=True)]
         within = within_hot_bound(candidates, hot, hot_limit(busy, cfg.epsilon, cfg.busy_floor_s))
@@ -84,6 +87,8 @@ class ReferenceCacheAware(CacheAware):
                 and min(ttft[b] for b in allowed) - min(ttft.values()) <= cfg.bound_cost_s):
             costs = {b: costs[b] for b in allowed}
         allowed = list(costs)
+        if session_start and best_matched > 0:  # changed: a session's first request weighs the work already there
+            costs = {b: costs[b] + busy_of[b] for b in costs}
         best_cost = min(costs.values())
         band = max(cfg.tie_s, cfg.tie_fraction * best_cost)
         near = [b for b in allowed if costs[b] <= best_cost + band]

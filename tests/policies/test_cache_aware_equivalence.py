@@ -98,7 +98,9 @@ def test_random_fleets_with_signals_and_load_pick_identically(seed: int) -> None
                                                      running=rng.randrange(300), kv_usage=rng.random()))
         base = rng.choice(prefixes)
         keys = base[: rng.randrange(1, len(base) + 1)] + [rng.getrandbits(63) for _ in range(rng.randrange(3))]
-        req = RoutingRequest("m", keys, 64.0, len(keys) * 64 + rng.randrange(64), request_id=f"r{i}")
+        session = f"s{rng.randrange(60)}" if rng.random() < 0.5 else None  # first requests weigh busy seconds
+        req = RoutingRequest("m", keys, 64.0, len(keys) * 64 + rng.randrange(64), session_key=session,
+                             request_id=f"r{i}")
         router.pick(req, backends, policy=dual)
         open_ids.append(req.request_id)
         while open_ids and rng.random() < 0.6:

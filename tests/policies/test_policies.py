@@ -264,6 +264,29 @@ def test_an_idle_holder_keeps_its_prefix_after_a_busy_minute():
     assert d.backend == first and d.reason == "prefix_match"
 
 
+def test_a_new_session_weighs_the_work_already_at_the_holder_of_its_shared_prefix():
+    """A session's first request whose shared prefix one replica holds also pays that replica's recent busy
+    seconds (its later turns will stay where it starts): it starts elsewhere once the holder served much more
+    than recomputing the prefix costs. A later turn of a known session, or a request with no session, stays."""
+    router, clock = make()
+
+    def send(body: dict, backends: list[str], session: str | None = None):
+        req, d = router.route({**body, "user": session} if session else body, backends)
+        clock.t += 0.5
+        router.on_first_token(req.request_id)
+        router.on_complete(req.request_id, cached_tokens=d.matched_tokens)
+        return d
+
+    home = send(group_prompt(1, 0), BACKENDS, "s0").backend
+    for i in range(8):  # other sessions' long prompts kept the holder busy lately (nothing in flight now)
+        send(group_prompt(100 + i, 0, sys_len=40000), [home], f"o{i}")
+    assert router.load.busy(home, clock.t) > 1.0
+    d = send(group_prompt(1, 1), BACKENDS, "s1")  # a new session: starts where little work piled up
+    assert d.backend != home and d.reason == "prefix_spill"
+    assert send(group_prompt(1, 2), BACKENDS, "s0").backend == home  # a later turn stays home
+    assert send(group_prompt(1, 3), BACKENDS).backend == home  # no session: nothing told apart
+
+
 def test_a_working_holder_over_the_bound_spreads_a_cheap_prefix():
     """The bound still acts while the holder is working: with a long queue of work there, a prefix whose
     recompute is cheap spills (the hot prefix gains a second holder), with the wasted prefill reported."""
