@@ -14,12 +14,16 @@ import os
 import re
 import time
 from collections import Counter
+from pathlib import Path
 
 import httpx
 import pytest
 from fuzz_requests import Case, generate
 from outcome_stack import kvroute_proxy, plain_proxy, stack_config
 
+import kvroute.billing
+import kvroute.plugin
+import kvroute.policies
 from kvroute.plugin.fake_engine import FakeEngineConfig, FakeEngineServer
 from kvroute.plugin.fleet import Fleet, ReplicaOptions
 from kvroute.plugin.proxy_process import ProxyProcess
@@ -49,9 +53,16 @@ async def status_of(c: httpx.AsyncClient, proxy: ProxyProcess, case: Case) -> in
         return 0
 
 
+#: where kvroute's code lives in this environment (an editable install's folders or site-packages/kvroute)
+_OURS = tuple(str(Path(m.__file__).parent) + os.sep for m in (kvroute.plugin, kvroute.policies, kvroute.billing))
+
+
 def kvroute_tracebacks(log: str) -> list[str]:
+    """Tracebacks with a frame in kvroute's code (a log line of ours printed right after LiteLLM's own traceback
+    does not make it ours)."""
     blocks = re.split(r"(?=Traceback \(most recent call last\))", log)
-    return [b[:1500] for b in blocks[1:] if "kvroute" in b.split("\n\n", 1)[0]]
+    return [b[:1500] for b in blocks[1:]
+            if any(f.startswith(_OURS) for f in re.findall(r'File "([^"]+)"', b.split("\n\n", 1)[0]))]
 
 
 async def test_fake_engine_bounds_max_tokens():
