@@ -28,10 +28,10 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from kvroute.policies import PrefixIndex, PrefixIndexConfig, RoutingRequest, RoutingState, register_policy
+from kvroute.policies import PrefixIndex, RoutingRequest, RoutingState, register_policy
 from kvroute.policies.decision import Decision
 from kvroute.policies.hashing import Rendezvous
-from kvroute.sim.baselines import DynamoApprox, DynamoConfig, _decision
+from kvroute.sim.baselines import DynamoApprox, DynamoConfig, OwnIndex, _decision
 
 
 # --- SMG 1.9 cache_aware ------------------------------------------------------------------------------
@@ -60,14 +60,11 @@ class Smg2026CacheAware:
 
     def __init__(self, config: Smg2026Config | None = None) -> None:
         self.config = config or Smg2026Config()
-        self._index: PrefixIndex | None = None
+        self._own = OwnIndex(lambda bt: self.config.max_tree_tokens)
         self._processed: dict[str, int] = {}
 
     def _tree(self, request: RoutingRequest) -> PrefixIndex:
-        if self._index is None:
-            bt = max(1.0, float(request.block_tokens))
-            self._index = PrefixIndex(PrefixIndexConfig(capacity_tokens=self.config.max_tree_tokens, block_tokens=bt))
-        return self._index
+        return self._own.get(request)
 
     def _least(self, workers: Sequence[str], loads: Mapping[str, int], order: Mapping[str, int]) -> str:
         return min(workers, key=lambda b: (loads[b], self._processed.get(b, 0), order[b]))
@@ -127,7 +124,7 @@ class Llmd2026:
     def __init__(self, config: Llmd2026Config | None = None) -> None:
         self.config = config or Llmd2026Config()
         self._rng = random.Random(self.config.seed)
-        self._index: PrefixIndex | None = None
+        self._own = OwnIndex(lambda bt: self.config.lru_capacity_blocks * bt)
         self._tokens: dict[str, int] = {}
         self._inflight: dict[str, tuple[str, int]] = {}
 
@@ -148,12 +145,9 @@ class Llmd2026:
     def select(self, request: RoutingRequest, candidates: Sequence[str], state: RoutingState,
                now: float) -> Decision:
         cfg = self.config
-        bt = max(1.0, float(request.block_tokens))
-        if self._index is None:
-            self._index = PrefixIndex(PrefixIndexConfig(capacity_tokens=int(cfg.lru_capacity_blocks * bt),
-                                                        block_tokens=bt))
+        index = self._own.get(request)
         keys = request.keys[: cfg.max_prefix_blocks]
-        matches = self._index.match(keys, candidates, now)
+        matches = index.match(keys, candidates, now)
         total = len(keys)
         prefix = {b: (matches.get(b, 0) / total if total else 0.0) for b in candidates}
         pool, reason = self.affinity_pool(prefix, self._tokens)
@@ -161,7 +155,7 @@ class Llmd2026:
         top = max(scores.values())
         best = [b for b in pool if scores[b] >= top - 1e-12]
         backend = best[0] if len(best) == 1 else self._rng.choice(best)
-        self._index.record(backend, keys, now)
+        index.record(backend, keys, now)
         if request.request_id:
             self._inflight[request.request_id] = (backend, request.prompt_tokens)
             self._tokens[backend] = self._tokens.get(backend, 0) + request.prompt_tokens

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +36,23 @@ def _decision(policy: str, request: RoutingRequest, backend: str, reason: str, m
 
 
 # --- random -----------------------------------------------------------------------------------------
+
+class OwnIndex:
+    """A baseline's own prefix index, built on its first request with that request's block size (``capacity``
+    maps the block size in tokens to a capacity in tokens), the same object afterwards."""
+
+    def __init__(self, capacity: Callable[[float], float], ttl_s: float | None = None) -> None:
+        self._capacity = capacity
+        self._ttl_s = ttl_s
+        self.index: PrefixIndex | None = None
+
+    def get(self, request: RoutingRequest) -> PrefixIndex:
+        if self.index is None:
+            bt = max(1.0, float(request.block_tokens))
+            self.index = PrefixIndex(PrefixIndexConfig(capacity_tokens=int(self._capacity(bt)), block_tokens=bt,
+                                                       ttl_s=self._ttl_s))
+        return self.index
+
 @dataclass(frozen=True, slots=True)
 class RandomConfig:
     """Uniform choice (LiteLLM's default ``simple-shuffle`` with equal weights); ``seed`` fixes the draw."""
@@ -129,14 +146,10 @@ class SGLangCacheAware:
 
     def __init__(self, config: SGLangCacheAwareConfig | None = None) -> None:
         self.config = config or SGLangCacheAwareConfig()
-        self._index: PrefixIndex | None = None
+        self._own = OwnIndex(lambda bt: self.config.max_tree_tokens)
 
     def _tree(self, request: RoutingRequest) -> PrefixIndex:
-        if self._index is None:
-            bt = max(1.0, float(request.block_tokens))
-            self._index = PrefixIndex(PrefixIndexConfig(capacity_tokens=self.config.max_tree_tokens,
-                                                        block_tokens=bt))
-        return self._index
+        return self._own.get(request)
 
     def select(self, request: RoutingRequest, candidates: Sequence[str], state: RoutingState,
                now: float) -> Decision:
@@ -184,17 +197,14 @@ class LlmdApprox:
     def __init__(self, config: LlmdApproxConfig | None = None) -> None:
         self.config = config or LlmdApproxConfig()
         self._rng = random.Random(self.config.seed)
-        self._index: PrefixIndex | None = None
+        self._own = OwnIndex(lambda bt: self.config.lru_capacity_blocks * bt)
 
     def select(self, request: RoutingRequest, candidates: Sequence[str], state: RoutingState,
                now: float) -> Decision:
         cfg = self.config
-        bt = max(1.0, float(request.block_tokens))
-        if self._index is None:
-            self._index = PrefixIndex(PrefixIndexConfig(capacity_tokens=int(cfg.lru_capacity_blocks * bt),
-                                                        block_tokens=bt))
+        index = self._own.get(request)
         keys = request.keys[: cfg.max_prefix_blocks]
-        matches = self._index.match(keys, candidates, now)
+        matches = index.match(keys, candidates, now)
         total = len(keys)
         queues: dict[str, float] = {}
         kv: dict[str, float] = {}
@@ -211,7 +221,7 @@ class LlmdApprox:
         top = max(scores.values())
         best = [b for b in candidates if scores[b] >= top - 1e-12]
         backend = best[0] if len(best) == 1 else self._rng.choice(best)
-        self._index.record(backend, keys, now)
+        index.record(backend, keys, now)
         return _decision(self.name, request, backend, "max_score", matches.get(backend, 0), scores)
 
 
@@ -240,7 +250,7 @@ class DynamoApprox:
     def __init__(self, config: DynamoConfig | None = None) -> None:
         self.config = config or DynamoConfig()
         self._rng = random.Random(self.config.seed)
-        self._index: PrefixIndex | None = None
+        self._own = OwnIndex(lambda bt: self.config.max_tree_blocks * bt, ttl_s=self.config.ttl_s)
         self._active: dict[str, tuple[str, int]] = {}
         self._decode_blocks: dict[str, int] = {}
 
@@ -248,10 +258,8 @@ class DynamoApprox:
                now: float) -> Decision:
         cfg = self.config
         bt = max(1.0, float(request.block_tokens))
-        if self._index is None:
-            self._index = PrefixIndex(PrefixIndexConfig(capacity_tokens=int(cfg.max_tree_blocks * bt),
-                                                        block_tokens=bt, ttl_s=cfg.ttl_s))
-        matches = self._index.match(request.keys, candidates, now)
+        index = self._own.get(request)
+        matches = index.match(request.keys, candidates, now)
         prompt_blocks = math.ceil(request.prompt_tokens / bt)
         active = {b: state.load.prefill_tokens(b) / bt for b in candidates}
         credit = self.credit(active, prompt_blocks)
@@ -262,10 +270,10 @@ class DynamoApprox:
         low = min(costs.values())
         tied = [b for b in candidates if costs[b] <= low + 1e-9]
         if len(tied) > 1:
-            smallest = min(self._index.blocks(b) for b in tied)
-            tied = [b for b in tied if self._index.blocks(b) == smallest]
+            smallest = min(index.blocks(b) for b in tied)
+            tied = [b for b in tied if index.blocks(b) == smallest]
         backend = tied[0] if len(tied) == 1 else self._rng.choice(tied)
-        self._index.record(backend, request.keys, now)
+        index.record(backend, request.keys, now)
         if request.request_id:
             self._active[request.request_id] = (backend, prompt_blocks)
             self._decode_blocks[backend] = self._decode_blocks.get(backend, 0) + prompt_blocks
