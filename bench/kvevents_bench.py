@@ -21,9 +21,9 @@ import time
 
 import msgspec
 
-from kvroute.plugin.kvevents import EventSource, KvEventFeed
-from kvroute.plugin.precise import PreciseGroup
-from kvroute.plugin.tokenizing import LocalTokenizer
+from kvroute.plugin.feeds.kvevents import EventSource, KvEventFeed
+from kvroute.plugin.feeds.precise import PreciseGroup
+from kvroute.plugin.feeds.tokenizing import LocalTokenizer
 from kvroute.policies import Router
 from kvroute.policies.fingerprint import chain_seed
 from kvroute.policies.precise_index import PreciseIndex
@@ -178,7 +178,7 @@ def main() -> None:
     args = p.parse_args()
     model_dir = args.model_dir
     if model_dir is None:
-        from kvroute.plugin.tiny_model import ensure_tiny_model
+        from kvroute.plugin.dev.tiny_model import ensure_tiny_model
 
         model_dir = str(ensure_tiny_model().hf_dir)
     result = {"ingest": bench_ingest(args), "decision": bench_decision(args, model_dir)}

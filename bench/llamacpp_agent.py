@@ -32,8 +32,8 @@ import sys
 from dataclasses import dataclass
 from functools import cache
 
-from kvroute.plugin.demo_workload import PolicyReport, replay, warm_up
-from kvroute.plugin.workloads import Conversation, coding_agent_sessions
+from kvroute.plugin.dev.demo_workload import PolicyReport, replay, warm_up
+from kvroute.plugin.dev.workloads import Conversation, coding_agent_sessions
 
 DEPLOYABLE = ("cache_aware", "round_robin", "least_load", "session_affinity", "prefix_hash")
 
@@ -63,7 +63,7 @@ TEMPLATE_TOKENS = 4
 def _tokenizer():
     from tokenizers import Tokenizer
 
-    from kvroute.plugin.tiny_model import ensure_tiny_model
+    from kvroute.plugin.dev.tiny_model import ensure_tiny_model
 
     return Tokenizer.from_file(str(ensure_tiny_model().tokenizer_json))
 
@@ -71,7 +71,7 @@ def _tokenizer():
 def token_count(text: str, engine: str = "llamacpp") -> int:
     """Tokens of one message as the engine counts them (chat-template markers included)."""
     if engine == "fake":
-        from kvroute.plugin.fake_cache import token_count as fake_count
+        from kvroute.plugin.dev.fake_cache import token_count as fake_count
 
         return fake_count(text) + TEMPLATE_TOKENS
     return len(_tokenizer().encode(text).ids) + TEMPLATE_TOKENS
@@ -154,9 +154,9 @@ def run_live(policy: str, engine: str, replicas: int, shape: AgentShape, session
              similarity: float = 0.0) -> tuple[PolicyReport, dict[str, float]]:
     import httpx
 
-    from kvroute.plugin.fleet import Fleet, ReplicaOptions
-    from kvroute.plugin.proxy_process import ModelGroup, ProxyProcess, build_proxy_config, free_port
-    from kvroute.plugin.tiny_model import PRESETS
+    from kvroute.plugin.dev.fleet import Fleet, ReplicaOptions
+    from kvroute.plugin.dev.proxy_process import ModelGroup, ProxyProcess, build_proxy_config, free_port
+    from kvroute.plugin.dev.tiny_model import PRESETS
 
     capacity = cache_tokens(shape)
     if engine == "llamacpp":

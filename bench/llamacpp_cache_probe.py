@@ -62,8 +62,8 @@ def main() -> int:
     ap.add_argument("--cache-ram-mib", type=int, default=None, help="default: the agent bench's size")
     ap.add_argument("--json", dest="json_out", default=None)
     a = ap.parse_args()
-    from kvroute.plugin.fleet import Fleet, ReplicaOptions
-    from kvroute.plugin.tiny_model import PRESETS
+    from kvroute.plugin.dev.fleet import Fleet, ReplicaOptions
+    from kvroute.plugin.dev.tiny_model import PRESETS
 
     shape = AgentShape(sessions=a.sessions, turns=a.turns)
     mib = a.cache_ram_mib if a.cache_ram_mib is not None else PRESETS["small"].cache_ram_mib(cache_tokens(shape))

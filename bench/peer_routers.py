@@ -28,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from kvroute.plugin.child_processes import (
+from kvroute.plugin.dev.child_processes import (
     ChildOwner,
     ChildStartError,
     spawn,
@@ -36,7 +36,7 @@ from kvroute.plugin.child_processes import (
     terminate,
     wait_until_ready,
 )
-from kvroute.plugin.proxy_process import free_port
+from kvroute.plugin.dev.proxy_process import free_port
 
 VENVS = Path(__file__).resolve().parent.parent / ".kvroute"
 

@@ -1,7 +1,7 @@
 """kvroute side by side with the real peers: SMG 1.13, vllm-router 0.1.17, sglang-router 0.3.2 and LiteLLM's own
 strategies, on the same fleet.
 
-Starts N replicas (fake engines or llama.cpp, through ``plugin/fleet.py``), then every rival in front of them
+Starts N replicas (fake engines or llama.cpp, through ``plugin/dev/fleet.py``), then every rival in front of them
 (``bench/peers_rivals.py``): each Rust router's ``cache_aware`` directly and behind LiteLLM, its session-sticky
 mode directly, LiteLLM's strategies and affinity checks, LiteLLM + kvroute. Each workload
 (``bench/peers_workloads.py``: demo, apps, agent, shared) is replayed once per rival per repeat, rivals
@@ -40,7 +40,7 @@ from peers_rivals import PEERS, RIVALS, SHUFFLE, FleetView, Rival, start_rivals
 from peers_waste import Served, wasted_prefill
 from peers_workloads import WORKLOADS, RunResult, Size, Workload, build, replay, replica_capacity_tokens
 
-from kvroute.plugin.fleet import Fleet, ReplicaOptions
+from kvroute.plugin.dev.fleet import Fleet, ReplicaOptions
 
 PRECISE_NOTE = ("not run: precise mode needs KV-cache events, which neither the fake engine nor llama.cpp emits "
                 "(vLLM/SGLang do; see bench/vllm_precise_e2e.py)")
@@ -199,7 +199,7 @@ def targets(summary: dict[str, dict]) -> dict:
 def _replica_options(kind: str, capacity: int, quick: bool) -> ReplicaOptions:
     if kind == "fake":  # timing stays the fleet's default (the fake engine's own model of prefill and decode)
         return ReplicaOptions(capacity_tokens=capacity, block_tokens=16)
-    from kvroute.plugin.tiny_model import PRESETS
+    from kvroute.plugin.dev.tiny_model import PRESETS
 
     mib = PRESETS["small"].cache_ram_mib(capacity)
     return ReplicaOptions(cache_ram_mib=mib, threads=1, parallel=1, ctx=4096 if quick else 8192)

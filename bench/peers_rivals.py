@@ -24,7 +24,7 @@ from typing import Any
 
 from peer_routers import KINDS, SGLANG_ROUTER, SMG, VLLM_ROUTER, PeerRouter, RouterKind
 
-from kvroute.plugin.proxy_process import ModelGroup, ProxyProcess, build_proxy_config
+from kvroute.plugin.dev.proxy_process import ModelGroup, ProxyProcess, build_proxy_config
 
 
 @dataclass(frozen=True)

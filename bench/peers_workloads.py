@@ -1,6 +1,6 @@
 """The four workloads of ``bench/peers.py`` as flows of chat turns, and the streaming client that replays them.
 
-A flow is one ``Conversation`` (``kvroute.plugin.workloads``, where the builders live): it starts at ``start_s``
+A flow is one ``Conversation`` (``kvroute.plugin.dev.workloads``, where the builders live): it starts at ``start_s``
 after the run begins and sends its turns one after another, each turn appending the previous answer and its
 own message. ``demo`` is the demo's closed-loop
 shared-prefix chat; ``apps`` is several apps × multi-turn sessions with Poisson arrivals and 20 % unique prompts;
@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from kvroute.plugin import demo as _demo
-from kvroute.plugin.fake_engine import render_chat
-from kvroute.plugin.workloads import (
+from kvroute.plugin.dev import demo as _demo
+from kvroute.plugin.dev.fake_engine import render_chat
+from kvroute.plugin.dev.workloads import (
     Conversation,
     WorkloadSpec,
     app_sessions,

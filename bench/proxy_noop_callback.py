@@ -13,7 +13,7 @@ from litellm.integrations.custom_logger import CustomLogger
 
 
 class NoopCallback(CustomLogger):
-    """The hooks ``kvroute.plugin.litellm_hooks.KvrouteCallback`` implements, with no work in them."""
+    """The hooks ``kvroute.plugin.adapter.litellm_hooks.KvrouteCallback`` implements, with no work in them."""
 
     async def async_filter_deployments(self, model: str, healthy_deployments: list, messages: Any,
                                        request_kwargs: dict | None = None, parent_otel_span: Any = None) -> list:

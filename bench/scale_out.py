@@ -8,7 +8,7 @@ instances; **cached share** from the engines' own counters, **TTFT** p50/p90 at 
 **agreement** (a fresh prefix sent to one instance, its next turn sent at once to another: same replica and
 counted a ``prefix_match`` there), **replication lag** (each instance's ``/kvroute/status`` figures) and
 **memory** (RSS of each instance's process group). Ratios are against the 1-instance fleet of the same round;
-with several rounds the medians are reported. Fake engines (``kvroute.plugin.fake_engine``) on 127.0.0.1.
+with several rounds the medians are reported. Fake engines (``kvroute.plugin.dev.fake_engine``) on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shared_state_bench import _start_redis
 
-from kvroute.plugin.fleet import Fleet, ReplicaOptions
-from kvroute.plugin.instances import ProxyInstances
-from kvroute.plugin.proxy_process import ModelGroup, build_proxy_config
-from kvroute.plugin.spray import SprayPlan, engine_tokens, send_chat, spray, system_text
+from kvroute.plugin.dev.fleet import Fleet, ReplicaOptions
+from kvroute.plugin.dev.instances import ProxyInstances
+from kvroute.plugin.dev.proxy_process import ModelGroup, build_proxy_config
+from kvroute.plugin.dev.spray import SprayPlan, engine_tokens, send_chat, spray, system_text
 
 HASH_SECRET = "scale-out-bench-hash-secret-0123456789"
 

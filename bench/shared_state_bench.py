@@ -22,7 +22,7 @@ import sys
 import time
 import uuid
 
-from kvroute.plugin.shared_state import SharedStateConfig, connect
+from kvroute.plugin.state.shared_state import SharedStateConfig, connect
 from kvroute.policies import Router
 
 BACKENDS = [f"b{i}" for i in range(8)]

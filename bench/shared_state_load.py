@@ -37,7 +37,7 @@ import redis
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shared_state_bench import _start_redis
 
-from kvroute.plugin.shared_state import SharedState, SharedStateConfig
+from kvroute.plugin.state.shared_state import SharedState, SharedStateConfig
 from kvroute.policies import Router
 from kvroute.policies.prefix_index import PrefixIndex, PrefixIndexConfig
 

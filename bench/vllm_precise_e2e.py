@@ -31,11 +31,11 @@ from pathlib import Path
 import httpx
 import msgspec
 
-from kvroute.plugin.engine_metrics import EngineMetricsScraper
-from kvroute.plugin.kvevents import EventSource, KvEventFeed
-from kvroute.plugin.kvevents_wire import BlockRemoved, BlockStored, decode_batch
-from kvroute.plugin.precise import PreciseGroup
-from kvroute.plugin.tokenizing import LocalTokenizer
+from kvroute.plugin.feeds.engine_metrics import EngineMetricsScraper
+from kvroute.plugin.feeds.kvevents import EventSource, KvEventFeed
+from kvroute.plugin.feeds.kvevents_wire import BlockRemoved, BlockStored, decode_batch
+from kvroute.plugin.feeds.precise import PreciseGroup
+from kvroute.plugin.feeds.tokenizing import LocalTokenizer
 from kvroute.policies import Router
 from kvroute.policies.precise_index import PreciseIndex
 

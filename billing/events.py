@@ -65,10 +65,10 @@ ROUTE_KINDS = ("marketplace", "self_hosted", "direct")
 def event_id_for(app_id: str, request_id: str, attempt: int | str) -> str:
     """Deterministic ledger event id: the first 32 hex digits of sha256(app|request|attempt).
 
-    Three ids, three things: the *ledger request id* (``request_id``) is assigned by kvroute per client request
-    (``kvroute.plugin.billing_feed``), never taken from the client; the *attempt* is kvroute's own counter (or an
-    ``attempt_key`` such as ``outcome`` for the request's final outcome row); the *event id* derives from both.
-    A LiteLLM trace id, ``x-session-id`` or ``litellm_call_id`` (all client-settable) is never part of it.
+    Three ids, three things: the *ledger request id* (``request_id``) is assigned by kvroute per client
+    request (``kvroute.plugin.adapter.billing_feed``), never taken from the client; the *attempt* is kvroute's
+    own counter (or an ``attempt_key`` such as ``outcome`` for the request's final outcome row); the *event id* derives
+    from both. A LiteLLM trace id, ``x-session-id`` or ``litellm_call_id`` (all client-settable) is never part of it.
     """
     return hashlib.sha256(f"{app_id}|{request_id}|{attempt}".encode()).hexdigest()[:32]
 

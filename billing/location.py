@@ -1,6 +1,6 @@
 """Where the ledger lives: one resolution of the data directory, the ledger URL, the journal and the dead letters.
 
-The proxy (``kvroute.plugin.billing_feed``), ``kvroute report``, ``kvroute billing`` and ``kvroute billing
+The proxy (``kvroute.plugin.adapter.billing_feed``), ``kvroute report``, ``kvroute billing`` and ``kvroute billing
 dead-letter`` all call ``ledger_location`` with the same settings (``KVROUTE_DATA_DIR``, ``KVROUTE_BILLING_DB``,
 ``KVROUTE_BILLING_SPOOL``), so a report run beside a proxy reads the ledger that proxy writes:
 ``KVROUTE_BILLING_DB`` when set, else ``<data dir>/billing.db``.

@@ -1,6 +1,6 @@
 """kvroute with the LiteLLM SDK: the same callback as in the proxy, on a ``litellm.Router``.
 
-Run three fake replicas first (``python -m kvroute.plugin.fake_engine --port 8001`` ... ``8003``), or point
+Run three fake replicas first (``python -m kvroute.plugin.dev.fake_engine --port 8001`` ... ``8003``), or point
 ``API_BASES`` at real vLLM/SGLang servers, then: ``LITELLM_LOCAL_MODEL_COST_MAP=True python examples/sdk_router.py``.
 """
 

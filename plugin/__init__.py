@@ -10,7 +10,7 @@ __all__ = ["kvroute_callback"]
 def __getattr__(name: str) -> Any:
     """Create the callback singleton on first access (importing LiteLLM only then)."""
     if name == "kvroute_callback":
-        from kvroute.plugin.litellm_hooks import get_callback
+        from kvroute.plugin.adapter.litellm_hooks import get_callback
 
         return get_callback()
     raise AttributeError(f"module 'kvroute.plugin' has no attribute {name!r}")

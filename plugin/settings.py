@@ -27,8 +27,8 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from kvroute.plugin.redis_url import FROM_LITELLM, from_litellm
-from kvroute.plugin.redis_url import check as check_redis_url
+from kvroute.plugin.state.redis_url import FROM_LITELLM, from_litellm
+from kvroute.plugin.state.redis_url import check as check_redis_url
 from kvroute.policies.errors import ConfigError
 from kvroute.policies.registry import DEFAULT_POLICY, build_config
 
@@ -89,7 +89,7 @@ class RuleSettings(BaseModel):
 
 
 class AppSettings(BaseModel):
-    """One app's API keys for ``kvroute.plugin.app_keys.auth``: ``os.environ/NAME`` or ``sha256:<hex>`` entries,
+    """One app's API keys for ``kvroute.plugin.adapter.app_keys.auth``: ``os.environ/NAME`` or ``sha256:<hex>`` entries,
     kept only as ``sha256:<hex>`` once validated."""
 
     model_config = ConfigDict(extra="forbid")
@@ -99,7 +99,7 @@ class AppSettings(BaseModel):
     @field_validator("keys")
     @classmethod
     def _hashed(cls, v: list[str | None]) -> list[str]:
-        from kvroute.plugin.app_keys import hash_entries
+        from kvroute.plugin.adapter.app_keys import hash_entries
 
         return hash_entries(v)
 
@@ -218,7 +218,7 @@ class KvrouteSettings(BaseSettings):
                 raise ConfigError(f"{where}.precise", "only read with mode: precise")
         for i, rule in enumerate(self.rules):
             _check_policy(rule.policy, rule.knobs, f"kvroute.rules.{i}.policy")
-        from kvroute.plugin.signals import breaker_config
+        from kvroute.plugin.adapter.signals import breaker_config
 
         breaker_config(self.breaker)
         return self
@@ -226,14 +226,14 @@ class KvrouteSettings(BaseSettings):
     @field_validator("apps")
     @classmethod
     def _one_app_per_key(cls, v: dict[str, AppSettings]) -> dict[str, AppSettings]:
-        from kvroute.plugin.app_keys import key_map
+        from kvroute.plugin.adapter.app_keys import key_map
 
         key_map(v)
         return v
 
     @model_validator(mode="after")
     def _key_map(self) -> KvrouteSettings:
-        from kvroute.plugin.app_keys import key_map
+        from kvroute.plugin.adapter.app_keys import key_map
 
         self._app_keys = key_map(self.apps)
         return self
@@ -245,7 +245,7 @@ class KvrouteSettings(BaseSettings):
 
     @property
     def billing_enabled(self) -> bool:
-        """Asked for explicitly (the proxy also records by default: ``kvroute.plugin.billing_feed``)."""
+        """Asked for explicitly (the proxy also records by default: ``kvroute.plugin.adapter.billing_feed``)."""
         return (self.billing or bool(self.billing_db)) and (self.billing_db or "").lower() != "off"
 
     def group(self, name: str) -> GroupSettings:
@@ -274,7 +274,7 @@ def _check_database_url(value: str) -> None:
 
 def _check_precise(group: str, block: Mapping[str, Any], where: str) -> None:
     """Build (and discard) the group's precise feed: unknown keys, bad sources or a missing tokenizer stop here."""
-    from kvroute.plugin.precise import group_from_config
+    from kvroute.plugin.feeds.precise import group_from_config
     from kvroute.policies.precise_index import PreciseIndex
 
     try:

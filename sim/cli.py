@@ -1,4 +1,4 @@
-"""``kvroute simulate`` and ``kvroute lint`` (mounted by ``kvroute.plugin.cli``)."""
+"""``kvroute simulate`` and ``kvroute lint`` (mounted by ``kvroute.plugin.cli.cli``)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "config.yaml"
-KVROUTE = [sys.executable, "-m", "kvroute.plugin.cli"]
+KVROUTE = [sys.executable, "-m", "kvroute.plugin.cli.cli"]
 
 
 def closed_port() -> int:

@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 from wheel_helpers import bare_env, build_wheel, filtered_site, install_wheel
 
-from kvroute.plugin.cli import one_line_error
+from kvroute.plugin.cli.cli import one_line_error
 from kvroute.plugin.extras import EXTRAS, MissingExtra, extra_for_module
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 ALL_EXTRA_MODULES = sorted({m for mods in EXTRAS.values() for m in mods} | {"uvloop", "nacl", "hiredis"})
-KVROUTE = [sys.executable, "-m", "kvroute.plugin.cli"]
+KVROUTE = [sys.executable, "-m", "kvroute.plugin.cli.cli"]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def run_without(wheel_python: Path | None, blocked: list[str], args: list[str], 
         py, environ = Path(os.environ["KVROUTE_BARE_PYTHON"]), bare_env(Path(os.environ["KVROUTE_BARE_PYTHON"]), None)
     else:
         py, environ = wheel_python, bare_env(wheel_python, filtered_site(tmp / "site", blocked))
-    return subprocess.run([str(py), "-m", "kvroute.plugin.cli", *args], capture_output=True, text=True, cwd=tmp,
+    return subprocess.run([str(py), "-m", "kvroute.plugin.cli.cli", *args], capture_output=True, text=True, cwd=tmp,
                           env={**environ, **env}, timeout=120)
 
 

@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
-KVROUTE = [sys.executable, "-m", "kvroute.plugin.cli"]
+KVROUTE = [sys.executable, "-m", "kvroute.plugin.cli.cli"]
 
 
 def kvroute(*args: str, cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess:

@@ -32,7 +32,7 @@ def test_wheel_holds_every_module_under_the_kvroute_namespace(wheel):
                 continue
             assert f"kvroute/{folder}/{rel.as_posix()}" in names, f"{src} is missing from the wheel"
     entry = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
-    assert "kvroute = kvroute.plugin.cli:main" in entry
+    assert "kvroute = kvroute.plugin.cli.cli:main" in entry
 
 
 @pytest.mark.slow

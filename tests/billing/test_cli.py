@@ -121,7 +121,7 @@ def test_close_period_command(loaded: str) -> None:
 
 
 def test_mounted_on_the_kvroute_command() -> None:
-    from kvroute.plugin.cli import app
+    from kvroute.plugin.cli.cli import app
     r = runner.invoke(app, ["report", "--help"])
     assert r.exit_code == 0 and "payouts" in r.output
     r = runner.invoke(app, ["billing", "--help"])

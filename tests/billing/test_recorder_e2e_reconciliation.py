@@ -25,9 +25,9 @@ import pytest
 from kvroute.billing.events import period_of
 from kvroute.billing.ledger import Ledger
 from kvroute.billing.recorder import UsageRecorder
-from kvroute.plugin.fake_faults import clear_fault, engine_stats, inject_fault
-from kvroute.plugin.fleet import Fleet, ReplicaOptions
-from kvroute.plugin.proxy_process import ModelGroup, ProxyProcess, build_proxy_config
+from kvroute.plugin.dev.fake_faults import clear_fault, engine_stats, inject_fault
+from kvroute.plugin.dev.fleet import Fleet, ReplicaOptions
+from kvroute.plugin.dev.proxy_process import ModelGroup, ProxyProcess, build_proxy_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -147,7 +147,7 @@ def _start_proxy(cfg: dict, workdir: Path, env: dict) -> ProxyProcess:
 def test_every_200_billed_once_nothing_else_through_faults_kills_and_outages(db: str, workers: int, tmp_path: Path,
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     if workers > 1:
-        from kvroute.plugin import proxy_process
+        from kvroute.plugin.dev import proxy_process
         plain = proxy_process.litellm_command
         monkeypatch.setattr(proxy_process, "litellm_command", lambda: [*plain(), "--num_workers", str(workers)])
     pg = None

@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from kvroute.plugin.proxy_process import ModelGroup, ProxyProcess, build_proxy_config
+from kvroute.plugin.dev.proxy_process import ModelGroup, ProxyProcess, build_proxy_config
 
 HOSTED_PRICES = ({"input_cost_per_token": 1e-6, "output_cost_per_token": 2e-6},
                  {"input_cost_per_token": 3e-6, "output_cost_per_token": 6e-6})

@@ -27,7 +27,7 @@ from outcome_stack import (
     wait_all_closed,
 )
 
-from kvroute.plugin.fleet import Fleet, ReplicaOptions
+from kvroute.plugin.dev.fleet import Fleet, ReplicaOptions
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from kvroute.plugin.billing_feed import billing_target
-from kvroute.plugin.litellm_hooks import KvrouteCallback
-from kvroute.plugin.metrics import Metrics
+from kvroute.plugin.adapter.billing_feed import billing_target
+from kvroute.plugin.adapter.litellm_hooks import KvrouteCallback
+from kvroute.plugin.adapter.metrics import Metrics
 from kvroute.plugin.settings import KvrouteSettings
 
 
@@ -70,8 +70,8 @@ class _Resp:
 
 
 def test_attempt_lifecycle_each_outcome_once_with_its_own_status() -> None:
-    from kvroute.plugin.billing_feed import BillingFeed
-    from kvroute.plugin.request_ids import RequestIds
+    from kvroute.plugin.adapter.billing_feed import BillingFeed
+    from kvroute.plugin.adapter.request_ids import RequestIds
 
     ids, rec = RequestIds(), _Recorder()
     feed = BillingFeed(rec, ids)
@@ -104,8 +104,8 @@ def test_attempt_lifecycle_each_outcome_once_with_its_own_status() -> None:
 
 
 def test_a_failed_request_gets_one_final_outcome_row() -> None:
-    from kvroute.plugin.billing_feed import BillingFeed
-    from kvroute.plugin.request_ids import RequestIds
+    from kvroute.plugin.adapter.billing_feed import BillingFeed
+    from kvroute.plugin.adapter.request_ids import RequestIds
 
     ids, rec = RequestIds(), _Recorder()
     feed = BillingFeed(rec, ids)
@@ -127,8 +127,8 @@ def test_a_router_level_final_outcome_is_booked_on_the_router_not_on_the_pick() 
     ``no_route`` row names backend ``router``; a backend that was called and failed keeps the row."""
     import litellm
 
-    from kvroute.plugin.billing_feed import BillingFeed
-    from kvroute.plugin.request_ids import RequestIds
+    from kvroute.plugin.adapter.billing_feed import BillingFeed
+    from kvroute.plugin.adapter.request_ids import RequestIds
 
     ids, rec = RequestIds(), _Recorder()
     feed = BillingFeed(rec, ids)
@@ -161,8 +161,8 @@ def test_a_stream_cut_after_output_is_a_paid_failed_attempt_absorbed() -> None:
     from decimal import Decimal
 
     from kvroute.billing.pricing import rate_event
-    from kvroute.plugin.billing_feed import BillingFeed, chunk_has_output
-    from kvroute.plugin.request_ids import RequestIds
+    from kvroute.plugin.adapter.billing_feed import BillingFeed, chunk_has_output
+    from kvroute.plugin.adapter.request_ids import RequestIds
 
     ids, rec = RequestIds(), _Recorder()
     feed = BillingFeed(rec, ids)
@@ -210,8 +210,8 @@ def test_metrics_show_the_drainer_process_progress(tmp_path: Path) -> None:
     from kvroute.billing.events import UsageEvent
     from kvroute.billing.recorder import UsageRecorder
     from kvroute.billing.usage import TokenBuckets
-    from kvroute.plugin.billing_feed import BillingFeed, RecorderCollector
-    from kvroute.plugin.request_ids import RequestIds
+    from kvroute.plugin.adapter.billing_feed import BillingFeed, RecorderCollector
+    from kvroute.plugin.adapter.request_ids import RequestIds
 
     rec = UsageRecorder(f"sqlite:///{tmp_path / 'b.db'}", tmp_path / "journal", flush_interval_s=0.05).start()
     try:
@@ -240,8 +240,8 @@ def test_in_the_proxy_only_requests_auth_admitted_reach_the_ledger() -> None:
     and is counted; the same failure after ``admit`` is booked as ``no_route`` on ``router``."""
     import litellm
 
-    from kvroute.plugin.billing_feed import BillingFeed
-    from kvroute.plugin.request_ids import RequestIds
+    from kvroute.plugin.adapter.billing_feed import BillingFeed
+    from kvroute.plugin.adapter.request_ids import RequestIds
 
     rec = _Recorder()
     feed = BillingFeed(rec, RequestIds(), admission=True)
@@ -257,7 +257,7 @@ def test_in_the_proxy_only_requests_auth_admitted_reach_the_ledger() -> None:
 
 
 def test_startup_line_says_where_billing_records(tmp_path: Path, monkeypatch) -> None:
-    from kvroute.plugin.startup_log import startup_line
+    from kvroute.plugin.adapter.startup_log import startup_line
 
     monkeypatch.chdir(tmp_path)
     cb = _cb(billing=True)  # the SDK records when asked; the proxy by default, to the same place
@@ -271,7 +271,7 @@ def test_startup_line_says_where_billing_records(tmp_path: Path, monkeypatch) ->
     off = _cb()
     off._setup()
     assert "billing off;" in startup_line(off)
-    from kvroute.plugin.billing_feed import describe_target
+    from kvroute.plugin.adapter.billing_feed import describe_target
 
     pg = describe_target("postgresql+psycopg://kv:secret@127.0.0.1:1/none", tmp_path / "j")
     assert pg == "postgresql+psycopg://kv:***@127.0.0.1:1/none (journal j)", pg
@@ -287,8 +287,8 @@ def _success(feed, ids, meta: dict, backend: str, *, streamed: bool, hidden_prov
 
 
 def test_streamed_and_not_carry_the_deployments_provider() -> None:
-    from kvroute.plugin.billing_feed import BillingFeed
-    from kvroute.plugin.request_ids import RequestIds
+    from kvroute.plugin.adapter.billing_feed import BillingFeed
+    from kvroute.plugin.adapter.request_ids import RequestIds
 
     ids, rec = RequestIds(), _Recorder()
     feed = BillingFeed(rec, ids)
@@ -299,8 +299,8 @@ def test_streamed_and_not_carry_the_deployments_provider() -> None:
 
 
 def test_unattributed_requests_are_counted_and_warned_about_once_a_minute(caplog) -> None:
-    from kvroute.plugin import billing_feed as bf
-    from kvroute.plugin.request_ids import RequestIds
+    from kvroute.plugin.adapter import billing_feed as bf
+    from kvroute.plugin.adapter.request_ids import RequestIds
 
     ids, rec = RequestIds(), _Recorder()
     feed = bf.BillingFeed(rec, ids)

@@ -8,9 +8,9 @@ import pytest
 
 from kvroute.billing.deadletter import DeadLetter
 from kvroute.billing.events import FIELD_LIMITS
-from kvroute.plugin import billing_feed
-from kvroute.plugin.billing_feed import BillingFeed
-from kvroute.plugin.request_ids import RequestIds
+from kvroute.plugin.adapter import billing_feed
+from kvroute.plugin.adapter.billing_feed import BillingFeed
+from kvroute.plugin.adapter.request_ids import RequestIds
 
 
 class _NoRoute(Exception):

@@ -42,8 +42,8 @@ from outcome_stack import (
 )
 
 from kvroute.billing.ledger import Ledger
-from kvroute.plugin.fleet import Fleet, ReplicaOptions
-from kvroute.plugin.proxy_process import ProxyProcess
+from kvroute.plugin.dev.fleet import Fleet, ReplicaOptions
+from kvroute.plugin.dev.proxy_process import ProxyProcess
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(420)]
 

@@ -8,8 +8,14 @@ import sys
 
 import pytest
 
-from kvroute.plugin.child_processes import ChildStartError, spawn, start_with_port_retry, terminate, wait_until_ready
-from kvroute.plugin.proxy_process import free_port
+from kvroute.plugin.dev.child_processes import (
+    ChildStartError,
+    spawn,
+    start_with_port_retry,
+    terminate,
+    wait_until_ready,
+)
+from kvroute.plugin.dev.proxy_process import free_port
 
 CHILD = """
 import socket, sys, time

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from kvroute.plugin.demo import DemoOptions, render, replica_capacity_tokens
-from kvroute.plugin.demo_workload import PolicyReport, RequestResult
-from kvroute.plugin.workloads import WorkloadSpec, build_sessions
+from kvroute.plugin.dev.demo import DemoOptions, render, replica_capacity_tokens
+from kvroute.plugin.dev.demo_workload import PolicyReport, RequestResult
+from kvroute.plugin.dev.workloads import WorkloadSpec, build_sessions
 from kvroute.policies.errors import ConfigError
 
 REPORT_KEYS = {"cached_token_share", "ttft_p50_s", "ttft_p90_s", "requests_per_s", "failed"}
@@ -70,7 +70,7 @@ def test_render_table(capsys):
 @pytest.mark.e2e
 def test_demo_cli_json_with_fake_engines():
     env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
-    run = subprocess.run([sys.executable, "-m", "kvroute.plugin.cli", "demo", "--engine", "fake", "--replicas", "2",
+    run = subprocess.run([sys.executable, "-m", "kvroute.plugin.cli.cli", "demo", "--engine", "fake", "--replicas", "2",
                           "--requests", "24", "--json"], capture_output=True, text=True, env=env, timeout=240)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout)
@@ -118,7 +118,7 @@ def test_demo_ctrl_c_stops_every_process():
     import time
 
     env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "COLUMNS": "120"}
-    demo = subprocess.Popen([sys.executable, "-m", "kvroute.plugin.cli", "demo", "--engine", "fake",
+    demo = subprocess.Popen([sys.executable, "-m", "kvroute.plugin.cli.cli", "demo", "--engine", "fake",
                              "--replicas", "2", "--requests", "8"], stderr=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True, env=env)
     try:

@@ -6,7 +6,7 @@ from decimal import Decimal
 
 import pytest
 
-from kvroute.plugin.deployments import Deployments, classify
+from kvroute.plugin.adapter.deployments import Deployments, classify
 from kvroute.policies.errors import ConfigError
 
 

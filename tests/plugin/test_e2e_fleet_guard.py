@@ -27,8 +27,8 @@ import pytest
 
 from kvroute.billing.ledger import Ledger
 from kvroute.billing.recorder import UsageRecorder
-from kvroute.plugin.fleet import Fleet, ReplicaOptions
-from kvroute.plugin.proxy_process import ModelGroup, ProxyProcess, build_proxy_config
+from kvroute.plugin.dev.fleet import Fleet, ReplicaOptions
+from kvroute.plugin.dev.proxy_process import ModelGroup, ProxyProcess, build_proxy_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -29,8 +29,8 @@ from kvroute.billing.money import fix
 from kvroute.billing.pricing import GpuRateCard
 from kvroute.billing.recorder import UsageRecorder
 from kvroute.billing.reports import margin_report, usage_report
-from kvroute.plugin.fleet import Fleet, ReplicaOptions
-from kvroute.plugin.proxy_process import ModelGroup, ProxyProcess, build_proxy_config
+from kvroute.plugin.dev.fleet import Fleet, ReplicaOptions
+from kvroute.plugin.dev.proxy_process import ModelGroup, ProxyProcess, build_proxy_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 

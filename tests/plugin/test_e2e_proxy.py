@@ -21,8 +21,8 @@ import yaml
 from hooks_workload import run_conversations
 from openai import AsyncOpenAI
 
-from kvroute.plugin.fleet import Fleet, ReplicaOptions
-from kvroute.plugin.proxy_process import ModelGroup, ProxyProcess, build_proxy_config
+from kvroute.plugin.dev.fleet import Fleet, ReplicaOptions
+from kvroute.plugin.dev.proxy_process import ModelGroup, ProxyProcess, build_proxy_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -56,7 +56,7 @@ def example_config(replica_bases: list[str], hosted_bases: list[str]) -> dict:
 @pytest.fixture(scope="module")
 def stack():
     """Fake replicas, hosted fakes and (when xllamacpp is installed) llama.cpp replicas behind two proxies."""
-    from kvroute.plugin.llamacpp import xllamacpp_available
+    from kvroute.plugin.dev.llamacpp import xllamacpp_available
 
     opts = ReplicaOptions(capacity_tokens=12000, prefill_tokens_per_s=200000, decode_ms=0.0, slots=8)
     llama_opts = ReplicaOptions(threads=1, ctx=4096, parallel=1, cache_ram_mib=64)
@@ -132,7 +132,7 @@ async def test_status_route_and_cli_show_backends(stack):
     assert status["rules"] == ["batch-jobs", "agents"]  # the kvroute: block of the proxy's own config was read
     assert all(b["breaker"] in ("closed", "half_open", "open") for b in status["backends"].values())
     assert "kvroute_decisions_total" in metrics and "kvroute_confirmed_cached_tokens_total" in metrics
-    out = subprocess.run([sys.executable, "-m", "kvroute.plugin.cli", "status", "--proxy", proxy.base_url, "--json",
+    out = subprocess.run([sys.executable, "-m", "kvroute.plugin.cli.cli", "status", "--proxy", proxy.base_url, "--json",
                           "--api-key", proxy.master_key],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

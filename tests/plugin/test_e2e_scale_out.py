@@ -21,9 +21,9 @@ import redis
 import yaml
 from loopback import REDIS, RedisServer
 
-from kvroute.plugin.fleet import Fleet, ReplicaOptions
-from kvroute.plugin.instances import ProxyInstances
-from kvroute.plugin.spray import SprayPlan, engine_tokens, send_chat, spray, system_text
+from kvroute.plugin.dev.fleet import Fleet, ReplicaOptions
+from kvroute.plugin.dev.instances import ProxyInstances
+from kvroute.plugin.dev.spray import SprayPlan, engine_tokens, send_chat, spray, system_text
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1200)]
 

@@ -17,9 +17,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvroute.plugin.child_processes import ChildStartError
-from kvroute.plugin.fleet import Fleet, ReplicaOptions
-from kvroute.plugin.proxy_process import ModelGroup, ProxyProcess, build_proxy_config, free_port
+from kvroute.plugin.dev.child_processes import ChildStartError
+from kvroute.plugin.dev.fleet import Fleet, ReplicaOptions
+from kvroute.plugin.dev.proxy_process import ModelGroup, ProxyProcess, build_proxy_config, free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(420)]
 

@@ -9,7 +9,7 @@ from typing import ClassVar
 import pytest
 from loopback import QuietHandler, http_stub
 
-from kvroute.plugin.engine_metrics import EngineMetricsScraper, EngineSnapshot, hit_rate, parse_metrics
+from kvroute.plugin.feeds.engine_metrics import EngineMetricsScraper, EngineSnapshot, hit_rate, parse_metrics
 from kvroute.policies import Router
 from kvroute.policies.load import ExternalSignal
 
@@ -85,7 +85,7 @@ def test_recorded_vllm_metrics_page():
 def test_only_the_metrics_read_reach_the_parser():
     from prometheus_client.parser import text_string_to_metric_families
 
-    from kvroute.plugin.engine_metrics import _wanted_lines
+    from kvroute.plugin.feeds.engine_metrics import _wanted_lines
 
     page = (FIXTURES / "vllm-0.32-cpu-metrics.txt").read_text()
     subset = _wanted_lines(page)

@@ -22,14 +22,14 @@ import httpx
 import pytest
 import yaml
 
-from kvroute.plugin.fleet import Fleet, ReplicaOptions
-from kvroute.plugin.proxy_process import ProxyProcess
+from kvroute.plugin.dev.fleet import Fleet, ReplicaOptions
+from kvroute.plugin.dev.proxy_process import ProxyProcess
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
-KVROUTE = [sys.executable, "-m", "kvroute.plugin.cli"]
+KVROUTE = [sys.executable, "-m", "kvroute.plugin.cli.cli"]
 
 
 class NetworkRecorder:

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvroute.plugin.fake_cache import PrefixCache, block_keys, token_count
-from kvroute.plugin.fake_engine import FakeEngineConfig, FakeEngineServer, render_chat
-from kvroute.plugin.fake_faults import FaultPlan
+from kvroute.plugin.dev.fake_cache import PrefixCache, block_keys, token_count
+from kvroute.plugin.dev.fake_engine import FakeEngineConfig, FakeEngineServer, render_chat
+from kvroute.plugin.dev.fake_faults import FaultPlan
 from kvroute.policies.errors import ConfigError
 
 DOC = "".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(60))  # ~3.1k bytes

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from kvroute.plugin.fake_engine import FakeEngine, FakeEngineConfig, FakeEngineServer
+from kvroute.plugin.dev.fake_engine import FakeEngine, FakeEngineConfig, FakeEngineServer
 
 
 def test_prefill_cost_matches_the_llamacpp_ci_preset_within_15_percent():
@@ -75,7 +75,7 @@ def _round_sessions(spec, round_tag: object) -> list:
     """The demo's sessions with system prompts no earlier round used (so no round reads another's cache)."""
     from dataclasses import replace
 
-    from kvroute.plugin.workloads import build_sessions
+    from kvroute.plugin.dev.workloads import build_sessions
 
     return [replace(s, system=f"[round {round_tag}] {s.system}") for s in build_sessions(spec)]
 
@@ -87,11 +87,11 @@ def test_demo_on_fake_engines_beats_round_robin_on_engine_time_in_interleaved_ro
     their first token (noise cannot move what the engines computed). The client's TTFT p90 and requests/s are
     measured next to it; on 2 busy cores the proxy's CPU, not the engines, sets them (measured: p90 ratio 0.88 at
     load 4, 1.03 at load 6), so they are only held to not being clearly worse."""
-    from kvroute.plugin.demo import POLICIES, _replica_options
-    from kvroute.plugin.demo_workload import replay, warm_up
-    from kvroute.plugin.fleet import Fleet
-    from kvroute.plugin.proxy_process import ModelGroup, ProxyProcess, build_proxy_config
-    from kvroute.plugin.workloads import WorkloadSpec
+    from kvroute.plugin.dev.demo import POLICIES, _replica_options
+    from kvroute.plugin.dev.demo_workload import replay, warm_up
+    from kvroute.plugin.dev.fleet import Fleet
+    from kvroute.plugin.dev.proxy_process import ModelGroup, ProxyProcess, build_proxy_config
+    from kvroute.plugin.dev.workloads import WorkloadSpec
 
     spec = WorkloadSpec(requests=ROUND_REQUESTS)
     replica_options, capacity = _replica_options("fake", spec, 3, None)

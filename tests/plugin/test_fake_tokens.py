@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvroute.plugin.fake_cache import token_count
-from kvroute.plugin.fake_engine import FakeEngineConfig, FakeEngineServer, render_chat
-from kvroute.plugin.fake_tokens import detokenize, token_ids
+from kvroute.plugin.dev.fake_cache import token_count
+from kvroute.plugin.dev.fake_engine import FakeEngineConfig, FakeEngineServer, render_chat
+from kvroute.plugin.dev.fake_tokens import detokenize, token_ids
 
 CHAT = {"model": "fake-model", "max_tokens": 3,
         "messages": [{"role": "system", "content": "You answer briefly. " * 20},

@@ -12,8 +12,8 @@ import time
 import httpx
 import pytest
 
-from kvroute.plugin.child_processes import ChildStartError, live_children
-from kvroute.plugin.fleet import Fleet, ReplicaOptions, resolve_engine
+from kvroute.plugin.dev.child_processes import ChildStartError, live_children
+from kvroute.plugin.dev.fleet import Fleet, ReplicaOptions, resolve_engine
 from kvroute.policies.errors import ConfigError
 
 pytestmark = pytest.mark.e2e
@@ -89,7 +89,7 @@ def test_bad_engine_and_count_are_config_errors():
 
 PARENT = textwrap.dedent("""
     import sys, time
-    from kvroute.plugin.fleet import Fleet
+    from kvroute.plugin.dev.fleet import Fleet
     with Fleet(2, engine="fake") as fleet:
         print(" ".join(map(str, fleet.pids())), flush=True)
         time.sleep(120)
@@ -114,7 +114,7 @@ def test_no_orphans_when_the_parent_is_signalled(sig):
 
 
 def test_fault_helpers_against_a_replica_process():
-    from kvroute.plugin.fake_faults import clear_fault, engine_stats, inject_fault
+    from kvroute.plugin.dev.fake_faults import clear_fault, engine_stats, inject_fault
 
     with Fleet(1, engine="fake") as fleet:
         api = fleet.api_bases[0]

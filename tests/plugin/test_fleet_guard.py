@@ -8,8 +8,8 @@ import time
 import uuid
 from decimal import Decimal
 
-from kvroute.plugin.fleet_guard import RedisSpend, from_units, to_units
-from kvroute.plugin.shared_state import SharedStateConfig, connect
+from kvroute.plugin.state.fleet_guard import RedisSpend, from_units, to_units
+from kvroute.plugin.state.shared_state import SharedStateConfig, connect
 from kvroute.policies.overflow_guard import HOUR_S, OverflowGuard
 
 
@@ -106,7 +106,7 @@ def test_redis_away_means_the_local_share_then_the_window_reconciles(own_redis):
 
 
 def test_hosted_ttft_share_and_overflow_clock_reach_the_other_instances(redis_url):
-    from kvroute.plugin.hybrid import share_guard
+    from kvroute.plugin.adapter.hybrid import share_guard
     from kvroute.policies.hybrid import Hybrid, HybridConfig
     from kvroute.policies.request import RoutingRequest
 

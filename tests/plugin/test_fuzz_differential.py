@@ -24,9 +24,9 @@ from outcome_stack import kvroute_proxy, plain_proxy, stack_config
 import kvroute.billing
 import kvroute.plugin
 import kvroute.policies
-from kvroute.plugin.fake_engine import FakeEngineConfig, FakeEngineServer
-from kvroute.plugin.fleet import Fleet, ReplicaOptions
-from kvroute.plugin.proxy_process import ProxyProcess
+from kvroute.plugin.dev.fake_engine import FakeEngineConfig, FakeEngineServer
+from kvroute.plugin.dev.fleet import Fleet, ReplicaOptions
+from kvroute.plugin.dev.proxy_process import ProxyProcess
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1500)]
 

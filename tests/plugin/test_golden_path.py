@@ -26,8 +26,8 @@ import pytest
 import yaml
 from test_examples_proxy import EXAMPLES, KVROUTE, NetworkRecorder, example_env
 
-from kvroute.plugin.fleet import Fleet, ReplicaOptions
-from kvroute.plugin.proxy_process import ProxyProcess
+from kvroute.plugin.dev.fleet import Fleet, ReplicaOptions
+from kvroute.plugin.dev.proxy_process import ProxyProcess
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(420)]
 

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from kvroute.plugin.hash_secret import SECRET_FILE, file_secret, fingerprint, resolve_chain_key
 from kvroute.plugin.settings import load_settings
+from kvroute.plugin.state.hash_secret import SECRET_FILE, file_secret, fingerprint, resolve_chain_key
 from kvroute.policies.errors import ConfigError
 from kvroute.policies.fingerprint import ChainKey
 
@@ -30,7 +30,7 @@ def test_file_secret_is_created_once_with_mode_0600_and_reused(tmp_path):
 
 
 def test_concurrent_workers_creating_the_file_agree(tmp_path):
-    code = "import sys; from kvroute.plugin.hash_secret import file_secret; print(file_secret(sys.argv[1]).hex())"
+    code = "import sys; from kvroute.plugin.state.hash_secret import file_secret; print(file_secret(sys.argv[1]).hex())"
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
              for _ in range(6)]
     outs = {p.communicate(timeout=60)[0].strip() for p in procs}

@@ -10,8 +10,8 @@ import litellm
 from litellm.types.router import RouterRateLimitError
 from prometheus_client import CollectorRegistry
 
-from kvroute.plugin.litellm_hooks import KvrouteCallback
-from kvroute.plugin.metrics import Metrics
+from kvroute.plugin.adapter.litellm_hooks import KvrouteCallback
+from kvroute.plugin.adapter.metrics import Metrics
 from kvroute.plugin.settings import KvrouteSettings
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 from loopback import QuietHandler, http_stub
 from prometheus_client import CollectorRegistry
 
-from kvroute.plugin.litellm_hooks import KvrouteCallback
-from kvroute.plugin.metrics import Metrics
+from kvroute.plugin.adapter.litellm_hooks import KvrouteCallback
+from kvroute.plugin.adapter.metrics import Metrics
 from kvroute.plugin.settings import KvrouteSettings
 
 VLLM_PAGE = (Path(__file__).parents[1] / "fixtures" / "kvevents" / "vllm-0.32-cpu-metrics.txt").read_text()

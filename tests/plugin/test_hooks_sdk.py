@@ -10,9 +10,9 @@ import pytest
 from hooks_workload import run_conversations
 from prometheus_client import CollectorRegistry
 
-from kvroute.plugin.fake_engine import FakeEngineConfig, FakeEngineServer
-from kvroute.plugin.litellm_hooks import KvrouteCallback
-from kvroute.plugin.metrics import Metrics
+from kvroute.plugin.adapter.litellm_hooks import KvrouteCallback
+from kvroute.plugin.adapter.metrics import Metrics
+from kvroute.plugin.dev.fake_engine import FakeEngineConfig, FakeEngineServer
 from kvroute.plugin.settings import KvrouteSettings
 
 pytestmark = pytest.mark.timeout(120)

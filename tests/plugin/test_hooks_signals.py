@@ -9,7 +9,7 @@ import httpx
 import litellm
 import pytest
 
-from kvroute.plugin.signals import breaker_config, cached_tokens_of, ttft_of
+from kvroute.plugin.adapter.signals import breaker_config, cached_tokens_of, ttft_of
 from kvroute.policies.errors import ConfigError
 from kvroute.policies.outcomes import classify
 
@@ -116,7 +116,7 @@ def test_singleton_is_lazy_and_bad_config_names_the_key(tmp_path):
 
     code = """
 import sys, kvroute.plugin as p
-assert "kvroute.plugin.litellm_hooks" not in sys.modules      # nothing heavy until asked for
+assert "kvroute.plugin.adapter.litellm_hooks" not in sys.modules      # nothing heavy until asked for
 try:
     p.kvroute_callback
 except Exception as exc:
@@ -133,8 +133,8 @@ except Exception as exc:
 
 
 def test_cache_key_forwarding_rules():
-    from kvroute.plugin.deployments import classify
-    from kvroute.plugin.hosted import forward_cache_key
+    from kvroute.plugin.adapter.deployments import classify
+    from kvroute.plugin.adapter.hosted import forward_cache_key
 
     def backend(model, api_base=None):
         return classify({"model_name": "g", "litellm_params": {"model": model, "api_base": api_base},

@@ -57,8 +57,8 @@ def test_bad_hybrid_blocks_name_the_key(tmp_path, text, key):
 
 
 def test_the_fleet_tells_the_policy_which_backends_are_hosted_and_what_a_replica_token_costs():
-    from kvroute.plugin import hybrid
-    from kvroute.plugin.deployments import Backend
+    from kvroute.plugin.adapter import hybrid
+    from kvroute.plugin.adapter.deployments import Backend
 
     policy = Router().set_policy("chat", "hybrid", {})
     fleet = [Backend("gpu-1", "chat", "m", "self_hosted", "vllm", input_price=Decimal("2e-7"),
@@ -83,10 +83,10 @@ def test_a_replicas_rate_card_in_the_ledger_wins_over_its_model_list_price(tmp_p
     from kvroute.billing.price_file import parse_price_data
     from kvroute.billing.price_store import store_prices
     from kvroute.billing.pricing import GpuRateCard
-    from kvroute.plugin import hybrid
-    from kvroute.plugin.billing_feed import BillingFeed
-    from kvroute.plugin.deployments import Backend
-    from kvroute.plugin.request_ids import RequestIds
+    from kvroute.plugin.adapter import hybrid
+    from kvroute.plugin.adapter.billing_feed import BillingFeed
+    from kvroute.plugin.adapter.deployments import Backend
+    from kvroute.plugin.adapter.request_ids import RequestIds
 
     url = f"sqlite:///{tmp_path / 'billing.db'}"
     card = {"gpu_hour": "2.00 USD", "prefill_tok_s": 3000, "decode_tok_s": 1000}
@@ -124,10 +124,10 @@ def test_the_hybrid_decision_reads_the_price_files_route_kind_like_the_ledger(tm
     from kvroute.billing.ledger import Ledger
     from kvroute.billing.price_file import parse_price_data
     from kvroute.billing.price_store import store_prices
-    from kvroute.plugin import hybrid
-    from kvroute.plugin.billing_feed import BillingFeed
-    from kvroute.plugin.deployments import Backend
-    from kvroute.plugin.request_ids import RequestIds
+    from kvroute.plugin.adapter import hybrid
+    from kvroute.plugin.adapter.billing_feed import BillingFeed
+    from kvroute.plugin.adapter.deployments import Backend
+    from kvroute.plugin.adapter.request_ids import RequestIds
 
     url = f"sqlite:///{tmp_path / 'billing.db'}"
     led = Ledger.open(url)
@@ -151,8 +151,8 @@ def test_the_hybrid_decision_reads_the_price_files_route_kind_like_the_ledger(tm
 
 
 def test_the_ledger_route_kind_comes_from_the_deployment_unless_model_info_names_one():
-    from kvroute.plugin.billing_feed import BillingFeed
-    from kvroute.plugin.request_ids import RequestIds
+    from kvroute.plugin.adapter.billing_feed import BillingFeed
+    from kvroute.plugin.adapter.request_ids import RequestIds
 
     class Rec:
         def __init__(self):
@@ -178,8 +178,8 @@ def test_the_ledger_route_kind_comes_from_the_deployment_unless_model_info_names
 
 
 def test_an_unreadable_ledger_leaves_the_model_list_prices(tmp_path, caplog):
-    from kvroute.plugin.billing_feed import BillingFeed
-    from kvroute.plugin.request_ids import RequestIds
+    from kvroute.plugin.adapter.billing_feed import BillingFeed
+    from kvroute.plugin.adapter.request_ids import RequestIds
 
     feed = BillingFeed(None, RequestIds())
     feed.db_url = "postgresql+psycopg://nobody@127.0.0.1:1/none"  # nothing listens there

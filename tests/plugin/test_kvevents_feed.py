@@ -11,8 +11,8 @@ import pytest
 import zmq
 from typer.testing import CliRunner
 
-from kvroute.plugin.cli import app
-from kvroute.plugin.kvevents import EventSource, KvEventFeed, resolve_mode
+from kvroute.plugin.cli.cli import app
+from kvroute.plugin.feeds.kvevents import EventSource, KvEventFeed, resolve_mode
 from kvroute.policies.fingerprint import chain_seed, token_keys
 from kvroute.policies.precise_index import PreciseIndex
 

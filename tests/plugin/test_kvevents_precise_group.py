@@ -9,10 +9,10 @@ import msgspec
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from kvroute.plugin import precise_metrics as pm
-from kvroute.plugin.kvevents import EventSource, KvEventFeed
-from kvroute.plugin.precise import PreciseGroup, group_from_config
-from kvroute.plugin.tokenizing import LocalTokenizer
+from kvroute.plugin.feeds import precise_metrics as pm
+from kvroute.plugin.feeds.kvevents import EventSource, KvEventFeed
+from kvroute.plugin.feeds.precise import PreciseGroup, group_from_config
+from kvroute.plugin.feeds.tokenizing import LocalTokenizer
 from kvroute.policies import Router
 from kvroute.policies.errors import ConfigError
 from kvroute.policies.fingerprint import chain_seed, token_keys

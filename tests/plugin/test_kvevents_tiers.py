@@ -9,11 +9,11 @@ import msgspec
 import pytest
 from prometheus_client import CollectorRegistry
 
-from kvroute.plugin.kvevents import EventSource, KvEventFeed
-from kvroute.plugin.kvevents_wire import BlockStored as Decoded
-from kvroute.plugin.kvevents_wire import decode_batch
-from kvroute.plugin.litellm_hooks import KvrouteCallback
-from kvroute.plugin.metrics import Metrics
+from kvroute.plugin.adapter.litellm_hooks import KvrouteCallback
+from kvroute.plugin.adapter.metrics import Metrics
+from kvroute.plugin.feeds.kvevents import EventSource, KvEventFeed
+from kvroute.plugin.feeds.kvevents_wire import BlockStored as Decoded
+from kvroute.plugin.feeds.kvevents_wire import decode_batch
 from kvroute.plugin.settings import KvrouteSettings
 from kvroute.policies.fingerprint import chain_seed, token_keys
 from kvroute.policies.precise_index import PreciseIndex

@@ -7,7 +7,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from kvroute.plugin.kvevents_wire import (
+from kvroute.plugin.feeds.kvevents_wire import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

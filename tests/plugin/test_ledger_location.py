@@ -20,7 +20,7 @@ from kvroute.billing.cli import billing_app, report_app
 from kvroute.billing.events import UsageEvent, period_of
 from kvroute.billing.recorder import UsageRecorder
 from kvroute.billing.usage import TokenBuckets
-from kvroute.plugin.billing_feed import billing_target
+from kvroute.plugin.adapter.billing_feed import billing_target
 from kvroute.plugin.settings import KvrouteSettings
 
 runner = CliRunner()
@@ -83,7 +83,7 @@ def test_an_existing_lax_ledger_is_made_private(beside_a_proxy: Path) -> None:
 
 
 def _kvroute(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvroute.plugin.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "kvroute.plugin.cli.cli", *args], capture_output=True, text=True,
                           env=env, timeout=120, check=False)
 
 
@@ -107,8 +107,8 @@ def test_a_data_dir_that_is_a_file_is_one_line_naming_the_key(tmp_path: Path, co
 def test_the_proxy_start_up_names_a_data_dir_that_is_a_file(tmp_path: Path) -> None:
     """A real LiteLLM proxy with kvroute: start-up stops on one ``kvroute: configuration error`` line naming
     ``kvroute.data_dir`` (it was a traceback from the hash secret, or billing quietly off)."""
-    from kvroute.plugin.child_processes import ChildStartError
-    from kvroute.plugin.proxy_process import ModelGroup, ProxyProcess, build_proxy_config
+    from kvroute.plugin.dev.child_processes import ChildStartError
+    from kvroute.plugin.dev.proxy_process import ModelGroup, ProxyProcess, build_proxy_config
 
     not_a_dir = tmp_path / "data"
     not_a_dir.write_text("oops")

@@ -7,8 +7,8 @@ import hashlib
 import httpx
 import pytest
 
-from kvroute.plugin.llamacpp import LlamaCppOptions, xllamacpp_available
-from kvroute.plugin.tiny_model import PRESETS, TinyModelSpec, ensure_tiny_model, stdlib_sources
+from kvroute.plugin.dev.llamacpp import LlamaCppOptions, xllamacpp_available
+from kvroute.plugin.dev.tiny_model import PRESETS, TinyModelSpec, ensure_tiny_model, stdlib_sources
 from kvroute.policies.errors import ConfigError
 
 pytestmark = pytest.mark.skipif(not xllamacpp_available(),
@@ -65,7 +65,7 @@ def test_options_validation(model_cache):
 
 @pytest.mark.e2e
 def test_replica_reports_cached_tokens_on_a_repeated_prefix(model_cache):
-    from kvroute.plugin.fleet import Fleet, ReplicaOptions
+    from kvroute.plugin.dev.fleet import Fleet, ReplicaOptions
 
     doc = "".join(p.read_text(errors="ignore") for p in stdlib_sources()[:3])[:3000]
 
@@ -113,7 +113,7 @@ def test_interleaved_sessions_keep_their_context_only_with_kvroutes_preset(model
     """Two sessions sharing a system prompt alternate on one 1-slot replica. With kvroute's preset the replica
     saves the outgoing session to its host cache and restores the incoming one; with llama.cpp's default
     (similarity 0.1) the slot is reused in place and the second turn finds only the shared prefix."""
-    from kvroute.plugin.fleet import Fleet, ReplicaOptions
+    from kvroute.plugin.dev.fleet import Fleet, ReplicaOptions
 
     doc = "".join(p.read_text(errors="ignore") for p in stdlib_sources()[:3])[:3000]
     own = {s: "".join(p.read_text(errors="ignore") for p in stdlib_sources()[5 + s:6 + s])[:1200] for s in (0, 1)}

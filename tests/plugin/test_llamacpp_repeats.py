@@ -6,8 +6,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from kvroute.plugin.llamacpp import xllamacpp_available
-from kvroute.plugin.tiny_model import stdlib_sources
+from kvroute.plugin.dev.llamacpp import xllamacpp_available
+from kvroute.plugin.dev.tiny_model import stdlib_sources
 
 NEEDS_ENGINES = "needs the engines extra: pip install 'kvroute[engines]' (xllamacpp, gguf, ...)"
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600),
@@ -16,8 +16,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600),
 
 @pytest.mark.parametrize("replicas", [2, 3])
 def test_repeats_of_one_long_prompt_stay_on_the_first_llamacpp_replica(tmp_path_factory, replicas):
-    from kvroute.plugin.fleet import Fleet, ReplicaOptions
-    from kvroute.plugin.proxy_process import ModelGroup, ProxyProcess, build_proxy_config
+    from kvroute.plugin.dev.fleet import Fleet, ReplicaOptions
+    from kvroute.plugin.dev.proxy_process import ModelGroup, ProxyProcess, build_proxy_config
 
     cache_dir = str(tmp_path_factory.mktemp("kvroute-cache"))
     doc = "".join(p.read_text(errors="ignore") for p in stdlib_sources()[:4])[:6000]

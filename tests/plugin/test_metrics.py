@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from kvroute.plugin.metrics import OTHER, LabelLimiter, Metrics
+from kvroute.plugin.adapter.metrics import OTHER, LabelLimiter, Metrics
 
 
 def test_recorders_update_series():
@@ -93,7 +93,7 @@ def test_exposition_serves_only_kvroute_families():
 _WORKER = """
 import sys
 from prometheus_client import REGISTRY, Counter
-from kvroute.plugin.metrics import Metrics
+from kvroute.plugin.adapter.metrics import Metrics
 m = Metrics(REGISTRY, multiproc_dir=sys.argv[1])
 Counter("litellm_other", "not ours", registry=REGISTRY).inc()
 for _ in range(int(sys.argv[2])):

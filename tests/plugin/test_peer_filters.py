@@ -1,4 +1,4 @@
-"""LiteLLM's other routing filters narrow the deployments before kvroute picks (``kvroute.plugin.peer_filters``)."""
+"""LiteLLM's other routing filters narrow the deployments before kvroute picks (``plugin/adapter/peer_filters.py``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from litellm.caching.dual_cache import DualCache
 from litellm.integrations.custom_logger import CustomLogger
 from litellm.router_strategy.budget_limiter import RouterBudgetLimiting
 
-from kvroute.plugin.peer_filters import PeerFilters
+from kvroute.plugin.adapter.peer_filters import PeerFilters
 
 
 def dep(i: str, **params) -> dict:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from kvroute.plugin.precise import PreciseGroup
+from kvroute.plugin.feeds.precise import PreciseGroup
 from kvroute.policies.fingerprint import ChainKey, chain_seed
 from kvroute.policies.precise_index import PreciseIndex, PreciseIndexConfig
 

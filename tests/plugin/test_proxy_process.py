@@ -8,9 +8,9 @@ import httpx
 import pytest
 import yaml
 
-from kvroute.plugin.child_processes import live_children
-from kvroute.plugin.fleet import Fleet
-from kvroute.plugin.proxy_process import KVROUTE_CALLBACK, ModelGroup, ProxyProcess, build_proxy_config
+from kvroute.plugin.dev.child_processes import live_children
+from kvroute.plugin.dev.fleet import Fleet
+from kvroute.plugin.dev.proxy_process import KVROUTE_CALLBACK, ModelGroup, ProxyProcess, build_proxy_config
 from kvroute.policies.errors import ConfigError
 
 

@@ -7,8 +7,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 from test_hooks_sdk import fleet, installed, litellm_flush, sender
 
-from kvroute.plugin.litellm_hooks import KvrouteCallback
-from kvroute.plugin.metrics import Metrics
+from kvroute.plugin.adapter.litellm_hooks import KvrouteCallback
+from kvroute.plugin.adapter.metrics import Metrics
 from kvroute.plugin.settings import KvrouteSettings
 
 pytestmark = pytest.mark.timeout(180)

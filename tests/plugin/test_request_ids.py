@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvroute.plugin.request_ids import ATTEMPT_KEY, REQUEST_KEY, SIG_KEY, TICKET_KEY, RequestIds
+from kvroute.plugin.adapter.request_ids import ATTEMPT_KEY, REQUEST_KEY, SIG_KEY, TICKET_KEY, RequestIds
 
 
 @pytest.mark.parametrize("junk", ["x", {"a": 1}, [1, 2], 10**30, None, "", 3])

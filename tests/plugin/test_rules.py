@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvroute.plugin.rules import RuleBook, request_tags
+from kvroute.plugin.adapter.rules import RuleBook, request_tags
 from kvroute.plugin.settings import RuleSettings
 from kvroute.policies.errors import ConfigError
 

@@ -15,8 +15,8 @@ import pytest
 import redis
 from prometheus_client import CollectorRegistry
 
-from kvroute.plugin.litellm_hooks import KvrouteCallback
-from kvroute.plugin.metrics import Metrics
+from kvroute.plugin.adapter.litellm_hooks import KvrouteCallback
+from kvroute.plugin.adapter.metrics import Metrics
 from kvroute.plugin.settings import KvrouteSettings, load_settings
 from kvroute.policies.errors import ConfigError
 from kvroute.policies.fingerprint import ChainKey, FingerprintConfig, Fingerprinter
@@ -215,7 +215,7 @@ def test_password_and_tls_urls_are_accepted(url):
 
 
 def test_redis_url_litellm_follows_litellms_own_redis_settings(tmp_path, monkeypatch):
-    from kvroute.plugin.redis_url import from_litellm, shown
+    from kvroute.plugin.state.redis_url import from_litellm, shown
 
     proxy = {"litellm_settings": {"cache_params": {"host": "cache.internal", "port": 6380, "password": "p@ss w",
                                                    "ssl": True}}}

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from loopback import free_port
 
-from kvroute.plugin.shared_state import SharedState, SharedStateConfig, connect
+from kvroute.plugin.state.shared_state import SharedState, SharedStateConfig, connect
 from kvroute.policies import Router
 from kvroute.policies.health import BreakerConfig, BreakerState, Outcome
 
@@ -250,7 +250,7 @@ def test_dead_worker_load_expires(redis_url, workers):
 
 WORKER_SCRIPT = textwrap.dedent("""
     import sys, time
-    from kvroute.plugin.shared_state import SharedStateConfig, connect
+    from kvroute.plugin.state.shared_state import SharedStateConfig, connect
     from kvroute.policies import Router
     url, ns = sys.argv[1], sys.argv[2]
     cfg = SharedStateConfig(namespace=ns, flush_interval_s=0.01, heartbeat_s=0.1, worker_ttl_s=1.0)

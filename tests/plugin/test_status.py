@@ -14,11 +14,11 @@ from starlette.applications import Starlette
 from starlette.routing import Route
 from typer.testing import CliRunner
 
-from kvroute.plugin.cli import app as cli_app
-from kvroute.plugin.litellm_hooks import KvrouteCallback
-from kvroute.plugin.metrics import Metrics
+from kvroute.plugin.adapter.litellm_hooks import KvrouteCallback
+from kvroute.plugin.adapter.metrics import Metrics
+from kvroute.plugin.cli.cli import app as cli_app
+from kvroute.plugin.cli.status import mount_routes
 from kvroute.plugin.settings import KvrouteSettings
-from kvroute.plugin.status import mount_routes
 
 
 @pytest.fixture

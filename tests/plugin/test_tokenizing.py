@@ -8,7 +8,7 @@ import pytest
 from loopback import QuietHandler, http_stub
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from kvroute.plugin.tokenizing import EngineTokenizer, LocalTokenizer
+from kvroute.plugin.feeds.tokenizing import EngineTokenizer, LocalTokenizer
 from kvroute.policies.errors import ConfigError
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -1,5 +1,5 @@
-"""plugin/workloads.py: the one home of the replayed conversations gives the requests the three old builders gave
-(``plugin/demo_workload.py``, ``bench/peers_workloads.py`` and ``bench/llamacpp_agent.py`` at aeb9f42)."""
+"""plugin/dev/workloads.py: the one home of the replayed conversations gives the requests the three old builders gave
+(``plugin/dev/demo_workload.py``, ``bench/peers_workloads.py`` and ``bench/llamacpp_agent.py`` at aeb9f42)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvroute.plugin import workloads
-from kvroute.plugin.workloads import WorkloadSpec, build_sessions
+from kvroute.plugin.dev import workloads
+from kvroute.plugin.dev.workloads import WorkloadSpec, build_sessions
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvroute.plugin.cli import app
+from kvroute.plugin.cli.cli import app
 from kvroute.policies.errors import InputError
 from kvroute.sim.engine import FleetConfig
 from kvroute.sim.hosted import load_hosted

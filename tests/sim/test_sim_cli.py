@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvroute.plugin.cli import app
+from kvroute.plugin.cli.cli import app
 from kvroute.sim.baselines import DEFAULT_LINEUP
 
 SMALL = ["-p", "groups=6", "-p", "prompts_per_group=4", "-r", "3", "--preset", "llama-3.1-8b-a100", "-q"]

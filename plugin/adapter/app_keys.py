@@ -1,0 +1,92 @@
+"""Apps on a proxy without LiteLLM's database: the ``kvroute.apps`` key map and the ``custom_auth`` that reads it.
+
+```yaml
+general_settings:
+  master_key: os.environ/LITELLM_MASTER_KEY
+  custom_auth: kvroute.plugin.adapter.app_keys.auth
+kvroute:
+  apps:
+    acme: {keys: [os.environ/ACME_KEY]}                 # a key from the environment
+    beta: {keys: ["sha256:9f86d081884c7d65..."]}        # or only its sha256 (printf %s "$KEY" | sha256sum)
+```
+
+``auth`` admits the master key as the proxy admin, a listed key as its app (key alias and key metadata
+``kvroute_app``: the attribution rule billing already reads, ``litellm_events.resolve_app``), and refuses any
+other key with 401. Keys are kept and compared only as sha256 hashes; no key is ever logged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+HASH_PREFIX = "sha256:"
+_HEX = re.compile(r"^[0-9a-f]{64}$")
+
+
+def key_hash(key: str) -> str:
+    """``sha256:<hex>`` of a key (LiteLLM's own key hash, ``user_api_key_hash``, is the same hex digest)."""
+    return HASH_PREFIX + hashlib.sha256(key.encode()).hexdigest()
+
+
+def hash_entries(entries: Sequence[Any]) -> list[str]:
+    """Each entry as ``sha256:<hex>``: a hash kept as is, a key (from ``os.environ/NAME``) hashed; an empty entry
+    (an unset variable) or a malformed hash raises ``ValueError`` naming its index."""
+    out = []
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, str) or not entry.strip():
+            raise ValueError(f"keys[{i}] is empty (an os.environ/ variable that is not set?)")
+        entry = entry.strip()
+        if entry.startswith(HASH_PREFIX):
+            digest = entry[len(HASH_PREFIX):].lower()
+            if not _HEX.match(digest):
+                raise ValueError(f"keys[{i}] is not sha256:<64 hex digits>")
+            out.append(HASH_PREFIX + digest)
+        else:
+            out.append(key_hash(entry))
+    return out
+
+
+def key_map(apps: Mapping[str, Any]) -> dict[str, str]:
+    """key hash -> app from the validated ``kvroute.apps`` block (hashes only); a key under two apps is a
+    ``ValueError``."""
+    out: dict[str, str] = {}
+    for app, spec in apps.items():
+        for digest in spec.keys:
+            other = out.setdefault(digest, app)
+            if other != app:
+                raise ValueError(f"one key is listed under both {other!r} and {app!r}")
+    return out
+
+
+def app_of(key: str, keys: Mapping[str, str]) -> str | None:
+    """The app a presented key belongs to (None: not listed)."""
+    return keys.get(key_hash(key))
+
+
+def _master_key() -> str | None:
+    from litellm.proxy import proxy_server
+
+    value = getattr(proxy_server, "master_key", None)
+    return value if isinstance(value, str) and value else None
+
+
+async def auth(request: Any, api_key: str) -> Any:
+    """LiteLLM ``custom_auth``: the master key (admin), a key of ``kvroute.apps`` (its app), else 401."""
+    from fastapi import HTTPException
+    from litellm.proxy._types import LitellmUserRoles, UserAPIKeyAuth
+
+    from kvroute.plugin import kvroute_callback
+
+    key = (api_key or "").removeprefix("Bearer ").strip()
+    master = _master_key()
+    if key and master and hmac.compare_digest(key.encode(), master.encode()):
+        return UserAPIKeyAuth(api_key=key, user_role=LitellmUserRoles.PROXY_ADMIN)
+    app = app_of(key, kvroute_callback.settings.app_keys) if key else None
+    if app is None:
+        raise HTTPException(status_code=401, detail="unknown API key (not the master key nor one of kvroute.apps)")
+    return UserAPIKeyAuth(api_key=key, key_alias=app, metadata={"kvroute_app": app},
+                          user_role=LitellmUserRoles.INTERNAL_USER)

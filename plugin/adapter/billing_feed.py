@@ -1,0 +1,574 @@
+"""Billing on the request path: one ledger event per attempt, each outcome recorded exactly once.
+
+Which hook records what (LiteLLM 1.110.2, verified through the proxy):
+
+=================================================  ==========================================================
+hook                                               ledger event
+=================================================  ==========================================================
+``async_post_call_success_hook`` (proxy, awaited   the final success, *before* the client gets its response,
+before the response; streams: end of the stream)   so a kill right after the answer cannot lose it
+``async_log_success_event`` (after the response)   the same event again (same id: a no-op) -- the SDK's record
+``async_post_call_failure_deployment_hook``        each failed upstream attempt (non-final), inline, before
+                                                   LiteLLM retries or falls back
+``async_log_failure_event``                        a router-level hop (no deployment, cooldown) as ``no_route``
+                                                   on backend ``router``; an attempt no earlier hook recorded
+``async_post_call_failure_hook`` (proxy)           the request's final outcome when it failed (``outcome`` row)
+=================================================  ==========================================================
+
+Identity comes from ``kvroute.plugin.adapter.request_ids`` (server-assigned, never client values), so distinct requests
+never merge and a replayed callback maps to the same event id. The exception → ledger status mapping is
+``kvroute.billing.litellm_events.failure_status`` (one function). Events go to ``UsageRecorder.record`` (journaled
+before return); the recorder is closed at interpreter exit (LiteLLM never closes callbacks; the journal covers
+a kill).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from kvroute.plugin.adapter.request_ids import Attempt, RequestIds, RequestState
+from kvroute.plugin.adapter.signals import deployment_id, request_metadata
+
+log = logging.getLogger("kvroute.plugin")
+UNATTRIBUTED_WARN_EVERY_S = 60.0
+
+
+class BillingFeed:
+    """Turns hook calls into ledger events and hands them to the recorder (never raises into a hook)."""
+
+    def __init__(self, recorder: Any, ids: RequestIds, *, on_error: Callable[[str], None] | None = None,
+                 admission: bool = False) -> None:
+        from kvroute.billing import litellm_events
+
+        self.recorder = recorder
+        self.ids = ids
+        # proxy: only requests LiteLLM's auth admitted (``admit`` from ``async_pre_call_hook``) reach the ledger; a
+        # request refused at auth (a wrong key, a key over its budget) is not usage and must not add rows
+        self.admission = admission
+        self.refused_unadmitted = 0
+        self.events = litellm_events
+        self._on_error = on_error or (lambda hook: None)
+        self._closed = False
+        #: backend id -> ledger route kind (``self_hosted``/``marketplace``/``direct``), set by the plugin from its
+        #: deployments; ``model_info.kvroute_route_kind`` still wins
+        self.kind_of: Callable[[str], str | None] = lambda backend: None
+        #: backend id -> the deployment's provider (``model_info.provider``, the engine, the LiteLLM prefix), so a
+        #: streamed and a non-streamed attempt of one backend carry the same provider; ``kvroute_provider`` wins
+        self.provider_of: Callable[[str], str | None] = lambda backend: None
+        #: backend id -> the model the deployment serves (``openai/fake-model`` -> ``fake-model``), for every attempt
+        self.served_of: Callable[[str], str | None] = lambda backend: None
+        self.db_url: str | None = None
+        self.journal: Path | None = None
+        self.before_response = 0  # successes recorded before the client got them (streams: before [DONE])
+        self.unattributed = 0  # requests booked to no app (their key names none): counted, warned about
+        self._unattributed_warned_at: float | None = None
+
+    # --- setup -------------------------------------------------------------------------------------
+    @classmethod
+    def start(cls, settings: Any, ids: RequestIds, *, in_proxy: bool,
+              on_error: Callable[[str], None] | None = None) -> BillingFeed | None:
+        """The feed for ``settings`` (None when billing is off), with a startup log line saying where it records."""
+        target = billing_target(settings, in_proxy=in_proxy)
+        if target is None:
+            log.info("kvroute billing: off")
+            return None
+        db, journal, dead = target
+        try:
+            from kvroute.billing.recorder import UsageRecorder
+
+            recorder = UsageRecorder(db, journal, dead_letter=dead,
+                                     fsync_interval_s=settings.billing_fsync_interval_s).start()
+        except Exception as exc:
+            log.warning("kvroute billing: recorder failed to start: %s", exc)
+            if on_error:
+                on_error("billing_start")
+            return None
+        log.warning("kvroute billing: recording to %s (journal %s, dead letters %s)", _safe_url(db), journal, dead)
+        feed = cls(recorder, ids, on_error=on_error, admission=in_proxy)
+        feed.db_url, feed.journal = db, journal
+        feed._install_shutdown()
+        return feed
+
+    def _install_shutdown(self) -> None:
+        """Close (drain, fsync) the recorder at interpreter exit; a SIGTERM or kill -9 before that is covered by
+        the journal, which already holds every recorded event and is replayed by the next start."""
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):
+            self.recorder.close()
+
+    # --- events ------------------------------------------------------------------------------------
+    def _catalog(self) -> Any:
+        """The ledger's catalog (price books, rate cards, declared backends), or None when unreadable."""
+        if not self.db_url:
+            return None
+        try:
+            from sqlalchemy import inspect
+
+            from kvroute.billing.catalog import Catalog
+            from kvroute.billing.db import make_engine
+
+            engine = make_engine(self.db_url)  # read only: migrating is the recorder's job
+            try:
+                tables = inspect(engine)
+                if not tables.has_table("cost_rate"):
+                    return None  # a ledger not created yet holds no cards
+                migrated = "declared_at" in {c["name"] for c in tables.get_columns("backend")}
+                with engine.connect() as conn:  # a ledger the recorder has not migrated yet declares no backend
+                    return Catalog.load(conn, declared=migrated)
+            finally:
+                engine.dispose()
+        except Exception as exc:
+            log.warning("kvroute billing: rate cards unreadable (%s); replicas keep their model_list prices", exc)
+            return None
+
+    def rate_cards(self, backend_ids: Iterable[str], at: datetime | None = None) -> dict[str, Any]:
+        """The ledger's rate cards (``CostRate``) in force ``at`` (now) for ``backend_ids``: the price file loaded
+        with ``kvroute billing load-prices``, read from the same catalog the ledger rates with ({} when unreadable)."""
+        return self.price_view(backend_ids, at)[0]
+
+    def price_view(self, backend_ids: Iterable[str], at: datetime | None = None) -> tuple[dict[str, Any],
+                                                                                            dict[str, Any]]:
+        """(rate cards in force, declared ``BackendIdentity``) of ``backend_ids`` from one read of the catalog."""
+        catalog = self._catalog()
+        if catalog is None:
+            return {}, {}
+        when = at or datetime.now(UTC)
+        ids = list(backend_ids)
+        cards = {b: catalog.rate_for(b, when) for b in ids}
+        declared = {b: catalog.identity(b) for b in ids}
+        return ({b: r for b, r in cards.items() if r is not None}, {b: d for b, d in declared.items() if d is not None})
+
+    def _record(self, kwargs: Mapping[str, Any], response: Any, *, outcome: str, state: RequestState,
+                attempt: Attempt | None, final: bool, backend: str | None = None, route_kind: str | None = None,
+                attempt_key: str | None = None, start: Any = None, end: Any = None) -> bool:
+        from kvroute.policies.errors import InputError
+
+        if route_kind is None and backend and not _dict_get(kwargs, "kvroute_route_kind"):
+            route_kind = self.kind_of(backend)
+        provider = _dict_get(kwargs, "kvroute_provider") or (self.provider_of(backend) if backend else None)
+        served = self.served_of(backend) if backend else None
+        try:
+            try:
+                event = self.events.event_from_callback(
+                    kwargs, response, outcome=outcome, attempt=attempt.number if attempt else None, final=final,
+                    request_id=state.request_id, app_id=state.app, backend_id=backend, route_kind=route_kind,
+                    provider=provider, served_model=served, end_time=end,
+                    start_time=start if start is not None else (attempt.started_at if attempt else None))
+                if event is None:
+                    return False
+                if state.app is None and event.app_id == self.events.UNATTRIBUTED:
+                    self._note_unattributed()
+                state.app = state.app or event.app_id  # one app per request: every record of it gets the same id
+                if backend == self.events.ROUTER_BACKEND:  # nothing was called: no backend, no provider
+                    event = replace(event, provider=self.events.ROUTER_PROVIDER)
+                if attempt_key is not None or attempt is None:
+                    key = attempt_key_for(attempt_key or f"{outcome}:{event.requested_model}")
+                    event = replace(event, attempt=len(state.attempts), attempt_key=key, event_id="")
+            except InputError as exc:  # e.g. a provider usage that contradicts itself: keep it for an operator
+                self._dead_letter(kwargs, response, state, attempt, backend, outcome, final, exc)
+                return False
+            self.recorder.record(event)
+            if attempt is not None:
+                attempt.recorded = True
+            return True
+        except Exception as exc:  # a payload nothing foresaw: the event still reaches the dead letters
+            log.debug("kvroute billing failed", exc_info=True)
+            self._on_error("billing")
+            self._dead_letter(kwargs, response, state, attempt, backend, outcome, final, exc)
+            return False
+
+    def _note_unattributed(self) -> None:
+        """Count a request booked ``unattributed`` and say so in the log, at most once a minute."""
+        self.unattributed += 1
+        now = time.monotonic()
+        if self._unattributed_warned_at is None or now - self._unattributed_warned_at >= UNATTRIBUTED_WARN_EVERY_S:
+            self._unattributed_warned_at = now
+            log.warning("kvroute billing: %d request(s) booked as app 'unattributed' so far: their key names no app "
+                        "(key metadata kvroute_app, a team, a key alias, or kvroute.apps with "
+                        "custom_auth: kvroute.plugin.adapter.app_keys.auth)", self.unattributed)
+
+    def _dead_letter(self, kwargs: Mapping[str, Any], response: Any, state: RequestState, attempt: Attempt | None,
+                     backend: str | None, outcome: str, final: bool, exc: Exception) -> None:
+        """An attempt whose payload cannot make a valid event: its ids and raw usage (never prompt text)."""
+        from kvroute.billing.usage import as_mapping
+
+        try:
+            usage = getattr(response, "usage", None) if not isinstance(response, Mapping) else response.get("usage")
+            slo = kwargs.get("standard_logging_object")
+            slo = slo if isinstance(slo, Mapping) else {}
+            line = {"request_id": state.request_id, "attempt": attempt.number if attempt else len(state.attempts),
+                    "final": final, "status": outcome if outcome in self.events.STATUSES else "success",
+                    "backend_id": backend or slo.get("model_id"),
+                    "served_model": slo.get("model") or kwargs.get("model"), "provider": slo.get("custom_llm_provider"),
+                    "occurred_at": datetime.now(UTC).isoformat(), "raw_usage": as_mapping(usage)}
+            if state.app:
+                line["app_id"] = state.app
+            self.recorder.dead_letter.append(json.dumps(line, default=str), f"invalid event: {exc}", "callback")
+            self.recorder.note_dead_letter()
+        except Exception:
+            self._on_error("billing")
+
+    def attempt_started(self, attempt: Attempt, kwargs: Mapping[str, Any]) -> None:
+        """The attempt is going upstream now (``async_pre_call_deployment_hook``)."""
+        attempt.sent = True
+        attempt.started_at = datetime.now(UTC)
+        info = kwargs.get("model_info")
+        attempt.model_info = info if isinstance(info, dict) else {}  # the deployment's own dict: no copy
+        attempt.served = kwargs.get("model")
+
+    def admit(self, data: Mapping[str, Any]) -> None:
+        """``async_pre_call_hook`` (proxy, after LiteLLM's auth): the request may reach the ledger; stamp its id."""
+        meta = request_metadata(data)
+        if isinstance(meta, dict):
+            self.ids.begin(meta)
+
+    def _unrouted_state(self, meta: Any) -> RequestState | None:
+        """The state of a request that failed before any pick: new for an admitted or SDK request, None (not
+        usage, counted) for a proxy request that never passed auth."""
+        if not isinstance(meta, dict):
+            return None
+        if self.admission and self.ids.request_of(meta) is None:
+            self.refused_unadmitted += 1
+            return None
+        return self.ids.begin(meta)
+
+    def success(self, kwargs: Mapping[str, Any], response: Any, start: Any, end: Any, ticket_id: str | None) -> None:
+        """``async_log_success_event``: the final success (a no-op when the pre-response record stored it)."""
+        found = self.ids.attempt_of(ticket_id)
+        if found is None:
+            meta = request_metadata(kwargs)
+            if meta is None:
+                return
+            state = self.ids.begin(meta)  # no pick ran (routing off): stamp the id so a replay maps to it
+            attempt = state.latest(backend=deployment_id(kwargs))
+            if attempt is None:
+                attempt, _ = self.ids.new_attempt(meta, str(kwargs.get("model") or ""), deployment_id(kwargs))
+        else:
+            state, attempt = found
+        if state.success_recorded and attempt.recorded:
+            return  # recorded before the response went out (same event id): nothing to add
+        state.success_recorded = True
+        self._record(kwargs, response, outcome="success", state=state, attempt=attempt, final=True,
+                     backend=deployment_id(kwargs) or attempt.backend, start=start, end=end)
+
+    def pre_response(self, data: Mapping[str, Any], response: Any, *, hidden: Any = None,
+                     streamed: bool = False) -> None:
+        """Record the final success before the proxy answers: ``async_post_call_success_hook`` (the response), or
+        the end of a stream (the chunk that carries ``usage``, ``hidden`` from the stream wrapper)."""
+        meta = request_metadata(data)
+        state = self.ids.state(meta)
+        if hidden is None:
+            hidden = getattr(response, "_hidden_params", None)
+        hidden = hidden if isinstance(hidden, Mapping) else {}
+        if not hidden.get("model_id"):
+            own = getattr(response, "_hidden_params", None)
+            hidden = {**(own if isinstance(own, Mapping) else {}), **hidden}
+        model_id = hidden.get("model_id")
+        if state is None or getattr(response, "usage", None) is None:
+            return
+        # the deployment that answered; without its id, the last attempt that went upstream is the one answering
+        attempt = state.latest(backend=str(model_id)) if model_id else next(
+            (a for a in reversed(state.attempts) if a.sent and a.backend), None)
+        if attempt is None or not attempt.sent:
+            return
+        model_id = model_id or attempt.backend
+        if self._record(_success_kwargs(data, meta, attempt, hidden, streamed), response, outcome="success",
+                        state=state, attempt=attempt, final=True, backend=str(model_id), end=datetime.now(UTC)):
+            self.before_response += 1
+        state.success_recorded = True
+
+    def stream_cut(self, request_data: Mapping[str, Any], relayed: int) -> None:
+        """The proxy stream failed after ``relayed`` chunks with output went to the client: they are the output
+        the current attempt was billed for (its failure is recorded by the failure hooks, with that cost)."""
+        try:
+            state = self.ids.state(request_metadata(request_data))
+            # the attempt relaying the stream: the last one sent upstream (the request's metadata may still name
+            # an earlier hop's ticket after a fallback)
+            attempt = next((a for a in reversed(state.attempts) if a.sent and a.backend), None) if state else None
+            if attempt is not None:
+                attempt.streamed = max(attempt.streamed, relayed)
+        except Exception:
+            self._on_error("billing")
+
+    def _paid(self, kwargs: dict, attempt: Attempt) -> tuple[dict, Any]:
+        """``kwargs`` and a response for a failed attempt: none for one that sent no output; for a stream cut
+        after output went out (the chunks the proxy relayed, else LiteLLM's count of the partial stream), what the
+        provider bills for it (``litellm_events.cut_stream_usage``)."""
+        slo = kwargs.get("standard_logging_object")
+        slo = slo if isinstance(slo, Mapping) else {}
+        output, prompt = attempt.streamed, slo.get("prompt_tokens")
+        if not output:  # LiteLLM's own count of a partial stream, in its failure payload
+            counted = slo.get("completion_tokens")
+            output = counted if isinstance(counted, int) and not isinstance(counted, bool) and counted > 0 else 0
+        if not output:
+            return kwargs, None
+        if not isinstance(prompt, int) or isinstance(prompt, bool) or prompt <= 0:
+            prompt = _prompt_tokens(kwargs, attempt.served)
+        usage, cost = self.events.cut_stream_usage(prompt, output, _prices(attempt.model_info))
+        if cost is not None:
+            kwargs = {**kwargs, "response_cost": cost}
+        return kwargs, {"usage": usage}
+
+    def attempt_failed(self, request_data: Mapping[str, Any], exception: BaseException, ticket_id: str | None) -> None:
+        """``async_post_call_failure_deployment_hook``: one failed upstream attempt, non-final."""
+        found = self.ids.attempt_of(ticket_id)
+        if found is None:
+            return
+        state, attempt = found
+        status, _, _ = self.events.exception_status(exception, backend_called=True)  # the per-attempt hook
+        kwargs, response = self._paid({**dict(request_data), "exception": exception}, attempt)
+        self._record(kwargs, response, outcome=status, state=state, attempt=attempt, final=False,
+                     backend=deployment_id(request_data) or attempt.backend)
+
+    def superseded(self, ticket_id: str | None) -> None:
+        """A new pick arrived while the previous attempt had no outcome: record it once as a failed attempt."""
+        found = self.ids.attempt_of(ticket_id)
+        if found is None:
+            return
+        state, attempt = found
+        if attempt.sent and not attempt.recorded and attempt.backend:
+            kwargs, response = self._paid({"model": attempt.served or attempt.group,
+                                           "model_info": attempt.model_info or {}}, attempt)
+            self._record(kwargs, response, outcome="provider_failure", state=state, attempt=attempt, final=False,
+                         backend=attempt.backend)
+
+    def logged_failure(self, kwargs: Mapping[str, Any], exception: Any) -> None:
+        """``async_log_failure_event``: a router-level hop as ``no_route``, or an attempt nothing else recorded."""
+        meta = request_metadata(kwargs)
+        state = self.ids.state(meta)
+        status, _, _ = self.events.exception_status(exception)
+        slo = kwargs.get("standard_logging_object")
+        slo = slo if isinstance(slo, Mapping) else {}
+        group = str(slo.get("model_group") or kwargs.get("model") or "")
+        if status == "no_route":
+            if state is None:
+                state = self._unrouted_state(meta)
+                if state is None:
+                    return
+            hop = state.latest(group=group, unrecorded=True, hop=True) if group else None
+            router_kwargs = {"model": group or "unknown", "litellm_params": {"metadata": meta},
+                             "exception": exception, "user": kwargs.get("user")}
+            self._record(router_kwargs, None, outcome="no_route", state=state, attempt=hop, final=False,
+                         backend=self.events.ROUTER_BACKEND, route_kind="direct",
+                         attempt_key=None if hop else f"no_route:{group}")
+            return
+        if state is None:
+            return
+        attempt = state.latest(backend=deployment_id(kwargs), unrecorded=True)
+        if attempt is not None and attempt.sent:
+            paid_kwargs, response = self._paid({**kwargs, "exception": exception}, attempt)
+            self._record(paid_kwargs, response, outcome=status, state=state, attempt=attempt, final=False,
+                         backend=attempt.backend)
+
+    def request_failed(self, data: Mapping[str, Any], exception: BaseException) -> None:
+        """``async_post_call_failure_hook`` (proxy): the request failed for the client -- its final outcome row."""
+        meta = request_metadata(data)
+        state = self.ids.state(meta)
+        status, _, _ = self.events.exception_status(exception)
+        if state is None:
+            if status != "no_route":
+                return  # never routed (validation): not usage
+            state = self._unrouted_state(meta)
+            if state is None:
+                return  # refused at auth: not usage
+        if state.outcome_recorded or state.success_recorded:
+            return
+        last = state.latest(unrecorded=False)
+        if last is not None and last.sent and last.backend and not last.recorded and last.streamed:
+            # a stream cut after output went out (no per-attempt hook runs for it): the attempt's own row, paid
+            paid_kwargs, response = self._paid({**dict(data), "exception": exception,
+                                                "model": last.served or last.group,
+                                                "model_info": last.model_info or {}}, last)
+            self._record(paid_kwargs, response, outcome=status, state=state, attempt=last, final=False,
+                         backend=last.backend)
+        # a router-level outcome (no deployment, a budget) called no upstream, whatever kvroute had picked
+        routed = last is not None and bool(last.backend) and status != "no_route"
+        backend = last.backend if routed else self.events.ROUTER_BACKEND
+        kwargs = {"model": str(data.get("model") or (last.group if last else "unknown")),
+                  "litellm_params": {"metadata": meta, "model_info": (last.model_info if last else None) or {}},
+                  "exception": exception, "user": data.get("user")}
+        if self._record(kwargs, None, outcome=status, state=state, attempt=None, final=True, backend=backend,
+                        attempt_key="outcome"):
+            state.outcome_recorded = True
+
+
+class RecorderCollector:
+    """Prometheus view of the recorder: events recorded / stored / dead-lettered, journal backlog, database up."""
+
+    def __init__(self, feed: BillingFeed) -> None:
+        self.feed = feed
+        self.recorder = feed.recorder
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        yield CounterMetricFamily("kvroute_billing_recorded_before_response",
+                                  "Successes journaled before the proxy answered", value=self.feed.before_response)
+        yield CounterMetricFamily("kvroute_billing_unattributed_requests",
+                                  "Requests booked as app 'unattributed' (their key names no app)",
+                                  value=self.feed.unattributed)
+        yield CounterMetricFamily("kvroute_billing_refused_unadmitted",
+                                  "Failed requests LiteLLM's auth never admitted (not usage: no ledger row)",
+                                  value=self.feed.refused_unadmitted)
+        st = self.recorder.stats
+        for name, doc, value in (
+                ("kvroute_billing_events_recorded", "Usage events journaled on the request path", st.recorded),
+                ("kvroute_billing_events_inserted", "Usage events stored in the ledger (new rows)", st.inserted),
+                ("kvroute_billing_events_dead_lettered", "Usage events set aside in the dead-letter file",
+                 st.dead_lettered),
+                ("kvroute_billing_journal_errors", "Journal writes that failed (event kept in memory)",
+                 st.journal_errors)):
+            yield CounterMetricFamily(name, doc, value=value)
+        yield GaugeMetricFamily("kvroute_billing_journal_pending_bytes", "Journal bytes not yet in the ledger",
+                                value=self.recorder.pending_bytes)
+        yield GaugeMetricFamily("kvroute_billing_db_up", "1 while the billing database is reachable",
+                                value=1.0 if self.recorder.db_available else 0.0)
+
+
+def attempt_key_for(key: str) -> str:
+    """An attempt key the ledger stores as given: a client's model name in it (``no_route:<model>``) may hold a
+    NUL or run past the column; such a key is cleaned and bounded, a hash suffix keeping distinct names distinct."""
+    from kvroute.billing.events import fit_text
+
+    return fit_text("attempt_key", key) or key
+
+
+def _success_kwargs(data: Mapping[str, Any], meta: Any, attempt: Attempt, hidden: Mapping[str, Any],
+                    streamed: bool = False) -> dict:
+    """A success payload shaped like LiteLLM's logging kwargs, from the proxy's request data and hidden params."""
+    cost = hidden.get("response_cost")
+    slo = {"model_id": hidden.get("model_id"), "custom_llm_provider": hidden.get("custom_llm_provider"),
+           "model_group": data.get("model"), "response_cost": cost, "metadata": {},
+           "model": _served_model(attempt.served), "stream": streamed}
+    return {"litellm_params": {"metadata": meta if isinstance(meta, Mapping) else {},
+                               "model_info": attempt.model_info or {}},
+            "standard_logging_object": slo, "response_cost": cost, "user": data.get("user")}
+
+
+def _dict_get(kwargs: Mapping[str, Any], key: str) -> Any:
+    """``key`` of the deployment's ``model_info`` in a hook payload (None when absent)."""
+    params = kwargs.get("litellm_params") if isinstance(kwargs.get("litellm_params"), Mapping) else {}
+    for holder in (params, kwargs, params.get("metadata"), kwargs.get("metadata")):
+        info = holder.get("model_info") if isinstance(holder, Mapping) else None
+        if isinstance(info, Mapping) and info.get(key) is not None:
+            return info.get(key)
+    return None
+
+
+def _served_model(model: Any) -> str | None:
+    """``openai/fake-model`` → ``fake-model`` (how LiteLLM's logging payload names the served model)."""
+    if not isinstance(model, str) or not model:
+        return None
+    return model.split("/", 1)[1] if "/" in model else model
+
+
+def billing_target(settings: Any, *, in_proxy: bool) -> tuple[str, Path, Path] | None:
+    """(ledger URL, journal folder, dead-letter folder), or None when billing is off.
+
+    On by default in the proxy: where ``kvroute.billing.location.ledger_location`` puts it for these settings (the
+    function ``kvroute report``/``billing`` resolve the ledger with), i.e. ``KVROUTE_BILLING_DB``, else
+    ``<data dir>/billing.db`` (``KVROUTE_DATA_DIR``, default ``./.kvroute``); ``KVROUTE_BILLING_DB=off``
+    disables. In the SDK, on only when asked (``billing: true`` or a database). A data directory that is not a
+    writable folder raises ``ConfigError`` naming ``kvroute.data_dir``.
+    """
+    from kvroute.billing.location import ledger_location, prepare_data_dir
+
+    where = ledger_location(settings.data_dir, settings.billing_db, settings.billing_spool)
+    if where.db_url is None or not (in_proxy or settings.billing or (settings.billing_db or "").strip()):
+        return None
+    prepare_data_dir(where.data_dir)
+    return where.db_url, where.journal, where.dead_letters
+
+
+def describe_target(db: str, journal: Path | None) -> str:
+    """Where billing records, for people: ``sqlite .kvroute/billing.db (journal .kvroute/journal)`` (paths under
+    the working directory relative to it), ``postgresql+psycopg://user@host/db (journal ...)`` (no password)."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        url = make_url(db if "://" in db else f"sqlite:///{db}")
+    except Exception:
+        return "an unparsable database URL"
+    where = (f"sqlite {_near(Path(url.database))}" if url.get_backend_name() == "sqlite" and url.database
+             else _safe_url(db))
+    return f"{where} (journal {_near(journal)})" if journal is not None else where
+
+
+def _near(path: Path) -> str:
+    """``path`` relative to the working directory when it lies under it, else absolute."""
+    absolute = Path(os.path.abspath(path.expanduser()))
+    try:
+        return str(absolute.relative_to(Path.cwd()))
+    except ValueError:
+        return str(absolute)
+
+
+def _safe_url(url: str) -> str:
+    """The URL without its password (for the startup line)."""
+    try:
+        from sqlalchemy.engine import make_url
+
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        return url.split("@")[-1]
+
+
+def _prompt_tokens(data: Mapping[str, Any], served: str | None) -> int:
+    """The request's prompt tokens as LiteLLM counts them for the served model (its estimate for streams without
+    usage); 0 when the request holds no messages or prompt."""
+    try:
+        import litellm
+
+        messages = data.get("messages")
+        if isinstance(messages, list):
+            return int(litellm.token_counter(model=served or "", messages=messages))
+        prompt = data.get("prompt")
+        if isinstance(prompt, str):
+            return int(litellm.token_counter(model=served or "", text=prompt))
+    except Exception:
+        log.debug("kvroute billing: prompt tokens of a cut stream unknown", exc_info=True)
+    return 0
+
+
+_PRICE_KEYS = ("input_cost_per_token", "output_cost_per_token")
+
+
+def _prices(model_info: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The deployment's per-token prices: its ``model_info``, else what LiteLLM registered under its id."""
+    info = model_info if isinstance(model_info, Mapping) else {}
+    found = {k: info.get(k) for k in _PRICE_KEYS if info.get(k) is not None}
+    if len(found) < len(_PRICE_KEYS) and info.get("id") is not None:
+        with contextlib.suppress(Exception):
+            import litellm
+
+            entry = litellm.model_cost.get(str(info["id"])) or {}
+            found = {k: found.get(k, entry.get(k)) for k in _PRICE_KEYS}
+    return {k: v for k, v in found.items() if v is not None}
+
+
+def chunk_has_output(chunk: Any) -> bool:
+    """Whether a stream chunk carries output tokens (text, reasoning or a tool call); one such chunk ≈ one token."""
+    choices = getattr(chunk, "choices", None)
+    if not choices:
+        return False
+    first = choices[0]
+    delta = getattr(first, "delta", None)
+    if delta is None:
+        return bool(getattr(first, "text", None))
+    return bool(getattr(delta, "content", None) or getattr(delta, "reasoning_content", None)
+                or getattr(delta, "tool_calls", None))
