@@ -13,8 +13,8 @@ import typer
 billing_app = typer.Typer(no_args_is_help=True, help="Usage ledger: ingest events, load price books, close periods.")
 report_app = typer.Typer(no_args_is_help=True, help="Monthly usage, margin and payout reports.")
 
-DB_HELP = ("SQLAlchemy URL or SQLite path (default: KVROUTE_BILLING_DB, else <KVROUTE_DATA_DIR>/billing.db, "
-           "the proxy's ledger; data dir default .kvroute).")
+DB_HELP = ("SQLAlchemy URL or SQLite path (default: the proxy's ledger, KVROUTE_BILLING_DB, else "
+           "billing.db in KVROUTE_DATA_DIR, default .kvroute).")
 
 
 def _ledger(db: str | None, must_exist: bool = False) -> Any:
@@ -50,11 +50,12 @@ def _fail(message: str, code: int = 2) -> None:
 
 @billing_app.command("ingest")
 def ingest(file: Path = typer.Argument(..., help="JSONL file of usage events (schema: kvroute.billing.events)."),
-           db: str | None = typer.Option(None, help=DB_HELP),
+           db: str | None = typer.Option(None, metavar="URL", help=DB_HELP),
            skip_invalid: bool = typer.Option(False, help="Insert the valid lines even when some lines are bad."),
-           batch_size: int = typer.Option(5000, min=1, help="Events per transaction."),
-           late_days: float | None = typer.Option(None, min=0.0, help="Refuse events older than this many days "
-                                                  "(default KVROUTE_BILLING_LATE_EVENT_DAYS, else 35)."),
+           batch_size: int = typer.Option(5000, min=1, metavar="N", help="Events per transaction."),
+           late_days: float | None = typer.Option(None, min=0.0, metavar="DAYS",
+                                                  help="Refuse events older than this many days "
+                                                  "(default 35, or the billing setting late_event_days)."),
            progress: bool | None = typer.Option(None, "--progress/--no-progress",
                                                 help="Progress bar (default: on a terminal, file over 1 MB).")) -> None:
     """Import usage events idempotently; bad lines are listed (line, field, reason) and nothing is inserted."""

@@ -318,14 +318,22 @@ def drain_env(db: str, journal_dir: Path, dead_letter: Path, *, batch_size: int,
     """The environment of a drainer process: this one's plus its settings."""
     cfg = {"db": db, "journal": str(journal_dir), "dead_letter": str(dead_letter), "batch_size": batch_size,
            "poll_interval_s": poll_interval_s, "retry_interval_s": retry_interval_s, "idle_exit_s": idle_exit_s}
-    return {**os.environ, ENV: json.dumps(cfg)}
+    from kvroute.billing.settings import child_environment
+
+    return child_environment(**{ENV: json.dumps(cfg)})
 
 
 def main() -> int:
+    from pydantic import ValidationError
+
+    from kvroute.billing.settings import DrainSettings
+
     logging.basicConfig(level=logging.WARNING, format="kvroute billing drainer %(process)d: %(message)s")
     try:
-        cfg = json.loads(os.environ[ENV])
-    except (KeyError, ValueError):
+        cfg = DrainSettings().drain
+    except ValidationError:
+        cfg = None
+    if cfg is None:
         print(f"kvroute billing drainer: set {ENV} (started by the usage recorder)", file=sys.stderr)
         return 2
     drainer = Drainer(cfg["db"], cfg["journal"], dead_letter=cfg["dead_letter"], batch_size=cfg["batch_size"],

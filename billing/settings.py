@@ -1,11 +1,20 @@
-"""Billing settings, declared once (pydantic-settings, env prefix ``KVROUTE_BILLING_``) and passed down."""
+"""Billing settings, declared once (pydantic-settings, env prefix ``KVROUTE_BILLING_``) and passed down.
+
+With ``kvroute.plugin.settings`` the only modules of kvroute that read environment variables: the billing commands
+read ``BillingSettings``, a drainer process reads ``DrainSettings``, and a child process gets ``child_environment``.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Any
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, Json
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+#: The data directory when neither ``KVROUTE_DATA_DIR`` nor ``kvroute.data_dir`` names one (proxy and commands).
+DEFAULT_DATA_DIR = Path(".kvroute")
 
 
 class BillingSettings(BaseSettings):
@@ -15,7 +24,7 @@ class BillingSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="KVROUTE_BILLING_", extra="ignore", populate_by_name=True)
 
-    data_dir: Path = Field(Path(".kvroute"), validation_alias=AliasChoices("KVROUTE_DATA_DIR"),
+    data_dir: Path = Field(DEFAULT_DATA_DIR, validation_alias=AliasChoices("KVROUTE_DATA_DIR"),
                            description="The proxy's data directory: embedded ledger, journal, dead letters.")
     db: str | None = Field(None, description="SQLAlchemy URL (postgresql+psycopg://...) or a SQLite path "
                                              "(default <data dir>/billing.db; off disables the proxy's billing).")
@@ -23,6 +32,16 @@ class BillingSettings(BaseSettings):
     grace_hours: float = Field(72.0, ge=0, description="Grace window after a period ends before it may close.")
     late_event_days: float = Field(35.0, gt=0, description="Ingest refuses events older than this many days.")
     future_skew_s: float = Field(300.0, ge=0, description="Ingest refuses events this far ahead of the clock.")
-    batch_size: int = Field(500, ge=1, description="Events per insert batch of the recorder.")
-    flush_interval_s: float = Field(0.2, gt=0, description="Longest wait before the recorder writes a batch.")
-    retry_interval_s: float = Field(2.0, gt=0, description="Wait between reconnect attempts while the DB is down.")
+
+
+class DrainSettings(BaseSettings):
+    """A drainer process's settings: ``KVROUTE_DRAIN``, the JSON object ``kvroute.billing.drain.drain_env`` writes."""
+
+    model_config = SettingsConfigDict(extra="ignore", populate_by_name=True)
+
+    drain: Json[dict[str, Any]] | None = Field(None, validation_alias=AliasChoices("KVROUTE_DRAIN"))
+
+
+def child_environment(**extra: str) -> dict[str, str]:
+    """This process's environment plus ``extra``: what a child process (a drainer, a proxy) starts with."""
+    return {**os.environ, **extra}

@@ -2,7 +2,10 @@
 
 The YAML block lives in the file named by ``KVROUTE_CONFIG`` or in the LiteLLM proxy's own config.yaml.
 Every validation error is raised as ``ConfigError`` whose key names the bad setting (``kvroute.groups.x.policy``).
-This is the only module of kvroute that reads environment variables.
+With ``kvroute.billing.settings`` (the billing commands and the drainer) the only module of kvroute that reads
+environment variables: ``KvrouteSettings`` for the proxy, ``CliSettings`` for the CLI's own switches,
+``kvroute_environment`` for ``kvroute check``'s list of overrides, ``resolve_env_refs`` for ``os.environ/NAME``
+values. Everything else receives plain values.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from kvroute.billing.settings import DEFAULT_DATA_DIR
 from kvroute.plugin.state.redis_url import FROM_LITELLM, from_litellm
 from kvroute.plugin.state.redis_url import check as check_redis_url
 from kvroute.policies.errors import ConfigError
@@ -127,7 +131,7 @@ class KvrouteSettings(BaseSettings):
     billing: bool = False
     billing_db: str | None = None
     billing_spool: Path | None = None  # the journal folder (default <data_dir>/journal)
-    data_dir: Path = Path(".kvroute")  # KVROUTE_DATA_DIR: embedded ledger, journal, dead letters
+    data_dir: Path = DEFAULT_DATA_DIR  # KVROUTE_DATA_DIR: embedded ledger, journal, dead letters
     billing_fsync_interval_s: float = Field(default=1.0, gt=0, le=60)  # the machine-crash window of the journal
     max_apps_per_key: int = Field(default=20, ge=1, le=10_000)  # app labels one key can claim in metrics
     metrics_port: int | None = None
@@ -251,6 +255,35 @@ class KvrouteSettings(BaseSettings):
     def group(self, name: str) -> GroupSettings:
         return self.groups.get(name) or GroupSettings()
 
+    def ledger_location(self) -> Any:
+        """Where the proxy's ledger, journal and dead letters live (``kvroute.billing.location.ledger_location``,
+        the function every billing command resolves them with)."""
+        from kvroute.billing.location import ledger_location
+
+        return ledger_location(self.data_dir, self.billing_db, self.billing_spool)
+
+
+class CliSettings(BaseSettings):
+    """The CLI's own switches: ``KVROUTE_DEBUG`` (tracebacks instead of one-line errors), ``KVROUTE_CACHE_DIR``
+    (where generated tiny models are cached; default ``~/.cache/kvroute``) and ``LITELLM_MASTER_KEY`` (the key
+    ``kvroute status`` sends when ``--api-key`` is not given)."""
+
+    model_config = SettingsConfigDict(env_prefix="KVROUTE_", extra="ignore", populate_by_name=True)
+
+    debug: bool = False
+    cache_dir: Path | None = None
+    master_key: SecretStr | None = Field(None, validation_alias=AliasChoices("LITELLM_MASTER_KEY"))
+
+    @field_validator("debug", mode="before")
+    @classmethod
+    def _lenient(cls, v: Any) -> bool:
+        return str(v).strip().lower() in ("1", "true", "yes", "on")
+
+
+def kvroute_environment() -> dict[str, str]:
+    """The ``KVROUTE_*`` variables of this process (what ``kvroute check`` lists as overrides)."""
+    return {k: v for k, v in os.environ.items() if k.startswith("KVROUTE_")}
+
 
 def _check_database_url(value: str) -> None:
     """The billing database URL names a backend and a driver that are installed."""
@@ -293,7 +326,7 @@ def _check_precise(group: str, block: Mapping[str, Any], where: str) -> None:
 
 _NESTED_ENV = ("groups", "rules", "breaker", "default_knobs")
 # KVROUTE_* variables read elsewhere: the CLI's cache folder and the test suite's own service URLs.
-_OTHER_ENV = ("KVROUTE_CACHE_DIR", "KVROUTE_BILLING_PROPERTY_EVENTS")
+_OTHER_ENV = ("KVROUTE_CACHE_DIR", "KVROUTE_DEBUG", "KVROUTE_BILLING_PROPERTY_EVENTS")
 _OTHER_ENV_PREFIXES = ("KVROUTE_TEST_",)
 
 
@@ -363,7 +396,7 @@ def read_block(path: Path) -> dict[str, Any]:
 
 def load_settings(proxy_config: str | Path | None = None, **overrides: Any) -> KvrouteSettings:
     """Settings from env, the YAML named by ``KVROUTE_CONFIG`` (else ``proxy_config``), then ``overrides``."""
-    check_env(os.environ)
+    check_env(kvroute_environment())
     try:
         first = KvrouteSettings(**overrides)
         block: dict[str, Any] = {}

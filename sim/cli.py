@@ -86,32 +86,39 @@ def build_workload(spec: str, block_tokens: int, params: dict[str, Any], *, spee
 
 
 def simulate_command(
-    workload: str = typer.Option(..., "--workload", "-w", help="gsp|one-shared-prefix|llmd-ladder|prefix-repetition|"
-                                 "prefix-ratio|chat|rag|agent|unique or mooncake:PATH|kvct:PATH|azure:PATH|log:PATH"),
-    replicas: int = typer.Option(8, "--replicas", "-r", min=1),
-    policies: str = typer.Option("", "--policies", help="Comma-separated; default: kvroute's default + baselines."),
-    preset: str = typer.Option("qwen3-32b-h100-tp2", "--preset"),
-    kv_tokens: int | None = typer.Option(None, "--kv-tokens", min=1, help="KV capacity per replica (tokens)."),
-    gpu_hour: str | None = typer.Option(None, "--usd-per-gpu-hour", help="Price per GPU-hour (default: preset's)."),
-    param: list[str] = typer.Option([], "--param", "-p", help="Generator parameter key=value (repeatable)."),
-    speedup: float = typer.Option(1.0, "--speedup", help="Divide trace timestamps by this."),
-    limit: int | None = typer.Option(None, "--limit", min=1, help="Read at most this many trace requests."),
-    max_concurrency: int | None = typer.Option(None, "--max-concurrency", min=1,
+    workload: str = typer.Option(..., "--workload", "-w", metavar="NAME",
+                                 help="gsp, one-shared-prefix, llmd-ladder, prefix-repetition, prefix-ratio, chat, "
+                                 "rag, agent, unique; or a trace: mooncake:PATH, kvct:PATH, azure:PATH, log:PATH"),
+    replicas: int = typer.Option(8, "--replicas", "-r", min=1, metavar="N"),
+    policies: str = typer.Option("", "--policies", metavar="A,B",
+                                 help="Comma-separated; default: kvroute's default + baselines."),
+    preset: str = typer.Option("qwen3-32b-h100-tp2", "--preset", metavar="NAME"),
+    kv_tokens: int | None = typer.Option(None, "--kv-tokens", min=1, metavar="N",
+                                         help="KV capacity per replica (tokens)."),
+    gpu_hour: str | None = typer.Option(None, "--usd-per-gpu-hour", metavar="USD",
+                                        help="Price per GPU-hour (default: preset's)."),
+    param: list[str] = typer.Option([], "--param", "-p", metavar="K=V",
+                                    help="Generator parameter key=value (repeatable)."),
+    speedup: float = typer.Option(1.0, "--speedup", metavar="X", help="Divide trace timestamps by this."),
+    limit: int | None = typer.Option(None, "--limit", min=1, metavar="N",
+                                     help="Read at most this many trace requests."),
+    max_concurrency: int | None = typer.Option(None, "--max-concurrency", min=1, metavar="N",
                                                help="Client-side cap on in-flight requests."),
     no_metrics: bool = typer.Option(False, "--no-metrics", help="Do not feed scraped engine metrics to routers."),
     json_out: bool = typer.Option(False, "--json", help="Print the JSON summary instead of the table "
                                   "(same as --format json)."),
-    fmt: str = typer.Option("table", "--format", help="table | json | csv (printed on stdout)"),
-    csv_path: Path | None = typer.Option(None, "--csv", help="Write all figures as CSV."),
-    html_path: Path | None = typer.Option(None, "--html", help="Write a self-contained HTML report."),
-    plots_dir: Path | None = typer.Option(None, "--plots", help="Write PNG plots into this folder."),
+    fmt: str = typer.Option("table", "--format", metavar="FMT", help="table | json | csv (printed on stdout)"),
+    csv_path: Path | None = typer.Option(None, "--csv", metavar="FILE", help="Write all figures as CSV."),
+    html_path: Path | None = typer.Option(None, "--html", metavar="FILE", help="Write a self-contained HTML report."),
+    plots_dir: Path | None = typer.Option(None, "--plots", metavar="DIR", help="Write PNG plots into this folder."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
-    hosted: Path | None = typer.Option(None, "--hosted", help="YAML of hosted routes (price, TTFT, rate limits, "
-                                       "outages) and a ttft_target_s: compare the overflow strategies instead."),
-    strategies: str = typer.Option("", "--strategies", help="With --hosted: comma-separated subset of "
-                                   "self_hosted,fallback_on_error,always_hosted,hybrid (default: all)."),
-    spike: str | None = typer.Option(None, "--spike-window", help="With --hosted: START:END seconds counted as "
-                                     "the spike (default: the busiest 10 minutes, or third of the run)."),
+    hosted: Path | None = typer.Option(None, "--hosted", metavar="FILE", help="YAML of hosted routes (price, TTFT, "
+                                       "rate limits, outages) and a ttft_target_s: compare the overflow strategies "
+                                       "instead."),
+    strategies: str = typer.Option("", "--strategies", metavar="A,B", help="With --hosted: a subset of self_hosted, "
+                                   "fallback_on_error, always_hosted, hybrid (default: all)."),
+    spike: str | None = typer.Option(None, "--spike-window", metavar="START:END", help="With --hosted: seconds "
+                                     "counted as the spike (default: the busiest 10 minutes, or third of the run)."),
 ) -> None:
     """Replay a workload on a simulated fleet under several routing policies and compare them."""
     from rich.console import Console

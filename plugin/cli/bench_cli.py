@@ -17,7 +17,7 @@ def decision(
     backends: str = typer.Option("4,16,64", help="Backend counts, comma-separated."),
     repeats: int = typer.Option(300, min=10, help="Timed picks per case."),
     litellm_baseline: bool = typer.Option(True, "--litellm/--no-litellm",
-                                          help="Also time LiteLLM Router.acompletion(mock_response)."),
+                                          help="Also time LiteLLM's Router.acompletion (a mock response)."),
 ) -> None:
     """Fingerprint + pick latency for chat prompts on a warm index, against one xxh3 pass."""
     from kvroute.plugin.cli.output import resolve_format, write_csv

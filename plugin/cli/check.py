@@ -9,7 +9,6 @@ replica's ``api_base`` and ``metrics_url``, Redis and the billing database and s
 from __future__ import annotations
 
 import difflib
-import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,11 +20,11 @@ from pydantic import ValidationError
 
 from kvroute.plugin.adapter.deployments import Backend, classify
 from kvroute.plugin.extras import missing_modules
-from kvroute.plugin.settings import ENV_REF, KvrouteSettings, load_settings, resolve_env_refs
+from kvroute.plugin.settings import ENV_REF, KvrouteSettings, kvroute_environment, load_settings, resolve_env_refs
 from kvroute.policies.errors import ConfigError
 
 CALLBACK = "kvroute.plugin.kvroute_callback"
-# KVROUTE_* variables read outside KvrouteSettings (billing settings, the CLI, the demo, the test harness).
+# KVROUTE_* variables of other settings classes (BillingSettings, CliSettings) and of the test harness.
 OTHER_ENV = ("KVROUTE_BILLING_", "KVROUTE_DEBUG", "KVROUTE_CACHE_DIR", "KVROUTE_CALLBACK", "KVROUTE_TEST_")
 
 
@@ -77,8 +76,8 @@ def _url_problem(value: Any) -> str | None:
 
 def _check_env(report: CheckReport) -> None:
     fields = {name.upper() for name in KvrouteSettings.model_fields}
-    for name in sorted(os.environ):
-        if not name.startswith("KVROUTE_") or name.startswith(OTHER_ENV):
+    for name in sorted(kvroute_environment()):
+        if name.startswith(OTHER_ENV):
             continue
         key = name[len("KVROUTE_"):].split("__", 1)[0]
         if key in fields:
@@ -212,7 +211,7 @@ def check_config(path: str | Path) -> CheckReport:
         report.problems.append("top level must be a mapping")
         return report
     for where, name in _env_refs(raw, ""):
-        if name not in os.environ:
+        if resolve_env_refs(ENV_REF + name) is None:
             report.problems.append(f"{where}: {ENV_REF}{name} is not set")
     doc = resolve_env_refs(raw)
     _check_env(report)
@@ -298,5 +297,11 @@ def probe(report: CheckReport, timeout: float = 3.0) -> list[Probe]:
     if s is not None and s.redis_url:
         out.append(_redis(s.redis_url, timeout))
     if s is not None and s.billing_db:
-        out.append(_database(s.billing_db, timeout))
+        try:
+            ledger = s.ledger_location().db_url  # the proxy's ledger, resolved the way the proxy resolves it
+        except ConfigError as exc:
+            out.append(Probe("billing db", s.billing_db, False, str(exc)))
+        else:
+            if ledger is not None:
+                out.append(_database(ledger, timeout))
     return out

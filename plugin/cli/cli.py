@@ -8,7 +8,6 @@ stderr (a missing extra, an unreachable database, a bad config naming its key, a
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -152,7 +151,9 @@ def one_line_error(exc: BaseException, command: str) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     """Run the CLI; errors become one line on stderr and exit 2 (1 for unexpected ones) unless debugging."""
     args = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in args or os.environ.get("KVROUTE_DEBUG", "").lower() in ("1", "true", "yes")
+    from kvroute.plugin.settings import CliSettings
+
+    debug = "--debug" in args or CliSettings().debug
     args = [a for a in args if a != "--debug"]
     command = command_name(args)
     try:

@@ -118,16 +118,19 @@ def status(
     proxy: str = typer.Option("http://127.0.0.1:4000", "--proxy", help="Base URL of the LiteLLM proxy."),
     as_json: bool = typer.Option(False, "--json", help="Print the raw JSON (same as --format json)."),
     fmt: str = typer.Option("table", "--format", help="table | json | csv (one row per backend)"),
-    api_key: str | None = typer.Option(None, "--api-key", envvar="LITELLM_MASTER_KEY",
-                                       help="Master key or an admin key of the proxy."),
+    api_key: str | None = typer.Option(None, "--api-key",
+                                       help="Master key or an admin key of the proxy (default LITELLM_MASTER_KEY)."),
     path: str = typer.Option("/kvroute/status", "--path", help="Status route the plugin mounted."),
     show_api_base: bool = typer.Option(False, "--api-base", help="Also show each backend's api_base."),
 ) -> None:
     """Breaker state, in-flight requests and index size per backend, from the running proxy (needs the master
     key or an admin key: ``--api-key`` or ``LITELLM_MASTER_KEY``)."""
     from kvroute.plugin.cli.output import resolve_format, write_csv, write_json
+    from kvroute.plugin.settings import CliSettings
 
     fmt = resolve_format(fmt, as_json)
+    if api_key is None and (master := CliSettings().master_key) is not None:
+        api_key = master.get_secret_value()
     try:
         data = fetch_status(proxy, path + ("?show=api_base" if show_api_base else ""), api_key)
     except RuntimeError as exc:

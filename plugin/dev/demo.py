@@ -164,8 +164,8 @@ def demo_command(
     engine: str = typer.Option("auto", help="auto (llama.cpp when xllamacpp is installed), llamacpp or fake."),
     json_out: bool = typer.Option(False, "--json", help="Print the figures as JSON only (same as --format json)."),
     fmt: str = typer.Option("table", "--format", help="table | json | csv (one row per policy)"),
-    cache_dir: str = typer.Option(None, envvar="KVROUTE_CACHE_DIR",
-                                  help="Where the tiny llama.cpp model is cached (default ~/.cache/kvroute)."),
+    cache_dir: str = typer.Option(None, help="Where the tiny llama.cpp model is cached (default "
+                                              "KVROUTE_CACHE_DIR, else ~/.cache/kvroute)."),
 ) -> None:
     """Run local replicas behind a real LiteLLM proxy and compare kvroute with round robin."""
     from rich.console import Console
@@ -173,9 +173,12 @@ def demo_command(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from kvroute.plugin.cli.output import resolve_format, stdout_console, write_csv
+    from kvroute.plugin.settings import CliSettings
 
     fmt = resolve_format(fmt, json_out)
     err = Console(stderr=True)
+    if cache_dir is None and (from_env := CliSettings().cache_dir) is not None:
+        cache_dir = str(from_env)
     options = DemoOptions(replicas=replicas, requests=requests, engine=engine, cache_dir=cache_dir)
     started = time.perf_counter()
     try:

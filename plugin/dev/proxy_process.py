@@ -7,7 +7,6 @@ waits for ``/health/readiness``, keeps its log, and always stops it.
 
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import subprocess
@@ -21,6 +20,7 @@ from typing import Any
 import httpx
 import yaml
 
+from kvroute.billing.settings import child_environment
 from kvroute.plugin.dev.child_processes import (
     ChildOwner,
     spawn,
@@ -165,7 +165,7 @@ class ProxyProcess(ChildOwner):
         return {"Authorization": f"Bearer {self.master_key}"} if self.master_key else {}
 
     def env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if self.inherit_kvroute_env or not k.startswith("KVROUTE_")}
+        env = {k: v for k, v in child_environment().items() if self.inherit_kvroute_env or not k.startswith("KVROUTE_")}
         env["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
         env.setdefault("LITELLM_LOG", "WARNING")
         env["NO_PROXY"] = env["no_proxy"] = "127.0.0.1,localhost"
