@@ -40,6 +40,11 @@ def is_kvroute(policy: str) -> bool:
     return policy == DEFAULT_POLICY or policy.startswith("kvroute")
 
 
+def label(policy: str) -> str:
+    """The legend's name of a policy: kvroute's default says it is kvroute's."""
+    return f"{policy} (kvroute)" if policy == DEFAULT_POLICY else policy
+
+
 def line_style(policy: str, index: int) -> dict[str, object]:
     """Matplotlib keywords for one policy's line: kvroute's is red, 3 px and on top; the rest thin, muted."""
     if is_kvroute(policy):
@@ -88,13 +93,13 @@ def figures(comp: Comparison) -> dict[str, object]:
             pts = [(float(lbl), v) for lbl, v in m.stage_ttft_p90 if _is_number(lbl)]
             style = line_style(m.policy, others)
             others += not is_kvroute(m.policy)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=m.policy, **style)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label(m.policy), **style)
         ax.set_xlabel("offered load (QPS)")
         ax.set_ylabel("TTFT p90 (s)")
         ax.set_yscale("log")
         legend = ax.legend(fontsize=8)
         for text in legend.get_texts():
-            if is_kvroute(text.get_text()):
+            if text.get_text().endswith("(kvroute)") or text.get_text().startswith("kvroute"):
                 text.set_fontweight("bold")
         ax.set_title(f"{comp.workload.name}: TTFT p90 vs QPS (kvroute in red)")
         out["ttft_p90_vs_qps"] = fig

@@ -49,8 +49,10 @@ def test_kvroute_bars_have_their_own_colour(figures, name):
 
 
 def test_kvroute_line_is_distinct_thicker_and_on_top(figures):
-    lines = {line.get_label(): line for line in figures["ttft_p90_vs_qps"].axes[0].get_lines()}
+    drawn = figures["ttft_p90_vs_qps"].axes[0].get_lines()
+    lines = {line.get_label().removesuffix(" (kvroute)"): line for line in drawn}
     assert set(lines) == set(POLICIES)
+    assert plots.label("cache_aware") == "cache_aware (kvroute)"
     others = [line for p, line in lines.items() if not plots.is_kvroute(p)]
     for policy in ("cache_aware", "kvroute_precise"):
         line = lines[policy]
