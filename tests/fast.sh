@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The fast lane: ruff, then every test but the e2e and slow ones (about a minute on a 2-core machine).
+# The fast lane: ruff, then every test but the e2e and slow ones (about two minutes on a 2-core machine).
 # No installs and no services of its own (run the README's set-up command once; billing tests start a
 # throw-away PostgreSQL themselves when initdb is installed, Redis tests skip without redis-server).
 # Extra arguments go to pytest. The whole suite: bash tests/run.sh.
