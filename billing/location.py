@@ -2,7 +2,8 @@
 
 The proxy (``kvroute.plugin.adapter.billing_feed``), ``kvroute report``, ``kvroute billing`` and ``kvroute billing
 dead-letter`` all call ``ledger_location`` with the same settings (``KVROUTE_DATA_DIR``, ``KVROUTE_BILLING_DB``,
-``KVROUTE_BILLING_SPOOL``), so a report run beside a proxy reads the ledger that proxy writes:
+``KVROUTE_BILLING_SPOOL``, over ``data_dir``/``billing_db``/``billing_spool`` in the ``KVROUTE_CONFIG`` file's
+``kvroute:`` block), so a report run beside a proxy reads the ledger that proxy writes:
 ``KVROUTE_BILLING_DB`` when set, else ``<data dir>/billing.db``.
 """
 

@@ -10,7 +10,7 @@ import pytest
 
 from kvroute.billing.location import location_from
 from kvroute.billing.settings import BillingSettings, DrainSettings
-from kvroute.plugin.settings import CliSettings, KvrouteSettings
+from kvroute.plugin.settings import CliSettings, KvrouteSettings, load_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 READERS = {"plugin/settings.py", "billing/settings.py"}
@@ -46,6 +46,24 @@ def test_proxy_and_commands_resolve_one_ledger(tmp_path, monkeypatch):
         for name, value in env.items():
             monkeypatch.setenv(name, value)
         assert KvrouteSettings().ledger_location() == location_from(BillingSettings()), env
+
+
+def test_commands_read_the_ledger_keys_of_the_proxys_yaml(tmp_path, monkeypatch):
+    """A proxy configured by ``KVROUTE_CONFIG`` with ``data_dir``/``billing_db``/``billing_spool`` in its
+    ``kvroute:`` block: ``kvroute report``/``billing`` (BillingSettings) find the same ledger; env still wins."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("KVROUTE_DATA_DIR", "KVROUTE_BILLING_DB", "KVROUTE_BILLING_SPOOL"):
+        monkeypatch.delenv(name, raising=False)
+    config = tmp_path / "proxy.yaml"
+    config.write_text("kvroute:\n  data_dir: data\n  billing_spool: os.environ/SPOOL_DIR\n")
+    monkeypatch.setenv("KVROUTE_CONFIG", str(config))
+    monkeypatch.setenv("SPOOL_DIR", str(tmp_path / "spool"))
+    proxy = load_settings().ledger_location()
+    assert proxy.data_dir == tmp_path / "data" and proxy.journal == tmp_path / "spool"
+    assert location_from(BillingSettings()) == proxy
+    monkeypatch.setenv("KVROUTE_DATA_DIR", str(tmp_path / "env"))
+    assert location_from(BillingSettings()) == load_settings().ledger_location()
+    assert location_from(BillingSettings()).data_dir == tmp_path / "env"
 
 
 @pytest.mark.parametrize(("value", "debug"), [("1", True), ("yes", True), ("TRUE", True), ("0", False),
