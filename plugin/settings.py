@@ -14,7 +14,7 @@ import contextlib
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import (
@@ -35,6 +35,9 @@ from kvroute.plugin.state.redis_url import FROM_LITELLM, from_litellm
 from kvroute.plugin.state.redis_url import check as check_redis_url
 from kvroute.policies.errors import ConfigError
 from kvroute.policies.registry import DEFAULT_POLICY, build_config
+
+if TYPE_CHECKING:
+    from kvroute.billing.location import LedgerLocation
 
 
 def _load_optional_policies() -> None:
@@ -255,7 +258,7 @@ class KvrouteSettings(BaseSettings):
     def group(self, name: str) -> GroupSettings:
         return self.groups.get(name) or GroupSettings()
 
-    def ledger_location(self) -> Any:
+    def ledger_location(self) -> LedgerLocation:
         """Where the proxy's ledger, journal and dead letters live (``kvroute.billing.location.ledger_location``,
         the function every billing command resolves them with)."""
         from kvroute.billing.location import ledger_location
@@ -325,7 +328,7 @@ def _check_precise(group: str, block: Mapping[str, Any], where: str) -> None:
 
 
 _NESTED_ENV = ("groups", "rules", "breaker", "default_knobs")
-# KVROUTE_* variables read elsewhere: the CLI's cache folder and the test suite's own service URLs.
+# KVROUTE_* variables of CliSettings (the CLI's switches) and of the test suite.
 _OTHER_ENV = ("KVROUTE_CACHE_DIR", "KVROUTE_DEBUG", "KVROUTE_BILLING_PROPERTY_EVENTS")
 _OTHER_ENV_PREFIXES = ("KVROUTE_TEST_",)
 
