@@ -674,8 +674,9 @@ class KvrouteCallback(CustomLogger):
                 SUCCESS, backend_id, now, cached_tokens=cached, ttft_s=ttft,
                 output_tokens=completion_tokens_of(response_obj), duration_s=duration_s(start_time, end_time),
                 prompt_tokens=prompt_tokens or None, health="success", started_at=ticket.started), policy=ticket.policy)
-        elif backend_id is not None:
+        elif backend_id is not None:  # not routed by kvroute: the breaker still hears it
             self.health.record(backend_id, "success", now, ttft_s=ttft)
+        if backend_id is not None:
             cost = kwargs.get("response_cost", slo.get("response_cost"))
             app = ticket.app if ticket else self._app(request_metadata(kwargs) or {}, kwargs)
             self.metrics.completed(group, backend_id, app, prompt_tokens, cached, ttft,
