@@ -493,8 +493,9 @@ class KvrouteCallback(CustomLogger):
         """A new pick for the same request means the previous attempt is over (retry or fallback)."""
         prev = self.ids.ticket_of(meta)
         ticket = self.tickets.pop(prev, None) if prev else None
-        if ticket is not None:
-            ticket.router.on_failure(ticket.rid, before_prefill=True)
+        if ticket is not None:  # superseded: the policy hears it now; its late failure hook finds no ticket
+            ticket.router.finish(ticket.request, RequestOutcome(FAILURE, ticket.backend, self.clock()),
+                                 policy=ticket.policy)
         if prev and self.billing is not None:
             self.billing.superseded(prev)
 
@@ -502,7 +503,7 @@ class KvrouteCallback(CustomLogger):
         self.tickets[ticket.rid] = ticket
         if len(self.tickets) > MAX_TICKETS:
             _, old = self.tickets.popitem(last=False)
-            old.router.on_cancel(old.rid)
+            old.router.finish(old.request, RequestOutcome(CANCELLED, old.backend, self.clock()), policy=old.policy)
 
     def _ticket(self, kwargs: Mapping[str, Any], pop: bool = False) -> Ticket | None:
         """The open ticket of the attempt in ``kwargs`` (only a ticket id kvroute itself wrote is honoured)."""
