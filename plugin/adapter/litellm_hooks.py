@@ -346,9 +346,10 @@ class KvrouteCallback(CustomLogger):
             return hybrid.route_sides(backends, *(billing.price_view(b.id for b in backends) if billing else ({}, {})))
 
         shared, group = self._shared, backends[0].group if backends else None
+        share = (lambda p: hybrid.share_guard(p, shared, group)) if shared is not None and group is not None else None
         router.bind(policy, FleetView(
             health=self.health.board, quotes=tuple(q for q in map(provider_quote, backends) if q is not None),
-            sides=sides, share=(lambda p: hybrid.share_guard(p, shared, group)) if shared and group else None))
+            sides=sides, share=share))
 
     # --- the pick ----------------------------------------------------------------------------------
     async def async_filter_deployments(self, model: str, healthy_deployments: list, messages: Any,
