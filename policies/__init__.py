@@ -18,6 +18,7 @@ from kvroute.policies.fingerprint import (
 from kvroute.policies.health import BreakerConfig, BreakerState, CircuitBreaker, HealthBoard, Outcome, classify
 from kvroute.policies.hybrid import HostedQuote, Hybrid, HybridConfig, OverflowGuard, SelfHostedRate
 from kvroute.policies.least_load import LeastLoad
+from kvroute.policies.lifecycle import FleetView, RequestOutcome, RouteSides
 from kvroute.policies.load import BackendLoad, ExternalSignal, LoadTracker
 from kvroute.policies.marketplace import Marketplace, MarketplaceConfig, ProviderQuote
 from kvroute.policies.prefix_hash import PrefixHash, PrefixHashConfig
@@ -42,6 +43,7 @@ __all__ = [
     "ExternalSignal",
     "FingerprintConfig",
     "Fingerprinter",
+    "FleetView",
     "HealthBoard",
     "HostedQuote",
     "Hybrid",
@@ -61,7 +63,9 @@ __all__ = [
     "PrefixIndexConfig",
     "PrefixLocator",
     "ProviderQuote",
+    "RequestOutcome",
     "RoundRobin",
+    "RouteSides",
     "Router",
     "RouterConfig",
     "RoutingRequest",

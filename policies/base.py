@@ -1,7 +1,9 @@
 """The policy contract and the shared state every policy reads.
 
-A policy is small: ``select`` looks at one request and the candidate backends and returns a
-``Decision``; ``on_complete`` lets it learn. State (index, load, clock) is owned by the ``Router``.
+A policy is small: ``select`` looks at one request and the candidate backends and returns a ``Decision``;
+``bind`` hands it the fleet, ``observe`` how each attempt ended, ``snapshot`` shows its state. Every hook but
+``select`` defaults to doing nothing. State (index, load, clock) is owned by the ``Router``, which calls
+``observe`` from ``Router.finish`` after updating load and index.
 """
 
 from __future__ import annotations
@@ -9,10 +11,11 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any
 
 from kvroute.policies.decision import Decision
 from kvroute.policies.hashing import Rendezvous
+from kvroute.policies.lifecycle import FleetView, RequestOutcome
 from kvroute.policies.load import LoadTracker
 from kvroute.policies.prefix_index import PrefixLocator
 from kvroute.policies.request import RoutingRequest
@@ -28,14 +31,27 @@ class RoutingState:
     rng: random.Random = field(default_factory=lambda: random.Random(0))
 
 
-class Policy(Protocol):
-    """Picks one backend among ``candidates`` (non-empty, healthy) for ``request`` at time ``now``."""
+class Policy:
+    """Base of every policy: subclass it, set ``name``, implement ``select``; override a hook only to use it."""
 
-    name: str
+    name: str = "policy"
+    #: simulator only: KV events reach this policy's router that many seconds late (None: approximate index)
+    event_delay_s: float | None = None
 
-    def select(
-        self, request: RoutingRequest, candidates: Sequence[str], state: RoutingState, now: float
-    ) -> Decision: ...
+    def select(self, request: RoutingRequest, candidates: Sequence[str], state: RoutingState,
+               now: float) -> Decision:
+        """Pick one backend among ``candidates`` (non-empty, healthy) for ``request`` at time ``now``."""
+        raise NotImplementedError
+
+    def bind(self, fleet: FleetView) -> None:
+        """Learn the fleet (breakers, rate cards, hosted routes, simulated engines); may be called again."""
+
+    def observe(self, request: RoutingRequest, outcome: RequestOutcome) -> None:
+        """Learn how one routed attempt of ``request`` ended (after the router has updated load and index)."""
+
+    def snapshot(self, now: float) -> dict[str, Any]:
+        """State worth showing on a status page ({}: nothing to show)."""
+        return {}
 
 
 def least_loaded(candidates: Sequence[str], state: RoutingState, now: float) -> str:

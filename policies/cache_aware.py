@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import itemgetter
 
-from kvroute.policies.base import RoutingState, least_load_decision
+from kvroute.policies.base import Policy, RoutingState, least_load_decision
 from kvroute.policies.decision import Decision
 from kvroute.policies.filters import hot_limit, hot_load
 from kvroute.policies.hashing import Rendezvous
@@ -94,7 +94,7 @@ class CacheAwareConfig:
                            self.chunk_tokens, self.slots)
 
 
-class CacheAware:
+class CacheAware(Policy):
     name = "cache_aware"
 
     def __init__(self, config: CacheAwareConfig | None = None) -> None:

@@ -29,15 +29,15 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
-from kvroute.policies.base import RoutingState
+from kvroute.policies.base import Policy, RoutingState
 from kvroute.policies.cache_aware import CacheAware, CacheAwareConfig
 from kvroute.policies.decision import Decision
 from kvroute.policies.health import HealthBoard
+from kvroute.policies.lifecycle import FleetView, RequestOutcome
 from kvroute.policies.marketplace import Marketplace, MarketplaceConfig, ProviderQuote, to_price
 from kvroute.policies.overflow_guard import OverflowGuard
 from kvroute.policies.prediction_error import PredictionError
 from kvroute.policies.request import RoutingRequest
-from kvroute.policies.speed import EngineSpeed
 
 __all__ = ["HostedQuote", "Hybrid", "HybridConfig", "OverflowGuard", "SelfHostedRate"]
 
@@ -173,9 +173,9 @@ class HostedQuote:
         return self.ttft_s is None or self.ttft_s <= target_s
 
 
-class Hybrid:
-    """The ``hybrid`` policy. Feed it rate cards (``add_quotes``), self-hosted rates, health and outcomes
-    (``record_success``); read ``snapshot`` for its state. One instance per model group."""
+class Hybrid(Policy):
+    """The ``hybrid`` policy. Feed it the fleet (``bind``: health, rate cards, hosted routes, self-hosted rates)
+    and outcomes (``observe``); read ``snapshot`` for its state. One instance per model group."""
 
     name = "hybrid"
 
@@ -208,8 +208,32 @@ class Hybrid:
     def health(self) -> HealthBoard | None:
         return self.market.health
 
-    def attach_health(self, health: HealthBoard | None) -> None:
-        self.market.attach_health(health)
+    def bind(self, fleet: FleetView) -> None:
+        """Keep one guard and marketplace per group (a rule's own hybrid spends and learns with the group's),
+        take breakers and rate cards, learn which backends are hosted and what a replica's token costs, and
+        join the fleet's spend window (``fleet.share``)."""
+        if fleet.group_state is not None:
+            self.guard, self.market = fleet.group_state.setdefault("hybrid", (self.guard, self.market))
+        self.market.bind(fleet)
+        self._hosted.update(q.backend for q in fleet.quotes)
+        if fleet.sides is not None:
+            sides = fleet.sides()
+            self.mark_hosted(sides.hosted)
+            for backend, rate in sides.self_hosted_rates.items():
+                self.set_self_hosted_rate(backend, rate)
+        if fleet.share is not None:
+            fleet.share(self)
+
+    def observe(self, request: RoutingRequest, outcome: RequestOutcome) -> None:
+        """A success is learnt (``record_success``); any other end releases the attempt's reservation."""
+        if not outcome.ok:  # what a failed attempt was billed reaches the ledger, not here
+            self.guard.release(request.request_id)
+            if self.errors is not None:
+                self.errors.forget(request.request_id)
+        elif outcome.backend is not None:
+            self.record_success(request, outcome.backend, outcome.at, cached_tokens=outcome.cached_tokens,
+                                ttft_s=outcome.ttft_s, output_tokens=outcome.output_tokens,
+                                duration_s=outcome.duration_s, prompt_tokens=outcome.prompt_tokens)
 
     def add_quotes(self, quotes: Iterable[ProviderQuote]) -> None:
         """Rate cards of hosted backends (quotes given in config win); a quoted backend is a hosted route."""
@@ -258,13 +282,7 @@ class Hybrid:
     def observe_hosted_ttft(self, backend: str, ttft_s: float, at: float) -> None:
         """Another instance saw ``ttft_s`` from hosted ``backend`` at ``at`` (this instance's clock)."""
         if self.is_hosted(backend):
-            self.market.observe(backend, at, ttft_s=ttft_s)
-
-    def record_failure(self, request: RoutingRequest) -> None:
-        """An attempt failed: its reservation goes (what a failed attempt was billed reaches the ledger, not here)."""
-        self.guard.release(request.request_id)
-        if self.errors is not None:
-            self.errors.forget(request.request_id)
+            self.market.learn(backend, at, ttft_s=ttft_s)
 
     # --- prices and times -----------------------------------------------------------------------
     def self_rate(self, backend: str | None) -> SelfHostedRate | None:
@@ -278,7 +296,7 @@ class Hybrid:
         factor = load.factor(backend) or 1.0
         if decision.predicted_ttft_s > 0:
             return factor * decision.predicted_ttft_s + decision.fixed_wait_s
-        speed = getattr(self.self_policy, "speed", None) or EngineSpeed()
+        speed = self.self_policy.speed
         return factor * (load.work_s(backend) + speed.prefill_s(request.prompt_tokens))
 
     def hosted_quotes(self, request: RoutingRequest, hosted: Sequence[str], now: float) -> tuple[

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvroute.policies.base import RoutingState, least_load_decision
+from kvroute.policies.base import Policy, RoutingState, least_load_decision
 from kvroute.policies.decision import Decision
 from kvroute.policies.request import RoutingRequest
 
@@ -15,7 +15,7 @@ class LeastLoadConfig:
     """No knobs: in-flight count, then queued prefill tokens, then least recently picked."""
 
 
-class LeastLoad:
+class LeastLoad(Policy):
     name = "least_load"
 
     def __init__(self, config: LeastLoadConfig | None = None) -> None:

@@ -21,10 +21,11 @@ from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from kvroute.policies.base import RoutingState
+from kvroute.policies.base import Policy, RoutingState
 from kvroute.policies.decision import Decision
 from kvroute.policies.errors import ConfigError
 from kvroute.policies.health import HealthBoard
+from kvroute.policies.lifecycle import FleetView, RequestOutcome
 from kvroute.policies.request import RoutingRequest
 from kvroute.policies.rolling import RollingLatency, percentile
 
@@ -261,8 +262,8 @@ class _Sticky:
     at: float
 
 
-class Marketplace:
-    """The ``marketplace`` policy; feed it quotes (``set_quotes``), outcomes (``record_success``) and health."""
+class Marketplace(Policy):
+    """The ``marketplace`` policy; feed it quotes (``set_quotes`` or ``bind``), outcomes (``observe``) and health."""
 
     name = "marketplace"
 
@@ -278,8 +279,19 @@ class Marketplace:
             self.set_quotes(self.config.parsed_quotes())
 
     # --- inputs ---------------------------------------------------------------------------------
-    def attach_health(self, health: HealthBoard | None) -> None:
-        self.health = health
+    def bind(self, fleet: FleetView) -> None:
+        """Take the fleet's breakers (unless it has its own) and its rate cards (quotes already set win)."""
+        if self.health is None and fleet.health is not None:
+            self.health = fleet.health
+        if fleet.quotes:
+            self.add_quotes(fleet.quotes)
+
+    def observe(self, request: RoutingRequest, outcome: RequestOutcome) -> None:
+        """A success teaches it (``record_success``); a failure never moves a pin."""
+        if outcome.ok and outcome.backend is not None:
+            self.record_success(request, outcome.backend, outcome.at, cached_tokens=outcome.cached_tokens,
+                                ttft_s=outcome.ttft_s, output_tokens=outcome.output_tokens,
+                                duration_s=outcome.duration_s, prompt_tokens=outcome.prompt_tokens)
 
     def set_quotes(self, quotes: Iterable[ProviderQuote]) -> None:
         """Replace the rate cards; a tier not in ``config.tiers`` raises ``ConfigError``."""
@@ -305,7 +317,7 @@ class Marketplace:
             s = self._stats[backend] = _Stats(self.config)
         return s
 
-    def observe(self, backend: str, now: float, *, prompt_tokens: int | None = None,
+    def learn(self, backend: str, now: float, *, prompt_tokens: int | None = None,
                 cached_tokens: int | None = None, ttft_s: float | None = None,
                 output_tokens: int | None = None, duration_s: float | None = None) -> None:
         """Learn from one successful response: cache hit share (EWMA), TTFT and throughput windows."""
@@ -364,7 +376,7 @@ class Marketplace:
         ``prompt_tokens``: the response's own count (default: the request's estimate). Failures are never
         reported here, so an error never moves a pin; the next success re-pins."""
         prompt = prompt_tokens if prompt_tokens is not None and prompt_tokens > 0 else request.prompt_tokens
-        self.observe(backend, now, prompt_tokens=prompt, cached_tokens=cached_tokens,
+        self.learn(backend, now, prompt_tokens=prompt, cached_tokens=cached_tokens,
                      ttft_s=ttft_s, output_tokens=output_tokens, duration_s=duration_s)
         key = self.sticky_key(request)
         quote = self._quotes.get(backend)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvroute.policies.base import RoutingState, least_load_decision
+from kvroute.policies.base import Policy, RoutingState, least_load_decision
 from kvroute.policies.decision import Decision
 from kvroute.policies.filters import sticky_within_bound
 from kvroute.policies.request import RoutingRequest
@@ -27,7 +27,7 @@ class PrefixHashConfig:
             raise ValueError("epsilon must be >= 0")
 
 
-class PrefixHash:
+class PrefixHash(Policy):
     name = "prefix_hash"
 
     def __init__(self, config: PrefixHashConfig | None = None) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvroute.policies.base import RoutingState
+from kvroute.policies.base import Policy, RoutingState
 from kvroute.policies.decision import Decision
 from kvroute.policies.request import RoutingRequest
 
@@ -15,7 +15,7 @@ class RoundRobinConfig:
     """No knobs."""
 
 
-class RoundRobin:
+class RoundRobin(Policy):
     name = "round_robin"
 
     def __init__(self, config: RoundRobinConfig | None = None) -> None:

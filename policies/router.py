@@ -1,7 +1,9 @@
 """The ``Router``: one façade over fingerprinting, the prefix index, load tracking and policies.
 
-Used identically by the LiteLLM plugin and the simulator. ``pick`` never raises: any internal error
-falls back to least-load and is recorded on the decision; lifecycle calls are idempotent.
+Used identically by the LiteLLM plugin and the simulators. A request's life is ``pick`` (charge load, insert
+its blocks), optionally ``on_attempt`` / ``on_first_token`` / ``on_answered``, then ``finish`` once per attempt:
+load, index, the policy (``observe``) and health, in that order, in one place. ``pick`` never raises: any
+internal error falls back to least-load and is recorded on the decision; lifecycle calls are idempotent.
 """
 
 from __future__ import annotations
@@ -9,12 +11,13 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvroute.policies.base import Policy, RoutingState, least_loaded
 from kvroute.policies.decision import Decision
 from kvroute.policies.fingerprint import FingerprintConfig, Fingerprinter
+from kvroute.policies.lifecycle import CANCELLED, SUCCESS, FleetView, HealthSink, RequestOutcome
 from kvroute.policies.load import ExternalSignal, LoadTracker
 from kvroute.policies.prefix_index import PrefixIndex, PrefixIndexConfig, PrefixLocator
 from kvroute.policies.registry import DEFAULT_POLICY, build_policy
@@ -60,8 +63,11 @@ class Router:
         clock: Callable[[], float] = time.monotonic,
         index: PrefixLocator | None = None,
         load: LoadTracker | None = None,
+        health: HealthSink | None = None,
     ) -> None:
         self.config = config or RouterConfig()
+        self.health = health
+        self.group_state: dict[str, Any] = {}  # shared by the policies this router serves (``FleetView.group_state``)
         self.clock = clock
         fp = self.config.fingerprint
         self.fingerprinter = Fingerprinter(fp)
@@ -235,6 +241,26 @@ class Router:
             del self._provisional[pending.backend]
 
     # --- lifecycle ------------------------------------------------------------------------------
+    def finish(self, request: RoutingRequest, outcome: RequestOutcome, *, policy: Policy | None = None) -> None:
+        """One routed attempt of ``request`` ended: release its load and settle the index (``on_complete``,
+        ``on_failure`` or ``on_cancel`` by ``outcome.kind``), let the policy that picked it (``policy``, else the
+        request's group's) ``observe`` it, then tell ``health`` (when the outcome names a breaker word)."""
+        rid = request.request_id or ""
+        if outcome.kind == SUCCESS:
+            self.on_complete(rid, cached_tokens=outcome.cached_tokens, backend=outcome.backend)
+        elif outcome.kind == CANCELLED:
+            self.on_cancel(rid)
+        else:
+            self.on_failure(rid, before_prefill=outcome.before_prefill)
+        (policy or self.policy_for(request.model)).observe(request, outcome)
+        if self.health is not None and outcome.backend is not None and outcome.health is not None:
+            self.health.record(outcome.backend, outcome.health, outcome.at, retry_after_s=outcome.retry_after_s,
+                               ttft_s=outcome.ttft_s, started_at=outcome.started_at)
+
+    def bind(self, policy: Policy, fleet: FleetView) -> None:
+        """Hand ``policy`` its fleet, with this router's group state (one per model group)."""
+        policy.bind(replace(fleet, group_state=self.group_state))
+
     def on_attempt(self, request_id: str, backend: str) -> None:
         """LiteLLM sent the request to ``backend`` (a retry may differ from the pick): follow it."""
         pending = self._pending.get(request_id)

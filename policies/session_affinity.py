@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvroute.policies.base import RoutingState, least_load_decision
+from kvroute.policies.base import Policy, RoutingState, least_load_decision
 from kvroute.policies.decision import Decision
 from kvroute.policies.filters import sticky_within_bound
 from kvroute.policies.request import RoutingRequest
@@ -25,7 +25,7 @@ class SessionAffinityConfig:
             raise ValueError("min_cap must be >= 1")
 
 
-class SessionAffinity:
+class SessionAffinity(Policy):
     name = "session_affinity"
 
     def __init__(self, config: SessionAffinityConfig | None = None) -> None:

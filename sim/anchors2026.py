@@ -3,7 +3,7 @@
 Each class is a reading of its upstream source with that source's defaults, named in its docstring; the
 simulator builds them from the shared policy registry like every other baseline (``kvroute.sim.baselines``
 registers them). Like the 2025 anchors they learn cache state from their own picks (approximate index), load
-from the router's in-flight counts, and completions through ``on_request_done(rid, backend, now)``.
+from the router's in-flight counts, and completions through ``observe``.
 
 ====================== ============================================= ===============================================
 policy                 routes on                                     spreads a prefix when
@@ -28,7 +28,14 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from kvroute.policies import PrefixIndex, RoutingRequest, RoutingState, register_policy
+from kvroute.policies import (
+    Policy,
+    PrefixIndex,
+    RequestOutcome,
+    RoutingRequest,
+    RoutingState,
+    register_policy,
+)
 from kvroute.policies.decision import Decision
 from kvroute.policies.hashing import Rendezvous
 from kvroute.sim.baselines import DynamoApprox, DynamoConfig, OwnIndex, _decision
@@ -48,7 +55,7 @@ class Smg2026Config:
     max_tree_tokens: int = (1 << 26) // 4
 
 
-class Smg2026CacheAware:
+class Smg2026CacheAware(Policy):
     """SMG 1.9 ``cache_aware`` (``model_gateway/src/policies/cache_aware.rs``): the fleet-wide
     imbalance switch is gone. Per request: if the best match rate beats ``cache_threshold``, pressure-select
     (least in-flight) among the workers holding that match; else the least-loaded worker. Then the per-request
@@ -110,7 +117,7 @@ class Llmd2026Config:
     seed: int = 0
 
 
-class Llmd2026:
+class Llmd2026(Policy):
     """Filter then score (``pkg/epp/framework/plugins/scheduling/filter/prefixcacheaffinity``,
     ``.../scorer/tokenload``): keep the endpoints whose prefix score (matched / total blocks) is at least
     ``affinity_threshold``; reopen the pool to every endpoint when the best sticky endpoint's estimated TTFT
@@ -161,8 +168,9 @@ class Llmd2026:
             self._tokens[backend] = self._tokens.get(backend, 0) + request.prompt_tokens
         return _decision(self.name, request, backend, reason, matches.get(backend, 0), scores)
 
-    def on_request_done(self, rid: str, backend: str | None, now: float) -> None:
-        got = self._inflight.pop(rid, None)
+    def observe(self, request: RoutingRequest, outcome: RequestOutcome) -> None:
+        """The request's prompt tokens leave its worker's load."""
+        got = self._inflight.pop(request.request_id or "", None)
         if got is not None:
             b, tokens = got
             self._tokens[b] = max(0, self._tokens.get(b, 0) - tokens)
@@ -209,7 +217,7 @@ class VllmStickyLeastLoadedConfig:
     session_ttl_s: float = 7200.0
 
 
-class VllmStickyLeastLoaded:
+class VllmStickyLeastLoaded(Policy):
     """vllm-router (``vllm-project/router``, README and ``docs/load_balancing/README.md``, 0.1.15): a new
     session goes to the worker with the fewest active sessions (ties by rendezvous hash) and stays there until
     that worker is unavailable or the session is idle past the TTL. The session key is the request's session

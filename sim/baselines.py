@@ -2,8 +2,8 @@
 
 Each one is registered in the shared policy registry under its own name, so the simulator (and any
 experiment) builds it exactly like kvroute's own policies. Round robin and least-load are kvroute's
-built-ins (``round_robin``, ``least_load``). Baselines that learn from completions expose
-``on_request_done(rid, backend, now)``; the oracle reads the simulated engines through ``attach_fleet``.
+built-ins (``round_robin``, ``least_load``). Each is a ``Policy``: baselines that learn from completions do it in
+``observe``; the oracles read the simulated engines handed to ``bind`` (``FleetView.replicas``).
 """
 
 from __future__ import annotations
@@ -19,8 +19,11 @@ from kvroute.policies import (
     CacheAware,
     CacheAwareConfig,
     Decision,
+    FleetView,
+    Policy,
     PrefixIndex,
     PrefixIndexConfig,
+    RequestOutcome,
     RoutingRequest,
     RoutingState,
     register_policy,
@@ -60,7 +63,7 @@ class RandomConfig:
     seed: int = 0
 
 
-class RandomPolicy:
+class RandomPolicy(Policy):
     name = "random"
 
     def __init__(self, config: RandomConfig | None = None) -> None:
@@ -82,7 +85,7 @@ class LiteLLMPromptCachingConfig:
     seed: int = 0
 
 
-class LiteLLMPromptCaching:
+class LiteLLMPromptCaching(Policy):
     """Exact pin of the cacheable prefix (up to the last ``cache_control`` marker) to the deployment that
     served it, written on success, read before routing; otherwise simple-shuffle (uniform random).
 
@@ -118,10 +121,11 @@ class LiteLLMPromptCaching:
                 return _decision(self.name, request, pin[0], "prompt_cache_pin")
         return _decision(self.name, request, self._rng.choice(list(candidates)), "simple_shuffle")
 
-    def on_request_done(self, rid: str, backend: str | None, now: float) -> None:
-        key = self._pending.pop(rid, None)
-        if key is not None and backend is not None:
-            self._pins[key] = (backend, now + self.config.ttl_s)
+    def observe(self, request: RoutingRequest, outcome: RequestOutcome) -> None:
+        """Pin the prefix to the deployment that served it (written on the request's end, as LiteLLM does)."""
+        key = self._pending.pop(request.request_id or "", None)
+        if key is not None and outcome.backend is not None:
+            self._pins[key] = (outcome.backend, outcome.at + self.config.ttl_s)
 
 
 # --- SGLang cache_aware ------------------------------------------------------------------------------
@@ -137,7 +141,7 @@ class SGLangCacheAwareConfig:
     eviction_interval_s: float = 120.0
 
 
-class SGLangCacheAware:
+class SGLangCacheAware(Policy):
     """Imbalance switch (``max−min > abs`` and ``max > rel·min`` → least-loaded), else the best prefix
     match if its rate beats ``cache_threshold``, else least-loaded; the chosen worker's tree gets the
     prompt. Load is the router's in-flight count per worker. Tree = per-worker block LRU."""
@@ -188,7 +192,7 @@ class LlmdApproxConfig:
     seed: int = 0
 
 
-class LlmdApprox:
+class LlmdApprox(Policy):
     """Σ weight·score with prefix = matched/total blocks, queue = min–max normalised waiting queue
     (scraped), kv = 1 − KV usage (scraped); highest total wins, random tie-break; index written at pick."""
 
@@ -238,7 +242,7 @@ class DynamoConfig:
     seed: int = 0
 
 
-class DynamoApprox:
+class DynamoApprox(Policy):
     """cost = scale·max(active_prefill_blocks + prompt_blocks − overlap_blocks, 0) + active_decode_blocks.
 
     Active prefill is the router's predicted prefill charged until first token; active decode blocks
@@ -283,8 +287,9 @@ class DynamoApprox:
         """Device-overlap credit per matched block, per worker (constant in this form)."""
         return dict.fromkeys(active_prefill_blocks, self.config.overlap_credit)
 
-    def on_request_done(self, rid: str, backend: str | None, now: float) -> None:
-        got = self._active.pop(rid, None)
+    def observe(self, request: RoutingRequest, outcome: RequestOutcome) -> None:
+        """The request's decode blocks leave its worker."""
+        got = self._active.pop(request.request_id or "", None)
         if got is not None:
             b, blocks = got
             self._decode_blocks[b] = max(0, self._decode_blocks.get(b, 0) - blocks)
@@ -300,7 +305,7 @@ class OracleConfig:
     kv_weight: float = 2.0
 
 
-class Oracle:
+class Oracle(Policy):
     """llm-d's precise profile fed with *exact, instant* engine state instead of KV events: prefix score
     from each replica's real cache plus the prompts already queued there (what precise routing's
     speculative entries predict), queue and KV usage read at the moment of the pick. Simulator only."""
@@ -311,15 +316,17 @@ class Oracle:
         self.config = config or OracleConfig()
         self._replicas: Mapping[str, Any] = {}
 
-    def attach_fleet(self, replicas: Mapping[str, Any], preset: Any) -> None:
-        self._replicas = replicas
-        for rep in replicas.values():
-            rep.track_scheduled()
+    def bind(self, fleet: FleetView) -> None:
+        """Read the simulated replicas (and have them track what is scheduled on them)."""
+        if fleet.replicas:
+            self._replicas = fleet.replicas
+            for rep in self._replicas.values():
+                rep.track_scheduled()
 
     def select(self, request: RoutingRequest, candidates: Sequence[str], state: RoutingState,
                now: float) -> Decision:
         if not self._replicas:
-            raise RuntimeError("oracle needs attach_fleet() (simulator only)")
+            raise RuntimeError("oracle needs bind() with the simulated replicas (simulator only)")
         cfg = self.config
         total = len(request.keys)
         hits = {b: self._replicas[b].known_blocks(request.keys) for b in candidates}
@@ -348,7 +355,7 @@ class OracleTTFTConfig:
     duplicate_weight: float = 0.0
 
 
-class OracleTTFT:
+class OracleTTFT(Policy):
     """Reads each simulated replica at the pick: the exact prefix it holds (computed or being computed by
     a queued request), the exact prefill work queued ahead, free slots and running decoders, and picks
     the lowest TTFT the engine's cost model predicts plus the fleet terms kvroute uses (recompute seconds of
@@ -362,10 +369,12 @@ class OracleTTFT:
         self.config = config or OracleTTFTConfig()
         self._replicas: Mapping[str, Any] = {}
 
-    def attach_fleet(self, replicas: Mapping[str, Any], preset: Any) -> None:
-        self._replicas = replicas
-        for rep in replicas.values():
-            rep.track_scheduled()
+    def bind(self, fleet: FleetView) -> None:
+        """Read the simulated replicas (and have them track what is scheduled on them)."""
+        if fleet.replicas:
+            self._replicas = fleet.replicas
+            for rep in self._replicas.values():
+                rep.track_scheduled()
 
     def predict(self, rep: Any, request: RoutingRequest) -> tuple[float, int, float]:
         """(predicted TTFT + eviction price, exact cached blocks, own prefill seconds) on ``rep``."""
@@ -393,7 +402,7 @@ class OracleTTFT:
     def select(self, request: RoutingRequest, candidates: Sequence[str], state: RoutingState,
                now: float) -> Decision:
         if not self._replicas:
-            raise RuntimeError("oracle_ttft needs attach_fleet() (simulator only)")
+            raise RuntimeError("oracle_ttft needs bind() with the simulated replicas (simulator only)")
         preds = {b: self.predict(self._replicas[b], request) for b in candidates}
         w = self.config.duplicate_weight
         if w > 0:  # recomputing a prefix another replica holds: once, plus once per request queued behind it

@@ -1,13 +1,14 @@
 """Discrete-event fleet simulation driving the real ``kvroute.policies.Router`` on a simulated clock.
 
-Events are arrivals (routed at once through ``Router.pick``) and replica step ends. The router gets
-the same lifecycle feedback as in production: ``on_first_token`` when the engine emits the first token
-and ``on_complete(cached_tokens=...)`` with the prefix the engine really reused. Engine metrics (waiting
-queue, running, KV usage) are observed every ``metrics_interval_s`` like a scraper would (llm-d scrapes
-every 50 ms). KV events (block stored / evicted) reach only a policy that asks for them with an
-``event_delay_s`` attribute (``kvroute_precise``): its router gets kvroute's ``PreciseIndex`` and every
-replica's events arrive that many seconds after the step that caused them; approximate indexes learn
-only from picks and responses.
+Events are arrivals (routed at once through ``Router.pick``) and replica step ends. The router gets the same
+lifecycle feedback as in production: ``on_first_token`` when the engine emits the first token and ``finish``
+(load, index, the policy's ``observe``) with the prefix the engine really reused; the policy is bound to the
+simulated engines first (``FleetView.replicas``: only the oracles read them). Engine metrics (waiting queue,
+running, KV usage) are observed every ``metrics_interval_s`` like a scraper would (llm-d scrapes every 50 ms).
+KV events (block stored / evicted) reach only a policy that asks for them with an ``event_delay_s``
+(``kvroute_precise``; ``Policy.event_delay_s`` is None for the others): its router gets kvroute's
+``PreciseIndex`` and every replica's events arrive that many seconds after the step that caused them;
+approximate indexes learn only from picks and responses.
 """
 
 from __future__ import annotations
@@ -18,13 +19,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvroute.policies import (
+    FleetView,
     Policy,
     PrefixIndexConfig,
+    RequestOutcome,
     Router,
     RouterConfig,
     RoutingRequest,
     build_policy,
 )
+from kvroute.policies.lifecycle import FAILURE, SUCCESS
 from kvroute.policies.precise_index import PreciseIndex, PreciseIndexConfig
 from kvroute.sim.event_loop import CALLER_KINDS, ReplicaLoop
 from kvroute.sim.presets import Preset
@@ -102,7 +106,7 @@ def simulate(workload: Workload, policy: Policy | str, fleet: FleetConfig,
     replicas = [Replica(n, fleet.preset.cost, capacity // bt, bt) for n in names]
     loop = ReplicaLoop(replicas, fleet.metrics_interval_s)
     index_config = PrefixIndexConfig(capacity_tokens=capacity, block_tokens=float(bt))
-    event_delay = getattr(policy, "event_delay_s", None)
+    event_delay = policy.event_delay_s
     precise = None
     if event_delay is not None:  # kvroute's precise index, fed by the simulated engines' KV events
         precise = PreciseIndex(PreciseIndexConfig(fallback=index_config))
@@ -128,14 +132,12 @@ def simulate(workload: Workload, policy: Policy | str, fleet: FleetConfig,
                 else:
                     precise.removed(source, [key])
     by_name = {r.name: i for i, r in enumerate(replicas)}
-    attach = getattr(policy, "attach_fleet", None)
-    if attach is not None:
-        attach(dict(zip(names, replicas, strict=True)), fleet.preset)
-    done_hook = getattr(policy, "on_request_done", None)
+    policy.bind(FleetView(replicas=dict(zip(names, replicas, strict=True)), preset=fleet.preset))
 
     reqs = workload.requests
     n = len(reqs)
     lives: list[Live | None] = [None] * n
+    routed_as: list[RoutingRequest | None] = [None] * n
     successors = successors_of(workload, loop, _ARRIVE)
     max_tokens = max_request_tokens(replicas[0], fleet.preset.max_model_len)
     reasons: Counter[str] = Counter()
@@ -185,12 +187,11 @@ def simulate(workload: Workload, policy: Policy | str, fleet: FleetConfig,
         routed += 1
         if decision.backend is None:
             dropped += 1
-            router.on_failure(rid)
-            if done_hook is not None:
-                done_hook(rid, decision.backend, now)
+            router.finish(request, RequestOutcome(FAILURE, None, now), policy=policy)
             live.done_at = now
             release_successors(x, now)
             return
+        routed_as[x] = request
         ri = by_name[decision.backend]
         mark_held(live, ri)
         replica_requests[ri] += 1
@@ -218,9 +219,9 @@ def simulate(workload: Workload, policy: Policy | str, fleet: FleetConfig,
         for r in first:
             router.on_first_token(r.rid)
         for r in done:
-            router.on_complete(r.rid, cached_tokens=r.hit_tokens)
-            if done_hook is not None:
-                done_hook(r.rid, rep.name, now)
+            request = routed_as[r.idx]
+            assert request is not None
+            router.finish(request, RequestOutcome(SUCCESS, rep.name, now, cached_tokens=r.hit_tokens), policy=policy)
             release_successors(r.idx, now)
 
     sim_end = loop.run(arrive, step_done, ship_events if precise is not None else None)
@@ -228,7 +229,7 @@ def simulate(workload: Workload, policy: Policy | str, fleet: FleetConfig,
         progress(n, n)
     finished = [r for r in lives if r is not None]
     return RunResult(
-        policy=getattr(policy, "name", str(policy)),
+        policy=policy.name,
         workload=workload.name,
         replicas=fleet.replicas,
         requests=finished,

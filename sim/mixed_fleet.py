@@ -1,18 +1,18 @@
 """Replay a workload on self-hosted replicas *and* hosted routes under one routing strategy.
 
-A ``Strategy`` is an ordered list of tiers, each a set of backends and the real policy object that picks
-among them, through one ``Router`` (as LiteLLM's model groups with ``fallbacks`` do). A failed attempt —
-a replica answering 429 because ``queue_limit`` requests already wait there (an admission cap), a hosted
-429 or 5xx — goes back to the router (``on_failure``, the health board) and the request is retried on an
-untried backend of the same tier, then on the next tier; when every backend was tried (or every breaker is
-open) it waits for the shortest Retry-After it was given (or the soonest breaker cooldown) and starts over, up
-to ``max_attempts``; then it fails (TTFT = ∞).
+A ``Strategy`` is an ordered list of tiers, each a set of backends and the real policy object that picks among
+them, through one ``Router`` (as LiteLLM's model groups with ``fallbacks`` do). A failed attempt — a replica
+answering 429 because ``queue_limit`` requests already wait there (an admission cap), a hosted 429 or 5xx —
+goes back to the router (``finish``: load, index, the tier's policy, the health board) and the request is
+retried on an untried backend of the same tier, then on the next tier; when every backend was tried (or every
+breaker is open) it waits for the shortest Retry-After it was given (or the soonest breaker cooldown) and
+starts over, up to ``max_attempts``; then it fails (TTFT = ∞).
 
-Replicas are ``sim.replica.Replica`` (queueing, chunked prefill, decode, prefix cache), stepped by the
-same ``sim.event_loop.ReplicaLoop`` as in ``sim.engine.simulate``; hosted routes are
-``sim.hosted.HostedBackend``. Each request's cost comes from ``billing.pricing.token_cost`` on the backend's
-rate card (replicas: the GPU-hour card). Policies that learn from outcomes get them through
-``record_success`` / ``record_failure`` (hybrid, marketplace).
+Replicas are ``sim.replica.Replica`` (queueing, chunked prefill, decode, prefix cache), stepped by the same
+``sim.event_loop.ReplicaLoop`` as in ``sim.engine.simulate``; hosted routes are ``sim.hosted.HostedBackend``.
+Each request's cost comes from ``billing.pricing.token_cost`` on the backend's rate card (replicas: the
+GPU-hour card). Every attempt ends in ``Router.finish``, as in the plugin, so policies that learn from outcomes
+(hybrid, marketplace) hear them through ``observe``.
 """
 
 from __future__ import annotations
@@ -25,14 +25,17 @@ from decimal import Decimal
 
 from kvroute.billing.pricing import CostRate, token_cost
 from kvroute.policies import (
+    FleetView,
     HealthBoard,
     Outcome,
     Policy,
     PrefixIndexConfig,
+    RequestOutcome,
     Router,
     RouterConfig,
     RoutingRequest,
 )
+from kvroute.policies.lifecycle import FAILURE, SUCCESS
 from kvroute.sim.engine import FleetConfig, max_request_tokens, successors_of
 from kvroute.sim.event_loop import CALLER_KINDS, ReplicaLoop
 from kvroute.sim.hosted import HostedBackend, HostedSpec
@@ -125,8 +128,9 @@ def simulate_mixed(workload: Workload, strategy: Strategy, fleet: FleetConfig, h
     names = _names(fleet.replicas)
     replicas = [Replica(n, fleet.preset.cost, capacity // bt, bt) for n in names]
     loop = ReplicaLoop(replicas, fleet.metrics_interval_s)
+    health = health if health is not None else HealthBoard()
     router = Router(RouterConfig(index=PrefixIndexConfig(capacity_tokens=capacity, block_tokens=float(bt))),
-                    clock=lambda: loop.now)
+                    clock=lambda: loop.now, health=health)
     by_replica = {r.name: i for i, r in enumerate(replicas)}
     routes = {s.name: HostedBackend(s, bt, seed) for s in hosted}
     known = set(by_replica) | set(routes)
@@ -134,14 +138,10 @@ def simulate_mixed(workload: Workload, strategy: Strategy, fleet: FleetConfig, h
         for b in tier.backends:
             if b not in known:
                 raise ValueError(f"strategy {strategy.name}: unknown backend {b!r}")
-        attach = getattr(tier.policy, "attach_fleet", None)
-        if attach is not None:
-            attach(dict(zip(names, replicas, strict=True)), fleet.preset)
-    health = health if health is not None else HealthBoard()
-    all_backends = [b for tier in strategy.tiers for b in tier.backends]
+    view = FleetView(health=health, replicas=dict(zip(names, replicas, strict=True)), preset=fleet.preset)
     for tier in strategy.tiers:
-        if hasattr(tier.policy, "attach_health"):
-            tier.policy.attach_health(health)
+        tier.policy.bind(view)
+    all_backends = [b for tier in strategy.tiers for b in tier.backends]
     reqs = workload.requests
     tracks: list[Track] = []
     requests: list[RoutingRequest | None] = [None] * len(reqs)
@@ -159,31 +159,28 @@ def simulate_mixed(workload: Workload, strategy: Strategy, fleet: FleetConfig, h
             tracks[j].arrival = at + reqs[j].delay
             schedule(tracks[j].arrival, _ARRIVE, j)
 
-    def outcome(policy: Policy, backend: str, ok: bool, at: float, tr: Track, request: RoutingRequest) -> None:
-        """Tell a learning policy what happened, as the plugin's hooks do (``record_success``/``record_failure``)."""
-        if ok:
-            hook = getattr(policy, "record_success", None)
-            if hook is not None:
-                hook(request, backend, at, cached_tokens=tr.cached_tokens, ttft_s=tr.attempt_ttft,
-                     output_tokens=tr.output, duration_s=tr.done_at - tr.sent_at, prompt_tokens=tr.prompt)
-        else:
-            hook = getattr(policy, "record_failure", None)
-            if hook is not None:
-                hook(request)
+    def succeeded(tr: Track, backend: str, at: float) -> None:
+        """The attempt answered: one ``finish`` for load, index, the tier's policy and the breaker."""
+        request = requests[tr.idx]
+        assert request is not None
+        router.finish(request, RequestOutcome(SUCCESS, backend, at, cached_tokens=tr.cached_tokens,
+                                              ttft_s=tr.attempt_ttft, output_tokens=tr.output,
+                                              duration_s=tr.done_at - tr.sent_at, prompt_tokens=tr.prompt,
+                                              health=Outcome.SUCCESS), policy=strategy.tiers[tr.tier].policy)
+
+    def failed(tr: Track, backend: str, at: float, health_word: str, retry_after: float | None) -> None:
+        request = requests[tr.idx]
+        assert request is not None
+        router.finish(request, RequestOutcome(FAILURE, backend, at, health=health_word, retry_after_s=retry_after),
+                      policy=strategy.tiers[tr.tier].policy)
 
     def fail_attempt(tr: Track, backend: str, at: float, kind: str, retry_after: float | None) -> None:
-        rid = f"r{tr.idx}"
-        router.on_failure(rid)
-        health.record(backend, Outcome.CAPACITY if kind != "error" else Outcome.PROVIDER_FAILURE, at,
-                      retry_after_s=retry_after)
+        failed(tr, backend, at, Outcome.CAPACITY if kind != "error" else Outcome.PROVIDER_FAILURE, retry_after)
         failures[f"{backend}:{kind}"] += 1
         tr.failures += 1
         tr.tried.add(backend)
         if retry_after is not None:
             tr.retry_after = retry_after if tr.retry_after is None else min(tr.retry_after, retry_after)
-        request = requests[tr.idx]
-        assert request is not None
-        outcome(strategy.tiers[tr.tier].policy, backend, False, at, tr, request)
         route(tr, at)
 
     def route(tr: Track, at: float) -> None:
@@ -240,8 +237,7 @@ def simulate_mixed(workload: Workload, strategy: Strategy, fleet: FleetConfig, h
             ri = by_replica[backend]
             rep = replicas[ri]
             if strategy.queue_limit is not None and len(rep.waiting) >= strategy.queue_limit:
-                router.on_failure(rid)
-                health.record(backend, Outcome.CAPACITY, at, retry_after_s=1.0)
+                failed(tr, backend, at, Outcome.CAPACITY, 1.0)
                 failures[f"{backend}:queue_full"] += 1
                 tr.failures += 1
                 tr.tried.add(backend)
@@ -277,11 +273,8 @@ def simulate_mixed(workload: Workload, strategy: Strategy, fleet: FleetConfig, h
             router.on_first_token(f"r{x}")
         else:  # _HOSTED_DONE
             tr = tracks[x]
-            request = requests[x]
-            assert request is not None and tr.backend is not None
-            router.on_complete(f"r{x}", cached_tokens=tr.cached_tokens)
-            health.record(tr.backend, Outcome.SUCCESS, now, ttft_s=tr.attempt_ttft)
-            outcome(strategy.tiers[tr.tier].policy, tr.backend, True, now, tr, request)
+            assert tr.backend is not None
+            succeeded(tr, tr.backend, now)
             finish(tr, now)
 
     def on_step(rep: Replica, first: list[Live], done: list[Live], now: float) -> None:
@@ -294,11 +287,7 @@ def simulate_mixed(workload: Workload, strategy: Strategy, fleet: FleetConfig, h
             tr.cached_tokens = max(0, r.hit_tokens)
             tr.cost = token_cost(replica_rate, input_uncached=r.prompt - tr.cached_tokens,
                                  cache_read=tr.cached_tokens, output=r.output)
-            router.on_complete(r.rid, cached_tokens=r.hit_tokens)
-            health.record(rep.name, Outcome.SUCCESS, now, ttft_s=tr.attempt_ttft)
-            request = requests[r.idx]
-            assert request is not None
-            outcome(strategy.tiers[tr.tier].policy, rep.name, True, now, tr, request)
+            succeeded(tr, rep.name, now)
             finish(tr, now)
 
     now = loop.run(on_event, on_step)

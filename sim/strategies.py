@@ -24,7 +24,7 @@ from decimal import Decimal
 from typing import Any
 
 from kvroute.billing.pricing import GpuRateCard
-from kvroute.policies import Marketplace, MarketplaceConfig
+from kvroute.policies import FleetView, Marketplace, MarketplaceConfig, RouteSides
 from kvroute.policies.hybrid import Hybrid, HybridConfig, SelfHostedRate
 from kvroute.policies.rolling import percentile
 from kvroute.sim.engine import FleetConfig, make_policy
@@ -56,10 +56,9 @@ def build_strategy(name: str, fleet: FleetConfig, hosted: Sequence[HostedSpec], 
         return Strategy(name, (Tier(routes, _market(hosted)),))
     if name == "hybrid":
         policy = Hybrid(HybridConfig(**{"ttft_target_s": target_s, "hosted": routes, **dict(hybrid_knobs or {})}))
-        policy.add_quotes([h.quote() for h in hosted])
         rate = SelfHostedRate(*card.per_token(), card.currency)
-        for r in replicas:
-            policy.set_self_hosted_rate(r, rate)
+        sides = RouteSides(frozenset(routes), dict.fromkeys(replicas, rate))
+        policy.bind(FleetView(quotes=tuple(h.quote() for h in hosted), sides=lambda: sides))
         return Strategy(name, (Tier(replicas + routes, policy),))
     raise ValueError(f"unknown strategy {name!r}; known: {', '.join(STRATEGIES)}")
 

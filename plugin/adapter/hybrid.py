@@ -1,6 +1,7 @@
-"""Hybrid groups in the proxy: tell the ``hybrid`` policy which deployments are hosted and what a self-hosted
-token costs (the ledger's rate card for the replica when the price file has one, else its ``model_list``
-per-token price: the same precedence the ledger rates with), and show its state.
+"""Hybrid groups in the proxy: which deployments are hosted and what a self-hosted token costs (``route_sides``,
+which the ``hybrid`` policy reads through ``FleetView.sides``: the ledger's rate card for the replica when the
+price file has one, else its ``model_list`` per-token price, the same precedence the ledger rates with), the
+fleet's shared guard, and the policy's state in metrics and status.
 
 A hybrid group is one LiteLLM model group that lists both kinds of deployment; kvroute picks among all of
 them in ``async_filter_deployments`` (the one per-request choice LiteLLM 1.110.2 supports), so breakers,
@@ -17,29 +18,25 @@ from typing import Any
 
 from kvroute.plugin.adapter.deployments import Backend
 from kvroute.plugin.adapter.metrics import Metrics
+from kvroute.policies.base import Policy
 from kvroute.policies.decision import Decision
 from kvroute.policies.hybrid import Hybrid, SelfHostedRate
+from kvroute.policies.lifecycle import RouteSides
 
 log = logging.getLogger("kvroute.plugin")
 
 
-def attach_fleet(policy: Any, backends: Sequence[Backend], cards: Mapping[str, Any] | None = None,
-                 declared: Mapping[str, Any] | None = None) -> None:
-    """Mark the group's hosted deployments and give each self-hosted replica its rate: its rate card from the
-    ledger's catalog (``cards``: backend id -> ``CostRate``, e.g. a GPU-hour card) when it has one, else its
-    ``model_list`` price (the ledger's fallback too, as LiteLLM's cost). Which side a deployment is on is the
-    price file's ``route_kind`` when it declares the backend (``declared``: id -> ``BackendIdentity``), else the
-    deployment's: the answer the ledger rates its events with."""
-    if not isinstance(policy, Hybrid):
-        return
+def route_sides(backends: Sequence[Backend], cards: Mapping[str, Any] | None = None,
+                declared: Mapping[str, Any] | None = None) -> RouteSides:
+    """The group's hosted deployments and each self-hosted replica's rate: its rate card from the ledger's catalog
+    (``cards``: backend id -> ``CostRate``, e.g. a GPU-hour card) when it has one, else its ``model_list`` price
+    (the ledger's fallback too, as LiteLLM's cost). Which side a deployment is on is the price file's
+    ``route_kind`` when it declares the backend (``declared``: id -> ``BackendIdentity``), else the deployment's:
+    the answer the ledger rates its events with."""
     own = {b.id for b in backends if route_kind(b, (declared or {}).get(b.id)) == "self_hosted"}
-    policy.mark_hosted(b.id for b in backends if b.id not in own)
-    for b in backends:
-        if b.id not in own:
-            continue
-        rate = self_hosted_rate(b, (cards or {}).get(b.id))
-        if rate is not None:
-            policy.set_self_hosted_rate(b.id, rate)
+    rates = {b.id: rate for b in backends if b.id in own
+             and (rate := self_hosted_rate(b, (cards or {}).get(b.id))) is not None}
+    return RouteSides(frozenset(b.id for b in backends if b.id not in own), rates)
 
 
 def self_hosted_rate(backend: Backend, card: Any = None) -> SelfHostedRate | None:
@@ -79,10 +76,11 @@ def served_model(backend: Backend | None) -> str | None:
     return backend.model.split("/", 1)[1] if "/" in backend.model else backend.model
 
 
-def share_guard(policy: Any, shared: Any, group: str) -> None:
+def share_guard(policy: Hybrid, shared: Any, group: str) -> None:
     """Give a hybrid group's guard the fleet's spend window, share and overflow clock, and its marketplace the
-    fleet's hosted TTFT samples (``plugin.fleet_guard``) when instances share state; once per guard."""
-    if not isinstance(policy, Hybrid) or shared is None or policy.guard.fleet is not None:
+    fleet's hosted TTFT samples (``plugin.fleet_guard``) when instances share state; once per guard. The hybrid
+    policy calls it from ``bind`` (``FleetView.share``)."""
+    if shared is None or policy.guard.fleet is not None:
         return
     from kvroute.plugin.state.fleet_guard import FleetTtft, RedisSpend
 
@@ -94,28 +92,20 @@ def share_guard(policy: Any, shared: Any, group: str) -> None:
     FleetTtft(shared, group, policy)
 
 
-def is_hybrid(policy: Any) -> bool:
-    return isinstance(policy, Hybrid)
-
-
-def share_group_state(rule_policy: Any, group_policy: Any) -> None:
-    """A rule's own hybrid policy (its own target) spends from the group's guard and learns in its marketplace."""
-    if isinstance(rule_policy, Hybrid) and isinstance(group_policy, Hybrid) and rule_policy is not group_policy:
-        rule_policy.guard = group_policy.guard
-        rule_policy.market = group_policy.market
-
-
-def observe_decision(metrics: Metrics, group: str, policy: Any, decision: Decision, now: float) -> None:
-    """Metrics of one hybrid decision and its ``why`` in the debug log (ids, seconds and prices; no prompt text)."""
-    if not isinstance(policy, Hybrid) or decision.why is None:
+def observe_decision(metrics: Metrics, group: str, policy: Policy, decision: Decision, now: float) -> None:
+    """Metrics of one hybrid decision and its ``why`` in the debug log (ids, seconds and prices; no prompt text).
+    A hybrid decision is one with a ``why`` from a policy whose snapshot shows an overflow share."""
+    if decision.why is None:
+        return
+    snap = policy.snapshot(now)
+    if "overflow_share" not in snap:
         return
     why = decision.why
-    hosted = decision.backend is not None and policy.is_hosted(decision.backend)
+    hosted = decision.backend is not None and "hosted_price" in why  # only a hosted pick prices its route
     routes = why.get("routes") or {}
     predicted = (routes.get(decision.backend) or {}).get("ttft_s") if hosted else why.get("predicted_s")
     metrics.hybrid_decision(group, decision.backend, "hosted" if hosted else "self_hosted", decision.reason,
                             predicted if isinstance(predicted, int | float) else None)
-    snap = policy.snapshot(now)
     metrics.hybrid_state(group, snap["overflow_share"], snap["mode"] == "overflow",
                          Decimal(snap["hosted_spend_per_hour"]), snap["currency"])
     metrics.guard_scope(group, snap["guard_scope"] == "local_share")
@@ -124,8 +114,7 @@ def observe_decision(metrics: Metrics, group: str, policy: Any, decision: Decisi
                   json.dumps(why, default=str, sort_keys=True))
 
 
-def status_of(policy: Any, now: float) -> dict[str, Any]:
-    """``{"hybrid": snapshot}`` for ``/kvroute/status`` ({} for other policies)."""
-    if not isinstance(policy, Hybrid):
-        return {}
-    return {"hybrid": policy.snapshot(now)}
+def status_of(policy: Policy, now: float) -> dict[str, Any]:
+    """``{policy name: snapshot}`` for ``/kvroute/status`` ({} for a policy with nothing to show)."""
+    snap = policy.snapshot(now)
+    return {policy.name: snap} if snap else {}

@@ -44,7 +44,9 @@ from kvroute.plugin.adapter.startup_log import log_startup
 from kvroute.plugin.settings import GroupSettings, KvrouteSettings, load_settings, read_model_list
 from kvroute.plugin.state.hash_secret import fingerprint, resolve_chain_key
 from kvroute.policies import ChainKey, FingerprintConfig, PrefixIndexConfig, Router, RouterConfig
+from kvroute.policies.base import Policy
 from kvroute.policies.errors import ConfigError
+from kvroute.policies.lifecycle import CANCELLED, FAILURE, SUCCESS, FleetView, RequestOutcome, RouteSides
 from kvroute.policies.outcomes import Attribution, FailureKind, classify
 from kvroute.policies.registry import policy_names
 
@@ -287,7 +289,7 @@ class KvrouteCallback(CustomLogger):
             index=index_config,
             max_request_age_s=s.max_request_age_s,
         )
-        router = Router(config, clock=self.clock, index=index, load=load)
+        router = Router(config, clock=self.clock, index=index, load=load, health=self.health)
         if gs.mode == "precise" and index is not None:
             self._start_precise(group, gs.precise, index, router)
         else:
@@ -299,7 +301,7 @@ class KvrouteCallback(CustomLogger):
             policy = router.set_policy(group, s.hosted_policy, {})
         else:
             policy = router.policy_for(group)
-        self._attach(policy, backends)
+        self._attach(router, policy, backends)
         for b in backends:
             if b.kv_capacity_tokens and hasattr(router.index, "set_capacity"):
                 router.index.set_capacity(b.id, b.kv_capacity_tokens)  # type: ignore[attr-defined]
@@ -336,17 +338,18 @@ class KvrouteCallback(CustomLogger):
             log.warning("kvroute: engine metrics for %s unavailable: %s", group, exc)
             self._count_error("metrics_setup")
 
-    def _attach(self, policy: Any, backends: Sequence[Backend]) -> None:
-        """Give a marketplace-style policy the health board and the rate cards of priced backends."""
-        if hasattr(policy, "attach_health") and getattr(policy, "health", None) is None:
-            policy.attach_health(self.health.board)
-        if hasattr(policy, "add_quotes"):
-            policy.add_quotes(q for q in (provider_quote(b) for b in backends) if q is not None)
-        cards, declared = self.billing.price_view(b.id for b in backends) if (
-            self.billing is not None and hybrid.is_hybrid(policy)) else ({}, {})
-        hybrid.attach_fleet(policy, backends, cards, declared)
-        if self._shared is not None and backends:
-            hybrid.share_guard(policy, self._shared, backends[0].group)
+    def _attach(self, router: Router, policy: Policy, backends: Sequence[Backend]) -> None:
+        """Bind a policy to its group's fleet: the breakers, the priced backends' rate cards, which side each
+        deployment is on (the ledger is read only when the policy asks) and, with shared state, the fleet's guard."""
+        def sides() -> RouteSides:
+            billing = self.billing
+            return hybrid.route_sides(backends, *(billing.price_view(b.id for b in backends) if billing else ({}, {})))
+
+        shared, group = self._shared, backends[0].group if backends else None
+        share = (lambda p: hybrid.share_guard(p, shared, group)) if shared is not None and group is not None else None
+        router.bind(policy, FleetView(
+            health=self.health.board, quotes=tuple(q for q in map(provider_quote, backends) if q is not None),
+            sides=sides, share=share))
 
     # --- the pick ----------------------------------------------------------------------------------
     async def async_filter_deployments(self, model: str, healthy_deployments: list, messages: Any,
@@ -411,10 +414,8 @@ class KvrouteCallback(CustomLogger):
                                          tags=tags, headers=headers, tenant=tenant, salt=salt, client_salt=False)
         rule = self.rules.resolve(group, app, tags) if len(self.rules) else None
         policy = rule.policy if rule is not None else router.policy_for(group)
-        if rule is not None:
-            hybrid.share_group_state(policy, router.policy_for(group))
         if self._attached.get(id(policy)) != len(backends):
-            self._attach(policy, backends)
+            self._attach(router, policy, backends)
             self._attached[id(policy)] = len(backends)
         decision = router.pick(request, [b.id for b in backends], group=group, policy=policy)
         self.metrics.decision(group, decision.policy, decision.reason.split(":", 1)[0], decision.matched_tokens,
@@ -433,7 +434,7 @@ class KvrouteCallback(CustomLogger):
             cache_key = f"kvr-{request.session_key or format(request.prefix_key(1024) or 0, 'x')}"
         self._remember(Ticket(rid, group, router, decision.backend, app, decision.matched_tokens,
                               request.prompt_tokens, cache_key, now, request=request,
-                              policy=policy if hasattr(policy, "record_success") else None, salt=salt))
+                              policy=policy, salt=salt))
         chosen = [d for d, b in allowed if b.id == decision.backend]
         return chosen or [d for d, _ in allowed]
 
@@ -493,8 +494,9 @@ class KvrouteCallback(CustomLogger):
         """A new pick for the same request means the previous attempt is over (retry or fallback)."""
         prev = self.ids.ticket_of(meta)
         ticket = self.tickets.pop(prev, None) if prev else None
-        if ticket is not None:
-            ticket.router.on_failure(ticket.rid, before_prefill=True)
+        if ticket is not None:  # superseded: the policy hears it now; its late failure hook finds no ticket
+            ticket.router.finish(ticket.request, RequestOutcome(FAILURE, ticket.backend, self.clock()),
+                                 policy=ticket.policy)
         if prev and self.billing is not None:
             self.billing.superseded(prev)
 
@@ -502,7 +504,7 @@ class KvrouteCallback(CustomLogger):
         self.tickets[ticket.rid] = ticket
         if len(self.tickets) > MAX_TICKETS:
             _, old = self.tickets.popitem(last=False)
-            old.router.on_cancel(old.rid)
+            old.router.finish(old.request, RequestOutcome(CANCELLED, old.backend, self.clock()), policy=old.policy)
 
     def _ticket(self, kwargs: Mapping[str, Any], pop: bool = False) -> Ticket | None:
         """The open ticket of the attempt in ``kwargs`` (only a ticket id kvroute itself wrote is honoured)."""
@@ -637,9 +639,10 @@ class KvrouteCallback(CustomLogger):
             ticket = self._ticket(kwargs, pop=True)
             if ticket is None:
                 return
-            ticket.router.on_cancel(ticket.rid)
+            ticket.router.finish(ticket.request, RequestOutcome(CANCELLED, ticket.backend, self.clock(),
+                                                                health="cancelled", started_at=ticket.started),
+                                 policy=ticket.policy)
             if ticket.backend is not None:
-                self.health.record(ticket.backend, "cancelled", self.clock(), started_at=ticket.started)
                 self.metrics.failed(ticket.backend, "cancelled", app=ticket.app)
         except Exception:
             self._count_error("cancel")
@@ -666,17 +669,16 @@ class KvrouteCallback(CustomLogger):
         prompt_tokens = prompt_tokens_of(response_obj, slo)
         now = self.clock()
         if ticket is not None:
-            # on_complete releases prefill and decode load and settles the blocks: no first-token step needed
-            ticket.router.on_complete(ticket.rid, cached_tokens=cached, backend=backend_id)
+            # finish releases prefill and decode load and settles the blocks (no first-token step needed), then
+            # the policy learns and the breaker hears the success
             ticket.outcome = "success"
-            if ticket.policy is not None and backend_id is not None:
-                ticket.policy.record_success(ticket.request, backend_id, now, cached_tokens=cached,
-                                             ttft_s=ttft, output_tokens=completion_tokens_of(response_obj),
-                                             duration_s=duration_s(start_time, end_time),
-                                             prompt_tokens=prompt_tokens or None)
+            ticket.router.finish(ticket.request, RequestOutcome(
+                SUCCESS, backend_id, now, cached_tokens=cached, ttft_s=ttft,
+                output_tokens=completion_tokens_of(response_obj), duration_s=duration_s(start_time, end_time),
+                prompt_tokens=prompt_tokens or None, health="success", started_at=ticket.started), policy=ticket.policy)
+        elif backend_id is not None:  # not routed by kvroute: the breaker still hears it
+            self.health.record(backend_id, "success", now, ttft_s=ttft)
         if backend_id is not None:
-            self.health.record(backend_id, "success", now, ttft_s=ttft,
-                               started_at=ticket.started if ticket else None)
             cost = kwargs.get("response_cost", slo.get("response_cost"))
             app = ticket.app if ticket else self._app(request_metadata(kwargs) or {}, kwargs)
             self.metrics.completed(group, backend_id, app, prompt_tokens, cached, ttft,
@@ -735,12 +737,11 @@ class KvrouteCallback(CustomLogger):
         verdict = classify(exception, backend_called=backend_id is not None,
                            first_token=bool(ticket and ticket.first_token))
         if ticket is not None:
-            if verdict.kind is FailureKind.CANCELLED:
-                ticket.router.on_cancel(ticket.rid)
-            else:
-                ticket.router.on_failure(ticket.rid, before_prefill=verdict.before_prefill)
-            if ticket.policy is not None and hasattr(ticket.policy, "record_failure"):
-                ticket.policy.record_failure(ticket.request)
+            kind = CANCELLED if verdict.kind is FailureKind.CANCELLED else FAILURE
+            ticket.router.finish(ticket.request, RequestOutcome(
+                kind, backend_id, self.clock(), before_prefill=verdict.before_prefill,
+                health=verdict.outcome.value if backend_id is not None else None,
+                retry_after_s=verdict.retry_after_s, started_at=ticket.started), policy=ticket.policy)
         if backend_id is None:
             return verdict
         if ticket is not None and verdict.blames_backend:
@@ -749,7 +750,10 @@ class KvrouteCallback(CustomLogger):
             self._failed.move_to_end(base)
             while len(self._failed) > 10_000:
                 self._failed.popitem(last=False)
-        self._judge(backend_id, verdict, ticket.started if ticket else None)
+        if ticket is None:
+            self._judge(backend_id, verdict, None)
+        else:  # finish told the breaker
+            self.metrics.failed(backend_id, verdict.outcome.value)
         return verdict
 
     def _judge(self, backend_id: str, verdict: Attribution, started: float | None) -> None:

@@ -7,7 +7,7 @@ from decimal import Decimal
 import pytest
 
 from kvroute.plugin.settings import load_settings
-from kvroute.policies import Hybrid, Router
+from kvroute.policies import FleetView, Hybrid, Router, build_policy
 from kvroute.policies.errors import ConfigError
 
 
@@ -60,22 +60,23 @@ def test_the_fleet_tells_the_policy_which_backends_are_hosted_and_what_a_replica
     from kvroute.plugin.adapter import hybrid
     from kvroute.plugin.adapter.deployments import Backend
 
-    policy = Router().set_policy("chat", "hybrid", {})
     fleet = [Backend("gpu-1", "chat", "m", "self_hosted", "vllm", input_price=Decimal("2e-7"),
                      output_price=Decimal("8e-7")),
              Backend("gpu-2", "chat", "m", "self_hosted", "vllm"),
              Backend("prov", "chat", "m", "hosted", "openai_compatible", input_price=Decimal("2e-6"),
                      output_price=Decimal("8e-6"))]
-    hybrid.attach_fleet(policy, fleet)
+    router = Router()
+    policy = router.set_policy("chat", "hybrid", {})
+    router.bind(policy, FleetView(sides=lambda: hybrid.route_sides(fleet)))
     assert policy.is_hosted("prov") and not policy.is_hosted("gpu-1")
     rate = policy.self_rate("gpu-1")
     assert rate is not None and rate.price(1000, 10) == Decimal("2e-7") * 1000 + Decimal("8e-7") * 10
     assert policy.self_rate("gpu-2") is None  # unpriced replica, no default rate configured
-    rule_policy = Router().set_policy("chat", "hybrid", {"ttft_target_s": 0.2})
-    hybrid.share_group_state(rule_policy, policy)
+    rule_policy = build_policy("hybrid", {"ttft_target_s": 0.2})  # a rule's own policy in the same group
+    router.bind(rule_policy, FleetView())
     assert rule_policy.guard is policy.guard and rule_policy.market is policy.market
     assert hybrid.status_of(policy, 0.0)["hybrid"]["mode"] == "normal"
-    assert hybrid.status_of(object(), 0.0) == {}
+    assert hybrid.status_of(build_policy("cache_aware"), 0.0) == {}
 
 
 def test_a_replicas_rate_card_in_the_ledger_wins_over_its_model_list_price(tmp_path):
@@ -104,7 +105,7 @@ def test_a_replicas_rate_card_in_the_ledger_wins_over_its_model_list_price(tmp_p
     cards = feed.rate_cards(b.id for b in fleet if b.self_hosted)
     assert set(cards) == {"gpu-1"}
     policy = Router().set_policy("chat", "hybrid", {})
-    hybrid.attach_fleet(policy, fleet, cards)
+    policy.bind(FleetView(sides=lambda: hybrid.route_sides(fleet, cards)))
     expected = GpuRateCard(Decimal("2.00"), Decimal(3000), Decimal(1000)).per_token()
     assert (policy.self_rate("gpu-1").input_price, policy.self_rate("gpu-1").output_price) == expected
     assert policy.self_rate("gpu-2").input_price == Decimal("2e-7")  # no card: the model_list price
@@ -144,7 +145,7 @@ def test_the_hybrid_decision_reads_the_price_files_route_kind_like_the_ledger(tm
     cards, declared = feed.price_view(b.id for b in fleet)
     assert set(cards) == {"own-box"} and set(declared) == {"own-box", "rented"}
     policy = Router().set_policy("chat", "hybrid", {})
-    hybrid.attach_fleet(policy, fleet, cards, declared)
+    policy.bind(FleetView(sides=lambda: hybrid.route_sides(fleet, cards, declared)))
     assert not policy.is_hosted("own-box") and policy.is_hosted("rented") and not policy.is_hosted("gpu-3")
     assert policy.self_rate("own-box") is not None and policy.self_rate("rented") is None
     assert [hybrid.route_kind(b, declared.get(b.id)) for b in fleet] == ["self_hosted", "marketplace", "self_hosted"]

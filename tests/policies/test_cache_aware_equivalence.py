@@ -17,7 +17,7 @@ import pytest
 from reference_cache_aware import ReferenceCacheAware
 
 from kvroute.policies import ExternalSignal, Router, RoutingRequest
-from kvroute.policies.base import RoutingState
+from kvroute.policies.base import Policy, RoutingState
 from kvroute.policies.cache_aware import CacheAware, CacheAwareConfig
 from kvroute.policies.decision import Decision
 from kvroute.sim.engine import FleetConfig, simulate
@@ -29,7 +29,7 @@ FIELDS = ("backend", "reason", "matched_tokens", "matched_blocks", "prompt_token
 
 
 @dataclass
-class Dual:
+class Dual(Policy):
     """A policy that asks both pickers and fails on the first disagreement."""
 
     config: CacheAwareConfig = field(default_factory=CacheAwareConfig)

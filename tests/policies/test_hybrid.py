@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvroute.policies import Router, build_policy
+from kvroute.policies import FleetView, Router, build_policy
 from kvroute.policies.errors import ConfigError
 from kvroute.policies.health import BreakerConfig, HealthBoard, Outcome
 from kvroute.policies.hybrid import Hybrid, HybridConfig, OverflowGuard, SelfHostedRate
@@ -51,7 +51,7 @@ def drain(router, seconds, backends=SELF, now=0.0):
 
 def teach_ttft(hy, backend, ttft, now=0.0, n=10):
     for _ in range(n):
-        hy.market.observe(backend, now, ttft_s=ttft)
+        hy.market.learn(backend, now, ttft_s=ttft)
 
 
 def pick(hy, router, request, candidates=("s1", "s2", "h1", "h2"), now=0.0):
@@ -103,7 +103,7 @@ def test_overflow_goes_to_the_cheapest_hosted_route_that_meets_the_target():
 def test_price_is_cache_adjusted_and_exact():
     hy, router = setup(quotes=[quote("h1", inp="0.000002", read="0.0000002"), quote("h2", inp="0.0000015")])
     for _ in range(30):
-        hy.market.observe("h1", 0.0, prompt_tokens=1000, cached_tokens=900)
+        hy.market.learn("h1", 0.0, prompt_tokens=1000, cached_tokens=900)
     queue(router, 5.0)
     d = pick(hy, router, req())
     assert d.backend == "h1"  # 2e-6 list price, but 90 % cached: cheaper than h2's 1.5e-6
@@ -171,9 +171,9 @@ def test_spend_guard_stops_overflow_and_counts_reservations():
 def test_session_stays_where_its_cache_makes_it_cheaper():
     quotes = [quote("h1", inp="0.000002", out="0.000002", read="0.0000001")]
     hy, router = setup(quotes=quotes, self_hosted_input_price="0.0000005", self_hosted_output_price="0.000002")
-    hy.market.observe("h1", 0.0, prompt_tokens=1000, cached_tokens=990)
+    hy.market.learn("h1", 0.0, prompt_tokens=1000, cached_tokens=990)
     for _ in range(40):
-        hy.market.observe("h1", 0.0, prompt_tokens=1000, cached_tokens=990)
+        hy.market.learn("h1", 0.0, prompt_tokens=1000, cached_tokens=990)
     hy.record_success(req("x", session="s"), "h1", 0.0, cached_tokens=3900, prompt_tokens=4000)
     d = pick(hy, router, req("y", session="s"), candidates=["s1", "s2", "h1"], now=1.0)
     assert d.backend == "h1" and d.reason == "session_hosted"
@@ -196,7 +196,7 @@ def test_targets_per_app_and_per_tag():
 def test_hosted_serves_when_no_self_hosted_replica_is_left():
     board = HealthBoard(BreakerConfig(min_requests=1, consecutive_failures=1))
     hy, router = setup()
-    hy.attach_health(board)
+    hy.bind(FleetView(health=board))
     d = pick(hy, router, req(), candidates=["h1", "h2"])
     assert (d.backend, d.reason) == ("h1", "self_hosted_unavailable")
     for _ in range(5):
@@ -233,7 +233,7 @@ def test_failover_takes_a_route_missing_the_target_before_refusing():
     teach_ttft(hy, "h1", 9.0)  # the cheap route misses the 1.5 s target, the dear one meets it
     teach_ttft(hy, "h2", 0.4)
     assert pick(hy, router, req("a"), candidates=["h1", "h2"]).backend == "h2"
-    hy.attach_health(HealthBoard(BreakerConfig(min_requests=1, consecutive_failures=1)))
+    hy.bind(FleetView(health=HealthBoard(BreakerConfig(min_requests=1, consecutive_failures=1))))
     for _ in range(5):
         hy.health.record("h2", Outcome.PROVIDER_FAILURE, 0.0)
     d = pick(hy, router, req("b"), candidates=["h1", "h2"], now=0.1)

@@ -43,7 +43,7 @@ def test_cache_adjusted_price_learns_expected_hit():
     mp.set_quotes([quote("caching", inp="0.000003", read="0.0000003"), quote("flat", inp="0.000002")])
     assert pick(mp, req(), ["caching", "flat"]).backend == "flat"
     for _ in range(20):
-        mp.observe("caching", 1.0, prompt_tokens=1000, cached_tokens=900)
+        mp.learn("caching", 1.0, prompt_tokens=1000, cached_tokens=900)
     assert mp.expected_hit("caching") == pytest.approx(0.9, abs=0.02)
     eff = mp.effective_price("caching")
     assert isinstance(eff, Decimal) and eff < Decimal("0.000001")
@@ -62,8 +62,8 @@ def test_ttft_and_throughput_rank_equal_prices():
     mp = Marketplace()
     mp.set_quotes([quote("slow"), quote("fast")])
     for i in range(10):
-        mp.observe("slow", float(i), ttft_s=2.0, output_tokens=100, duration_s=10.0)
-        mp.observe("fast", float(i), ttft_s=0.2, output_tokens=100, duration_s=1.0)
+        mp.learn("slow", float(i), ttft_s=2.0, output_tokens=100, duration_s=10.0)
+        mp.learn("fast", float(i), ttft_s=0.2, output_tokens=100, duration_s=1.0)
     assert pick(mp, req(), ["slow", "fast"], 10.0).backend == "fast"
 
 
@@ -140,7 +140,7 @@ def test_session_stickiness_keeps_the_provider_cache_warm():
     mp.record_success(r, first, 1.0, cached_tokens=0)  # with a session id any success pins
     # The other one becomes cheaper on paper; the conversation stays where its cache is.
     for _ in range(10):
-        mp.observe(other, 2.0, prompt_tokens=1000, cached_tokens=1000)
+        mp.learn(other, 2.0, prompt_tokens=1000, cached_tokens=1000)
     d = pick(mp, r, ["a", "b"], 3.0)
     assert d.backend == first and d.reason == "provider_sticky"
     # A failure on the sticky provider does not move the pin.

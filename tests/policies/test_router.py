@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvroute.policies import Decision, PrefixIndexConfig, Router, RouterConfig, policy_names
+from kvroute.policies import Decision, Policy, PrefixIndexConfig, Router, RouterConfig, policy_names
 
 LONG = {"model": "m", "messages": [{"role": "system", "content": "s" * 8000}, {"role": "user", "content": "q"}]}
 
@@ -34,14 +34,14 @@ def test_pick_never_raises_on_any_input(kwargs, n, policy):
     assert all(router.load.inflight(b) == 0 for b in backends)
 
 
-class Exploding:
+class Exploding(Policy):
     name = "exploding"
 
     def select(self, request, candidates, state, now):
         raise RuntimeError("boom")
 
 
-class Rogue:
+class Rogue(Policy):
     name = "rogue"
 
     def select(self, request, candidates, state, now):

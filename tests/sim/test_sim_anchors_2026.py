@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvroute.policies import PrefixIndexConfig, Router, RouterConfig, RoutingRequest, policy_names
+from kvroute.policies import PrefixIndexConfig, RequestOutcome, Router, RouterConfig, RoutingRequest, policy_names
 from kvroute.sim.anchors2026 import (
     ANCHORS_2026,
     Dynamo2026,
@@ -84,8 +84,8 @@ def test_llmd_2026_releases_affinity_past_the_ttft_penalty() -> None:
     # the holder has 640 in-flight tokens = 640 ms estimated, idle ones 0 ms: penalty 640 > 100 -> pool reopens
     d = r.pick(req(keys, "w1"), B, policy=pol)
     assert d.reason == "affinity_released" and d.backend != holder
-    pol.on_request_done("w0", holder, clock.t)
-    pol.on_request_done("w1", d.backend, clock.t)
+    pol.observe(req([], "w0"), RequestOutcome("success", holder, clock.t))
+    pol.observe(req([], "w1"), RequestOutcome("success", d.backend, clock.t))
     # both idle again: two sticky endpoints now, the filter keeps them only
     d2 = r.pick(req(keys, "w2"), B, policy=pol)
     assert d2.reason == "affinity" and d2.backend in (holder, d.backend)

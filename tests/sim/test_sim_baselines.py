@@ -6,7 +6,15 @@ from collections import Counter
 
 import pytest
 
-from kvroute.policies import ExternalSignal, PrefixIndexConfig, Router, RouterConfig, RoutingRequest, policy_names
+from kvroute.policies import (
+    ExternalSignal,
+    PrefixIndexConfig,
+    RequestOutcome,
+    Router,
+    RouterConfig,
+    RoutingRequest,
+    policy_names,
+)
 from kvroute.sim.baselines import (
     BASELINES,
     DEFAULT_LINEUP,
@@ -60,7 +68,7 @@ def test_litellm_pins_after_success_exact_prefix_and_ttl() -> None:
     first = r.pick(req(list(range(40)), "r1", cache_prefix_blocks=32), B, policy=pol)
     # not pinned yet: the pin is written on success, so a concurrent sibling is shuffled
     assert first.reason == "simple_shuffle"
-    pol.on_request_done("r1", first.backend, clock.t)
+    pol.observe(req([], "r1"), RequestOutcome("success", first.backend, clock.t))
     for i in range(10):
         d = r.pick(req(list(range(32)) + [1000 + i] * 8, f"s{i}", cache_prefix_blocks=32), B, policy=pol)
         assert d.backend == first.backend and d.reason == "prompt_cache_pin"
@@ -126,15 +134,12 @@ def test_dynamo_cost_ttl_and_decode_release() -> None:
     # holder: max(0 + 10 − 10, 0) + 10 = 10; others: 10 + 0 = 10 → tie → smaller tree (an empty one)
     assert d1.scores[d0.backend] == pytest.approx(10.0)
     assert d1.backend != d0.backend
-    pol.on_request_done("a", d0.backend, clock.t)
-    pol.on_request_done("b", d1.backend, clock.t)
-    r.on_complete("a")
-    r.on_complete("b")
+    r.finish(req(keys, "a"), RequestOutcome("success", d0.backend, clock.t), policy=pol)
+    r.finish(req(keys, "b"), RequestOutcome("success", d1.backend, clock.t), policy=pol)
     d2 = r.pick(req(keys, "c"), B, policy=pol)
     assert d2.scores[d2.backend] == pytest.approx(0.0)
     assert d2.backend in (d0.backend, d1.backend)
-    pol.on_request_done("c", d2.backend, clock.t)
-    r.on_complete("c")
+    r.finish(req(keys, "c"), RequestOutcome("success", d2.backend, clock.t), policy=pol)
     clock.t = 121.0  # TTL 120 s: the approximate tree forgets the blocks
     d3 = r.pick(req(keys, "d"), B, policy=pol)
     assert set(d3.scores.values()) == {10.0}

@@ -45,7 +45,7 @@ def test_oracle_ttft_needs_the_fleet() -> None:
 
     out = Router().pick(RoutingRequest("m", [1, 2, 3], 64, 192, request_id="x"), ["a", "b"],
                         policy=make_policy("oracle_ttft"))
-    assert out.fallback is not None and "attach_fleet" in out.fallback  # never raises; says why
+    assert out.fallback is not None and "bind()" in out.fallback  # never raises; says why
 
 
 def test_kvroute_precise_reads_the_engines_events_and_matches_them() -> None:
