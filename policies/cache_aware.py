@@ -25,7 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import itemgetter
 
-from kvroute.policies.base import RoutingState, least_load_decision
+from kvroute.policies.balance import Rotation, is_idle, least_waiting
+from kvroute.policies.base import RoutingState
 from kvroute.policies.decision import Decision
 from kvroute.policies.filters import hot_limit, hot_load
 from kvroute.policies.hashing import Rendezvous
@@ -117,6 +118,7 @@ class CacheAware:
         self._idle_memo: dict[tuple[int, float, int, float], tuple[float, float]] = {}
         self._first_memo: dict[tuple[object, ...], str] = {}
         self._sessions = SessionStarts(cfg.sessions_remembered)
+        self._rotation = Rotation()
 
     def _cold_cannot_win(self, holders: Sequence[str], hot_of: dict[str, float], limit: float | None,
                          ttft_of: dict[str, float], cost_of: dict[str, float], prompt: int, factor: float,
@@ -186,13 +188,51 @@ class CacheAware:
                 self._first_memo.clear()
         return first
 
+    def _pick_by_cost(self, request: RoutingRequest, costs: dict[str, float], matched: dict[str, int],
+                      top_holder: int, state: RoutingState, now: float) -> tuple[str, str]:
+        """(backend, reason): the lowest cost; near-ties go to the longer match, among equal matches to the
+        cheapest, exact ties to the prefix's rendezvous order for warm requests, or the least busy then least
+        recently used backend for cold ones (exact ties again by the prefix's rendezvous order)."""
+        cfg = self.config
+        load = state.load
+        best_cost = min(costs.values())
+        band = max(cfg.tie_s, cfg.tie_fraction * best_cost)
+        threshold = best_cost + band
+        near = [b for b, cost in costs.items() if cost <= threshold]
+        best_match = max(map(matched.__getitem__, near))
+        if best_match > 0:
+            holders = [b for b in near if matched[b] == best_match]
+            if len(holders) > 1:  # the band prefers longer matches; among equal ones the cheapest wins
+                cheapest = min(map(costs.__getitem__, holders))
+                holders = [b for b in holders if costs[b] == cheapest]
+            # several: the first in the prefix's rendezvous order (highest weight, then name)
+            backend = (holders[0] if len(holders) == 1
+                       else self._first_in_order(state.rendezvous, request.keys[0], holders))
+            return backend, "prefix_match" if best_match >= top_holder else "prefix_spill"
+        rank = {b: (load.busy(b, now), load.last_pick(b), costs[b]) for b in near}
+        least = min(rank.values())
+        tied = [b for b in near if rank[b] == least]
+        # Exact ties (an idle fleet, or several routers that have not yet seen each other's picks) go to
+        # the prefix's rendezvous order: routers agree without talking, and different prefixes spread.
+        if len(tied) == 1:
+            backend = tied[0]
+        elif request.keys:
+            backend = self._first_in_order(state.rendezvous, request.keys[0], tied)
+        else:
+            backend = min(tied)
+        return backend, "cold" if top_holder == 0 else "prefix_spill"
+
     def select(
         self, request: RoutingRequest, candidates: Sequence[str], state: RoutingState, now: float
     ) -> Decision:
         cfg = self.config
         if request.routable_tokens < cfg.min_prefix_tokens:
-            return least_load_decision(request, candidates, state, now, self.name, reason="least_load",
-                                       skipped="short_prompt")
+            backend = self._rotation.next_of(least_waiting(candidates, state.load, now, self.speed.chunk_tokens),
+                                              state.load)
+            self._rotation.record(backend)
+            return Decision(backend=backend, policy=self.name, reason="least_load", prompt_tokens=request.prompt_tokens,
+                            skipped="short_prompt", request_id=request.request_id,
+                            predicted_prefill_tokens=request.prompt_tokens)
         load = state.load
         speed = self.speed
         index = state.index
@@ -363,33 +403,22 @@ class CacheAware:
             # the sessions already there keep bringing. New sessions spread; later turns (no longer first) stay
             # home; a session's cold first request already goes to the least busy backend of the tie band.
             costs = {b: cost + busy_of[b] for b, cost in costs.items()}
-        best_cost = min(costs.values())
-        band = max(cfg.tie_s, cfg.tie_fraction * best_cost)
-        threshold = best_cost + band
-        near = [b for b, cost in costs.items() if cost <= threshold]
-        best_match = max(map(matched.__getitem__, near))
-        if best_match > 0:
-            holders = [b for b in near if matched[b] == best_match]
-            if len(holders) > 1:  # the band prefers longer matches; among equal ones the cheapest wins
-                cheapest = min(map(costs.__getitem__, holders))
-                holders = [b for b in holders if costs[b] == cheapest]
-            # several: the first in the prefix's rendezvous order (highest weight, then name)
-            backend = (holders[0] if len(holders) == 1
-                       else self._first_in_order(state.rendezvous, request.keys[0], holders))
-            reason = "prefix_match" if best_match >= top_holder else "prefix_spill"
-        else:
-            rank = {b: (load.busy(b, now), load.last_pick(b), costs[b]) for b in near}
-            least = min(rank.values())
-            tied = [b for b in near if rank[b] == least]
-            # Exact ties (an idle fleet, or several routers that have not yet seen each other's picks) go to
-            # the prefix's rendezvous order: routers agree without talking, and different prefixes spread.
+        if best_matched > 0 and len(set(matched.values())) == 1:
+            # every backend holds the same prefix: the cache tells them apart by nothing, so the pure load
+            # balancer picks (``policies/balance.py``: least prefill queued). Equal waits of idle backends go to
+            # the prefix's rendezvous order (an idle fleet keeps the prefix on one home, routers agree without
+            # talking); of working ones, to the rotation (equal loads spread like round robin)
+            tied = least_waiting(list(costs), load, now)
             if len(tied) == 1:
                 backend = tied[0]
-            elif request.keys:
+            elif is_idle(tied[0], load, now):
                 backend = self._first_in_order(state.rendezvous, request.keys[0], tied)
             else:
-                backend = min(tied)
-            reason = "cold" if top_holder == 0 else "prefix_spill"
+                backend = self._rotation.next_of(tied, load)
+            reason = "prefix_match"
+        else:
+            backend, reason = self._pick_by_cost(request, costs, matched, top_holder, state, now)
+        self._rotation.record(backend)
         chosen = cand_of[backend]
         chosen.resident_tokens = resident[backend]
         work = chosen.own_s
