@@ -60,7 +60,10 @@ class CacheAwareConfig:
     kv_weight: float = 0.25
     evict_weight: float = 0.5
     others_weight: float = 1.0
-    epsilon: float = 0.5
+    #: the hot-spot bound's slack over the mean busy seconds; off (inf) by default: a holder is kept or left by
+    #: predicted TTFT alone (queue + remaining prefill there vs queue + full recompute elsewhere, from the
+    #: work in flight), never by the seconds it served lately
+    epsilon: float = math.inf
     busy_floor_s: float = 0.05
     bound_cost_s: float = 0.5
     tie_s: float = 0.005
