@@ -121,7 +121,8 @@ class CacheAware:
         self._idle_memo: dict[tuple[int, float, int, float], tuple[float, float]] = {}
         self._first_memo: dict[tuple[object, ...], str] = {}
         self._sessions = SessionStarts(cfg.sessions_remembered)
-        self._rotation = Rotation()
+        self._rotation = Rotation()  # every pick
+        self._starts = Rotation()  # sessions' first requests where every backend holds the same prefix
 
     def _cold_cannot_win(self, holders: Sequence[str], hot_of: dict[str, float], limit: float | None,
                          ttft_of: dict[str, float], cost_of: dict[str, float], prompt: int, factor: float,
@@ -410,8 +411,14 @@ class CacheAware:
             # every backend holds the same prefix: the cache tells them apart by nothing, so the pure load
             # balancer picks (``policies/balance.py``: least prefill queued). Equal waits of idle backends go to
             # the prefix's rendezvous order (an idle fleet keeps the prefix on one home, routers agree without
-            # talking); of working ones, to the rotation (equal loads spread like round robin)
-            tied = least_waiting(list(costs), load, now)
+            # talking); of working ones, to the rotation (equal loads spread like round robin). A session's first
+            # request goes to the backend that started fewest sessions: its later turns stay where it starts, so
+            # sessions, not the queue of the moment, are the load it brings
+            if weigh_sessions:
+                tied = [self._starts.next_of(list(costs), load)]
+                self._starts.record(tied[0])
+            else:
+                tied = least_waiting(list(costs), load, now)
             if len(tied) == 1:
                 backend = tied[0]
             elif is_idle(tied[0], load, now):

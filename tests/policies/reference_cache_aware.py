@@ -101,9 +101,15 @@ class ReferenceCacheAware(CacheAware):
         best_match = max(cands[b].matched for b in near)
         if best_matched > 0 and len(set(matched.values())) == 1:
             # changed: every backend holds the same prefix: the pure load balancer (``policies/balance.py``)
-            tied = least_waiting(list(costs), load, now)
+            if session_start:  # a session's first request: the backend that started fewest sessions
+                tied = [self._starts.next_of(list(costs), load)]
+                self._starts.record(tied[0])
+            else:
+                tied = least_waiting(list(costs), load, now)
             anchor = request.keys[0]
-            if is_idle(tied[0], load, now):  # equal idle backends: the prefix's home; working ones: the rotation
+            if len(tied) == 1:
+                backend = tied[0]
+            elif is_idle(tied[0], load, now):  # equal idle backends: the prefix's home; working ones: the rotation
                 backend = min(tied, key=lambda b: (-state.rendezvous.weight(anchor, b), b))
             else:
                 backend = self._rotation.next_of(tied, load)
