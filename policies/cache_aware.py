@@ -6,16 +6,22 @@
   in fleets over ``max_scored``, backends holding nothing of the prompt go unscored when even an idle one
   could not reach the tie band (always scored for a session's first request, below)
 
-Shape: filter (hot-spot bound in busy seconds; a holder of the prefix is over it only while it is working
-now, so an idle fleet keeps a prefix home) → score (weighted scorers, ``policies/scorers.py``, each in seconds;
-a session's first request that some backend holds a prefix of also pays each backend's recent busy seconds,
-the work its sessions keep bringing, since the session's later turns stay where it starts) → pick (lowest;
-near-ties go to the longer match, among equal matches to the cheapest, exact ties to the prefix's rendezvous
-order for warm requests, or the least busy then least recently used backend for cold ones, exact ties again by
-the prefix's rendezvous order); the decision reports the prefill it wastes (tokens another backend held).
+Shape: reduce → filter → score → pick. Where the cache tells backends apart by nothing (a short prompt, or every
+backend holding the same prefix) the pick is the pure load balancer of ``policies/balance.py`` (least queued
+prefill, equal loads in rotation, an idle fleet's ties to the prefix's rendezvous home; a session's first
+request to the backend that started fewest sessions). Otherwise: filter (the hot-spot bound in busy seconds,
+off by default: ``epsilon`` inf; when on, a holder of the prefix is over it only while it is working now) →
+score (weighted scorers, ``policies/scorers.py``, each in seconds; a session's first request that some backend
+holds a prefix of also pays each backend's recent busy seconds, the work its sessions keep bringing, since the
+session's later turns stay where it starts) → pick (lowest; near-ties go to the longer match, among equal
+matches to the cheapest, exact ties to the prefix's rendezvous order for warm requests, or the least busy then
+least recently used backend for cold ones, exact ties again by the prefix's rendezvous order); the decision
+reports the prefill it wastes (tokens another backend held). A holder is thus kept or left by predicted TTFT:
+its queue plus the prefill of what it lacks against another's queue plus the full recompute.
 Seconds come from an ``EngineSpeed`` prior (knobs) times a factor the load tracker learns per backend from
 observed TTFT, so a session stays on its replica until the wait there costs more than recomputing its whole
-context elsewhere — load is weighed as work, never as a request count.
+context elsewhere — load is weighed as work; request counts only break ties of equal work (and count the
+sessions started where the cache tells backends apart by nothing).
 """
 
 from __future__ import annotations
