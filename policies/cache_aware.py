@@ -6,16 +6,22 @@
   in fleets over ``max_scored``, backends holding nothing of the prompt go unscored when even an idle one
   could not reach the tie band (always scored for a session's first request, below)
 
-Shape: filter (hot-spot bound in busy seconds; a holder of the prefix is over it only while it is working
-now, so an idle fleet keeps a prefix home) → score (weighted scorers, ``policies/scorers.py``, each in seconds;
-a session's first request that some backend holds a prefix of also pays each backend's recent busy seconds,
-the work its sessions keep bringing, since the session's later turns stay where it starts) → pick (lowest;
-near-ties go to the longer match, among equal matches to the cheapest, exact ties to the prefix's rendezvous
-order for warm requests, or the least busy then least recently used backend for cold ones, exact ties again by
-the prefix's rendezvous order); the decision reports the prefill it wastes (tokens another backend held).
+Shape: reduce → filter → score → pick. Where the cache tells backends apart by nothing (a short prompt, or every
+backend holding the same prefix) the pick is the pure load balancer of ``policies/balance.py`` (least queued
+prefill, equal loads in rotation, an idle fleet's ties to the prefix's rendezvous home; a session's first
+request to the backend that started fewest sessions). Otherwise: filter (the hot-spot bound in busy seconds,
+off by default: ``epsilon`` inf; when on, a holder of the prefix is over it only while it is working now) →
+score (weighted scorers, ``policies/scorers.py``, each in seconds; a session's first request that some backend
+holds a prefix of also pays each backend's recent busy seconds, the work its sessions keep bringing, since the
+session's later turns stay where it starts) → pick (lowest; near-ties go to the longer match, among equal
+matches to the cheapest, exact ties to the prefix's rendezvous order for warm requests, or the least busy then
+least recently used backend for cold ones, exact ties again by the prefix's rendezvous order); the decision
+reports the prefill it wastes (tokens another backend held). A holder is thus kept or left by predicted TTFT:
+its queue plus the prefill of what it lacks against another's queue plus the full recompute.
 Seconds come from an ``EngineSpeed`` prior (knobs) times a factor the load tracker learns per backend from
 observed TTFT, so a session stays on its replica until the wait there costs more than recomputing its whole
-context elsewhere — load is weighed as work, never as a request count.
+context elsewhere — load is weighed as work; request counts only break ties of equal work (and count the
+sessions started where the cache tells backends apart by nothing).
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import itemgetter
 
-from kvroute.policies.base import Policy, RoutingState, least_load_decision
+from kvroute.policies.balance import Rotation, is_idle, least_waiting
+from kvroute.policies.base import Policy, RoutingState
 from kvroute.policies.decision import Decision
 from kvroute.policies.filters import hot_limit, hot_load
 from kvroute.policies.hashing import Rendezvous
@@ -59,7 +66,10 @@ class CacheAwareConfig:
     kv_weight: float = 0.25
     evict_weight: float = 0.5
     others_weight: float = 1.0
-    epsilon: float = 0.5
+    #: the hot-spot bound's slack over the mean busy seconds; off (inf) by default: a holder is kept or left by
+    #: predicted TTFT alone (queue + remaining prefill there vs queue + full recompute elsewhere, from the
+    #: work in flight), never by the seconds it served lately
+    epsilon: float = math.inf
     busy_floor_s: float = 0.05
     bound_cost_s: float = 0.5
     tie_s: float = 0.005
@@ -117,6 +127,8 @@ class CacheAware(Policy):
         self._idle_memo: dict[tuple[int, float, int, float], tuple[float, float]] = {}
         self._first_memo: dict[tuple[object, ...], str] = {}
         self._sessions = SessionStarts(cfg.sessions_remembered)
+        self._rotation = Rotation()  # every pick
+        self._starts = Rotation()  # sessions' first requests where every backend holds the same prefix
 
     def _cold_cannot_win(self, holders: Sequence[str], hot_of: dict[str, float], limit: float | None,
                          ttft_of: dict[str, float], cost_of: dict[str, float], prompt: int, factor: float,
@@ -186,13 +198,51 @@ class CacheAware(Policy):
                 self._first_memo.clear()
         return first
 
+    def _pick_by_cost(self, request: RoutingRequest, costs: dict[str, float], matched: dict[str, int],
+                      top_holder: int, state: RoutingState, now: float) -> tuple[str, str]:
+        """(backend, reason): the lowest cost; near-ties go to the longer match, among equal matches to the
+        cheapest, exact ties to the prefix's rendezvous order for warm requests, or the least busy then least
+        recently used backend for cold ones (exact ties again by the prefix's rendezvous order)."""
+        cfg = self.config
+        load = state.load
+        best_cost = min(costs.values())
+        band = max(cfg.tie_s, cfg.tie_fraction * best_cost)
+        threshold = best_cost + band
+        near = [b for b, cost in costs.items() if cost <= threshold]
+        best_match = max(map(matched.__getitem__, near))
+        if best_match > 0:
+            holders = [b for b in near if matched[b] == best_match]
+            if len(holders) > 1:  # the band prefers longer matches; among equal ones the cheapest wins
+                cheapest = min(map(costs.__getitem__, holders))
+                holders = [b for b in holders if costs[b] == cheapest]
+            # several: the first in the prefix's rendezvous order (highest weight, then name)
+            backend = (holders[0] if len(holders) == 1
+                       else self._first_in_order(state.rendezvous, request.keys[0], holders))
+            return backend, "prefix_match" if best_match >= top_holder else "prefix_spill"
+        rank = {b: (load.busy(b, now), load.last_pick(b), costs[b]) for b in near}
+        least = min(rank.values())
+        tied = [b for b in near if rank[b] == least]
+        # Exact ties (an idle fleet, or several routers that have not yet seen each other's picks) go to
+        # the prefix's rendezvous order: routers agree without talking, and different prefixes spread.
+        if len(tied) == 1:
+            backend = tied[0]
+        elif request.keys:
+            backend = self._first_in_order(state.rendezvous, request.keys[0], tied)
+        else:
+            backend = min(tied)
+        return backend, "cold" if top_holder == 0 else "prefix_spill"
+
     def select(
         self, request: RoutingRequest, candidates: Sequence[str], state: RoutingState, now: float
     ) -> Decision:
         cfg = self.config
         if request.routable_tokens < cfg.min_prefix_tokens:
-            return least_load_decision(request, candidates, state, now, self.name, reason="least_load",
-                                       skipped="short_prompt")
+            backend = self._rotation.next_of(least_waiting(candidates, state.load, now, self.speed.chunk_tokens),
+                                              state.load)
+            self._rotation.record(backend)
+            return Decision(backend=backend, policy=self.name, reason="least_load", prompt_tokens=request.prompt_tokens,
+                            skipped="short_prompt", request_id=request.request_id,
+                            predicted_prefill_tokens=request.prompt_tokens)
         load = state.load
         speed = self.speed
         index = state.index
@@ -363,33 +413,28 @@ class CacheAware(Policy):
             # the sessions already there keep bringing. New sessions spread; later turns (no longer first) stay
             # home; a session's cold first request already goes to the least busy backend of the tie band.
             costs = {b: cost + busy_of[b] for b, cost in costs.items()}
-        best_cost = min(costs.values())
-        band = max(cfg.tie_s, cfg.tie_fraction * best_cost)
-        threshold = best_cost + band
-        near = [b for b, cost in costs.items() if cost <= threshold]
-        best_match = max(map(matched.__getitem__, near))
-        if best_match > 0:
-            holders = [b for b in near if matched[b] == best_match]
-            if len(holders) > 1:  # the band prefers longer matches; among equal ones the cheapest wins
-                cheapest = min(map(costs.__getitem__, holders))
-                holders = [b for b in holders if costs[b] == cheapest]
-            # several: the first in the prefix's rendezvous order (highest weight, then name)
-            backend = (holders[0] if len(holders) == 1
-                       else self._first_in_order(state.rendezvous, request.keys[0], holders))
-            reason = "prefix_match" if best_match >= top_holder else "prefix_spill"
-        else:
-            rank = {b: (load.busy(b, now), load.last_pick(b), costs[b]) for b in near}
-            least = min(rank.values())
-            tied = [b for b in near if rank[b] == least]
-            # Exact ties (an idle fleet, or several routers that have not yet seen each other's picks) go to
-            # the prefix's rendezvous order: routers agree without talking, and different prefixes spread.
+        if best_matched > 0 and len(set(matched.values())) == 1:
+            # every backend holds the same prefix: the cache tells them apart by nothing, so the pure load
+            # balancer picks (``policies/balance.py``: least prefill queued). Equal waits of idle backends go to
+            # the prefix's rendezvous order (an idle fleet keeps the prefix on one home, routers agree without
+            # talking); of working ones, to the rotation (equal loads spread like round robin). A session's first
+            # request goes to the backend that started fewest sessions: its later turns stay where it starts, so
+            # sessions, not the queue of the moment, are the load it brings
+            if weigh_sessions:
+                tied = [self._starts.next_of(list(costs), load)]
+                self._starts.record(tied[0])
+            else:
+                tied = least_waiting(list(costs), load, now)
             if len(tied) == 1:
                 backend = tied[0]
-            elif request.keys:
+            elif is_idle(tied[0], load, now):
                 backend = self._first_in_order(state.rendezvous, request.keys[0], tied)
             else:
-                backend = min(tied)
-            reason = "cold" if top_holder == 0 else "prefix_spill"
+                backend = self._rotation.next_of(tied, load)
+            reason = "prefix_match"
+        else:
+            backend, reason = self._pick_by_cost(request, costs, matched, top_holder, state, now)
+        self._rotation.record(backend)
         chosen = cand_of[backend]
         chosen.resident_tokens = resident[backend]
         work = chosen.own_s

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvroute.policies.base import RoutingState, least_load_decision
+from kvroute.policies.balance import is_idle, least_waiting
+from kvroute.policies.base import RoutingState
 from kvroute.policies.cache_aware import CacheAware
 from kvroute.policies.decision import Decision
 from kvroute.policies.filters import hot_limit, hot_load, within_hot_bound
@@ -24,8 +25,13 @@ class ReferenceCacheAware(CacheAware):
     ) -> Decision:
         cfg = self.config
         if request.routable_tokens < cfg.min_prefix_tokens:
-            return least_load_decision(request, candidates, state, now, self.name, reason="least_load",
-                                       skipped="short_prompt")
+            # changed: short prompts go to the pure load balancer (``policies/balance.py``), in whole chunks
+            backend = self._rotation.next_of(least_waiting(candidates, state.load, now, self.speed.chunk_tokens),
+                                              state.load)
+            self._rotation.record(backend)
+            return Decision(backend=backend, policy=self.name, reason="least_load", prompt_tokens=request.prompt_tokens,
+                            skipped="short_prompt", request_id=request.request_id,
+                            predicted_prefill_tokens=request.prompt_tokens)
         load = state.load
         speed = self.speed
         index = state.index
@@ -93,7 +99,22 @@ class ReferenceCacheAware(CacheAware):
         band = max(cfg.tie_s, cfg.tie_fraction * best_cost)
         near = [b for b in allowed if costs[b] <= best_cost + band]
         best_match = max(cands[b].matched for b in near)
-        if best_match > 0:
+        if best_matched > 0 and len(set(matched.values())) == 1:
+            # changed: every backend holds the same prefix: the pure load balancer (``policies/balance.py``)
+            if session_start:  # a session's first request: the backend that started fewest sessions
+                tied = [self._starts.next_of(list(costs), load)]
+                self._starts.record(tied[0])
+            else:
+                tied = least_waiting(list(costs), load, now)
+            anchor = request.keys[0]
+            if len(tied) == 1:
+                backend = tied[0]
+            elif is_idle(tied[0], load, now):  # equal idle backends: the prefix's home; working ones: the rotation
+                backend = min(tied, key=lambda b: (-state.rendezvous.weight(anchor, b), b))
+            else:
+                backend = self._rotation.next_of(tied, load)
+            reason = "prefix_match"
+        elif best_match > 0:
             holders = [b for b in near if cands[b].matched == best_match]
             cheapest = min(costs[b] for b in holders)  # the one change since e9da8e7: equal holders, cheapest
             holders = [b for b in holders if costs[b] == cheapest]
@@ -108,6 +129,7 @@ class ReferenceCacheAware(CacheAware):
             backend = min(near, key=lambda b: (load.busy(b, now), load.last_pick(b), costs[b],
                                                0 if anchor is None else -state.rendezvous.weight(anchor, b), b))
             reason = "cold" if top_holder == 0 else "prefix_spill"
+        self._rotation.record(backend)  # changed: the balancer's rotation counts every pick
         chosen = cands[backend]
         work = chosen.own_s
         fixed = slot_wait(chosen, speed) * cfg.slot_weight
