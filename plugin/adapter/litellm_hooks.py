@@ -241,7 +241,7 @@ class KvrouteCallback(CustomLogger):
 
     def _first_token(self, kwargs: Mapping[str, Any]) -> None:
         try:
-            outcomes.first_token(self, self.ids.resolve(request_metadata(kwargs)))
+            outcomes.first_token(self, request_metadata(kwargs))
         except Exception:
             self._count_error("stream_chunk")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from kvroute.plugin.adapter.request_ids import Attempt, RequestState
+from kvroute.plugin.adapter.request_ids import TICKET_KEY, Attempt, RequestState
 from kvroute.plugin.adapter.signals import (
     cached_tokens_of,
     completion_tokens_of,
@@ -33,9 +33,14 @@ def answered(cb: KvrouteCallback, found: Found) -> None:
         ticket.router.on_answered(ticket.rid)
 
 
-def first_token(cb: KvrouteCallback, found: Found) -> None:
-    """The first streamed chunk arrived: prefill is over."""
-    ticket = cb.ids.open_attempt(found)
+def first_token(cb: KvrouteCallback, meta: Any) -> None:
+    """A streamed chunk arrived: on the attempt's first, prefill is over (later chunks return before any check:
+    the attempt their metadata names has already seen its first token, so there is nothing to do)."""
+    named = meta.get(TICKET_KEY) if isinstance(meta, dict) else None
+    seen = cb.ids.open.get(named) if isinstance(named, str) else None
+    if seen is not None and seen.first_token:
+        return
+    ticket = cb.ids.open_attempt(cb.ids.resolve(meta))
     if ticket is not None and not ticket.first_token:
         ticket.first_token = True
         ticket.router.on_first_token(ticket.rid)

@@ -2,7 +2,7 @@
 
 Three ids, three things (none taken from what a client sends):
 
-- **ledger request id** -- a random uuid4 hex kvroute assigns the first time it sees a request (its first pick, or its
+- **ledger request id** -- 32 random hex digits kvroute assigns the first time it sees a request (its first pick, or its
   first outcome when no pick ran). Stored in the request metadata under ``kvroute_request`` with an HMAC tag
   (``kvroute_sig``, a per-process secret) so a client-sent value can never be mistaken for one kvroute wrote.
 - **attempt** -- kvroute's own counter per ledger request, kept here (LiteLLM copies the metadata dict between
@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
-import uuid
 from collections import OrderedDict
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
@@ -82,6 +81,7 @@ class RequestState:
     """What kvroute knows of one client request across its attempts."""
 
     request_id: str
+    sig: str = ""  # the id's verified tag (a later check compares it instead of recomputing the HMAC)
     attempts: list[Attempt] = field(default_factory=list)
     outcome_recorded: bool = False
     success_recorded: bool = False
@@ -141,9 +141,11 @@ class RequestIds:
         if not isinstance(meta, MutableMapping):
             return None
         rid, sig = meta.get(REQUEST_KEY), meta.get(SIG_KEY)
-        if isinstance(rid, str) and isinstance(sig, str) and hmac.compare_digest(sig, self._sign(rid)):
-            return rid
-        return None
+        if not isinstance(rid, str) or not isinstance(sig, str):
+            return None
+        state = self.requests.get(rid)
+        expected = state.sig if state is not None and state.sig else self._sign(rid)
+        return rid if hmac.compare_digest(sig, expected) else None
 
     def begin(self, meta: MutableMapping[str, Any]) -> RequestState:
         """The request's state; on first sight drop every client-sent kvroute identity key and issue a new id."""
@@ -151,12 +153,12 @@ class RequestIds:
         if rid is None:
             for key in SERVER_KEYS:
                 meta.pop(key, None)
-            rid = uuid.uuid4().hex
+            rid = secrets.token_hex(16)
             meta[REQUEST_KEY] = rid
             meta[SIG_KEY] = self._sign(rid)
         state = self.requests.get(rid)
         if state is None:
-            state = self.requests[rid] = RequestState(rid)
+            state = self.requests[rid] = RequestState(rid, meta[SIG_KEY])
             while len(self.requests) > self.max_requests:
                 _, old = self.requests.popitem(last=False)
                 for attempt in old.attempts:
