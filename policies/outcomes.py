@@ -28,8 +28,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
-from kvroute.policies.health import Outcome
-from kvroute.policies.health import classify as classify_status
+from kvroute.policies.health import Outcome, status_outcome
 
 
 class FailureKind(StrEnum):
@@ -233,11 +232,11 @@ def classify(exc: BaseException | None, *, backend_called: bool | None = None,
             return verdict(FailureKind.REQUEST_REJECTED, False)  # LiteLLM's own input validation
         kind, blamed = _by_status(status, retry_after, mid_stream)
         if kind in (FailureKind.BACKEND_ERROR, FailureKind.REQUEST_INVALID):
-            typed = classify_status(None, type(exc), mid_stream=mid_stream)
+            typed = status_outcome(None, type(exc), mid_stream=mid_stream)
             if typed is Outcome.CAPACITY:
                 kind, blamed = FailureKind.CAPACITY, True
         return verdict(kind, blamed)
-    typed = classify_status(None, type(exc), mid_stream=mid_stream)
+    typed = status_outcome(None, type(exc), mid_stream=mid_stream)
     kind = {Outcome.CAPACITY: FailureKind.CAPACITY, Outcome.CONFIG_FAILURE: FailureKind.BACKEND_CONFIG,
             Outcome.CLIENT_ERROR: FailureKind.REQUEST_INVALID, Outcome.CANCELLED: FailureKind.CANCELLED}.get(
         typed, FailureKind.STREAM_CUT if mid_stream else FailureKind.BACKEND_ERROR)
