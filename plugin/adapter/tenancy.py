@@ -65,9 +65,9 @@ class AppNames:
                     break
             if claim is not None:
                 break
-        view = dict(meta)
+        view = meta  # read only; a claim is added to a copy
         if claim is not None:
-            view["requester_metadata"] = {**requester, APP_KEY: claim}
+            view = {**meta, "requester_metadata": {**requester, APP_KEY: claim}}
             view.setdefault(APP_KEY, claim)
         app = resolve_app({}, view, trust_unauthenticated=True)
         if app is None:
