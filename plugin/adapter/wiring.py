@@ -40,7 +40,7 @@ def build(cb: KvrouteCallback) -> None:
         from prometheus_client import REGISTRY
 
         cb._metrics = Metrics(REGISTRY, max_app_labels=s.max_app_labels,
-                                multiproc_dir=s.prometheus_multiproc_dir, shared_load=bool(s.redis_url))
+                              multiproc_dir=s.prometheus_multiproc_dir, shared_load=bool(s.redis_url))
     if cb.chain is None:  # before Redis: instances sharing state must be given the secret
         cb.chain, cb.chain_source = resolve_chain_key(
             s.hash_secret.get_secret_value() if s.hash_secret else None, s.redis_url, s.data_dir,
@@ -48,7 +48,7 @@ def build(cb: KvrouteCallback) -> None:
         cb.chain_fingerprint = fingerprint(cb.chain) if s.redis_url else ""  # compared with other instances
     if cb._health is None:
         cb._health = HealthAdapter.build(cb._metrics, breaker_config(s.breaker),
-                                           redis=connect_shared_state(cb))
+                                         redis=connect_shared_state(cb))
     if cb._shared is not None and hasattr(cb._shared, "status_source"):
         cb._shared.status_source = cb.worker_status
         cb._shared.fingerprint = cb.chain_fingerprint
@@ -103,7 +103,7 @@ def connect_shared_state(cb: KvrouteCallback) -> Any:
         return None
     try:
         cb._shared = shared_state.connect(s.redis_url,
-                                            shared_state.SharedStateConfig(namespace=s.redis_namespace))
+                                          shared_state.SharedStateConfig(namespace=s.redis_namespace))
     except Exception as exc:
         log.warning("kvroute: redis shared state unavailable (%s); routing on local state", exc)
         cb._shared = None
@@ -196,7 +196,7 @@ def start_precise(cb: KvrouteCallback, group: str, block: Mapping[str, Any], ind
         from kvroute.plugin.feeds.precise import group_from_config
 
         cb.precise[group] = group_from_config(group, block, index, router=router,
-                                                where=f"kvroute.groups.{group}.precise").start()
+                                              where=f"kvroute.groups.{group}.precise").start()
     except ConfigError:
         raise  # a bad precise: block stops startup (settings validated its shape already)
     except Exception as exc:
