@@ -8,7 +8,11 @@ than wall clock). Prints the medians over rounds of the per-round ratios ``kvrou
 samples each proxy with py-spy (installed into a throw-away venv) and lists kvroute's own hot frames. Usage::
 
     LITELLM_LOCAL_MODEL_COST_MAP=True .venv/bin/python bench/proxy_cpu.py [--rounds 8] [--requests 200]
-        [--stream] [--profile] [--json]
+        [--stream] [--profile] [--json] [--before TREE]
+
+``--before TREE`` adds a ``kvroute_before`` proxy running the kvroute of another source tree (e.g. ``git archive
+<commit> | tar -x -C TREE``) in the same interleaved rounds, so a change is priced against its parent under the same
+noise (``kvroute_before_vs_plain`` beside ``kvroute_vs_plain``).
 """
 
 from __future__ import annotations
@@ -153,6 +157,7 @@ def main() -> None:
     p.add_argument("--hooks", action="store_true",
                    help="also one proxy per kvroute hook, each alone and doing nothing (prices LiteLLM's dispatch)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--before", type=Path, help="also a proxy running the kvroute of this source tree")
     args = p.parse_args()
     opts = ReplicaOptions(capacity_tokens=65536, prefill_tokens_per_s=1e6, decode_ms=0.0, slots=64)
     with contextlib.ExitStack() as stack:
@@ -169,6 +174,10 @@ def main() -> None:
                                                litellm_settings={"callbacks": [f"proxy_noop_callback.{part}"]})
         proxies = {v: stack.enter_context(ProxyProcess(c, env=env, inherit_kvroute_env=False))
                    for v, c in configs.items()}
+        if args.before is not None:
+            proxies["kvroute_before"] = stack.enter_context(ProxyProcess(
+                configs["kvroute"], env={**env, "PYTHONPATH": str(_tree_path(args.before, stack))},
+                inherit_kvroute_env=False))
         result = measure(proxies, args)
         if args.profile:
             result["profile"] = profile(proxies, args, Path(stack.enter_context(_tempdir())))
@@ -180,11 +189,19 @@ def main() -> None:
           f"× {args.requests}): plain {c['plain']} ms, no-op callback {c['noop']} ms, kvroute {c['kvroute']} ms")
     print(f"kvroute ÷ plain {result['kvroute_vs_plain']} (goal ≤ 1.03); no-op ÷ plain {result['noop_vs_plain']}; "
           f"failed {result['failed']}")
-    for part in NOOP_PARTS:
+    for part in (*NOOP_PARTS, "kvroute_before"):
         if f"{part}_vs_plain" in result:
             print(f"{part} ÷ plain {result[f'{part}_vs_plain']}")
     for name, prof in result.get("profile", {}).items():
         print(f"py-spy {name}: {json.dumps(prof)}")
+
+
+def _tree_path(tree: Path, stack: contextlib.ExitStack) -> Path:
+    """A folder on which ``import kvroute`` finds ``tree`` (plus this bench folder, for the no-op callback)."""
+    folder = Path(stack.enter_context(_tempdir()))
+    (folder / "kvroute").symlink_to(tree.resolve(), target_is_directory=True)
+    (folder / "proxy_noop_callback.py").symlink_to(HERE / "proxy_noop_callback.py")
+    return folder
 
 
 @contextlib.contextmanager

@@ -37,7 +37,7 @@ from kvroute.billing.events import ROUTE_KINDS, STATUSES, UsageEvent
 from kvroute.billing.money import to_decimal
 from kvroute.billing.usage import TokenBuckets, as_mapping, normalize_usage
 from kvroute.policies.errors import InputError
-from kvroute.policies.outcomes import FailureKind, classify
+from kvroute.policies.outcomes import classify
 
 APP_KEY = "kvroute_app"
 TRUSTED_KEY = "kvroute_trusted_apps"
@@ -166,13 +166,6 @@ def failure_status(http_status: int | None = None, error_class: str | None = Non
     return "provider_failure"
 
 
-#: ledger status of each outcome kind (``kvroute.policies.outcomes`` decides the kind, for breaker and ledger alike)
-LEDGER_STATUS = {
-    FailureKind.ROUTER: "no_route", FailureKind.CANCELLED: "cancelled", FailureKind.CAPACITY: "capacity",
-    FailureKind.REQUEST_INVALID: "client_error", FailureKind.REQUEST_REJECTED: "client_error",
-}
-
-
 def exception_status(exc: Any, *, backend_called: bool | None = None) -> tuple[str, int | None, str | None]:
     """(ledger status, HTTP status, error class) of an exception object: the outcome classifier decides the kind
     (the same verdict the breaker gets); anything that is not the router's, the client's or capacity is
@@ -181,8 +174,7 @@ def exception_status(exc: Any, *, backend_called: bool | None = None) -> tuple[s
     http = code if isinstance(code, int) and not isinstance(code, bool) and 100 <= code <= 599 else None
     name = type(exc).__name__ if exc is not None else None
     if isinstance(exc, BaseException):
-        kind = classify(exc, backend_called=backend_called).kind
-        return LEDGER_STATUS.get(kind, "provider_failure"), http, name
+        return classify(exc, backend_called=backend_called).ledger_status, http, name
     status = failure_status(http, name, str(exc)[:300] if exc is not None else None, backend_called=backend_called)
     return status, http, name
 

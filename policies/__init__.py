@@ -15,12 +15,13 @@ from kvroute.policies.fingerprint import (
     session_key,
     token_keys,
 )
-from kvroute.policies.health import BreakerConfig, BreakerState, CircuitBreaker, HealthBoard, Outcome, classify
+from kvroute.policies.health import BreakerConfig, BreakerState, CircuitBreaker, HealthBoard, Outcome
 from kvroute.policies.hybrid import HostedQuote, Hybrid, HybridConfig, OverflowGuard, SelfHostedRate
 from kvroute.policies.least_load import LeastLoad
 from kvroute.policies.lifecycle import FleetView, RequestOutcome, RouteSides
 from kvroute.policies.load import BackendLoad, ExternalSignal, LoadTracker
 from kvroute.policies.marketplace import Marketplace, MarketplaceConfig, ProviderQuote
+from kvroute.policies.outcomes import Attribution, FailureKind, classify
 from kvroute.policies.prefix_hash import PrefixHash, PrefixHashConfig
 from kvroute.policies.prefix_index import PrefixIndex, PrefixIndexConfig, PrefixLocator
 from kvroute.policies.registry import DEFAULT_POLICY, build_policy, policy_names, register_policy
@@ -31,6 +32,7 @@ from kvroute.policies.session_affinity import SessionAffinity, SessionAffinityCo
 
 __all__ = [
     "DEFAULT_POLICY",
+    "Attribution",
     "BackendLoad",
     "BreakerConfig",
     "BreakerState",
@@ -41,6 +43,7 @@ __all__ = [
     "ConfigError",
     "Decision",
     "ExternalSignal",
+    "FailureKind",
     "FingerprintConfig",
     "Fingerprinter",
     "FleetView",

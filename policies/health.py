@@ -63,7 +63,7 @@ def _norm(error_type: Any) -> str:
     return "".join(ch for ch in text.lower() if ch.isalnum())
 
 
-def classify(
+def status_outcome(
     status_code: int | None = None,
     error_type: str | type | None = None,
     *,

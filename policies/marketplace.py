@@ -30,9 +30,6 @@ from kvroute.policies.request import RoutingRequest
 from kvroute.policies.rolling import RollingLatency, percentile
 
 MILLION = Decimal(1_000_000)
-# Provider kinds that understand an OpenAI-style ``prompt_cache_key`` / OpenRouter's ``session_id``.
-PROMPT_CACHE_KEY_KINDS = frozenset({"openai", "azure", "openai_compatible", "shareai", "marketplace"})
-SESSION_ID_KINDS = frozenset({"openrouter"})
 
 
 def to_price(value: Any, where: str) -> Decimal:
@@ -523,34 +520,3 @@ def _log_ratio(value: float, best: float) -> float:
     if best <= 0 or value <= 0:
         return 0.0 if value <= best else math.log1p(value - best)
     return max(0.0, math.log(value / best))
-
-
-def upstream_cache_params(kind: str, request: RoutingRequest, body: Mapping[str, Any] | None = None,
-                          headers: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Extra body params that keep the provider's own cache routing sticky, unless the user set one.
-
-    OpenAI-compatible kinds get ``prompt_cache_key``; OpenRouter gets ``session_id`` (it also honours a
-    user's ``prompt_cache_key``, so that counts as set). The value is our salted session key or the key of
-    the prompt's stable start: a hash, never prompt text, at most 64 characters.
-    """
-    body = body or {}
-    extra = body.get("extra_body") if isinstance(body.get("extra_body"), Mapping) else {}
-    lowered = {str(k).lower() for k in (headers or {})}
-
-    def user_set(name: str) -> bool:
-        return bool(body.get(name)) or bool(extra.get(name))
-
-    if request.session_key:
-        value = f"kvr-s-{request.session_key}"[:64]
-    else:
-        key = request.prefix_key(1024)
-        if key is None:
-            return {}
-        value = f"kvr-p-{key:016x}"
-    kind = (kind or "").lower()
-    if kind in PROMPT_CACHE_KEY_KINDS and not user_set("prompt_cache_key"):
-        return {"prompt_cache_key": value}
-    if kind in SESSION_ID_KINDS and not (user_set("session_id") or user_set("prompt_cache_key")
-                                         or "x-session-id" in lowered):
-        return {"session_id": value}
-    return {}

@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
-from kvroute.policies.health import Outcome
-from kvroute.policies.health import classify as classify_status
+from kvroute.policies.health import Outcome, status_outcome
 
 
 class FailureKind(StrEnum):
@@ -48,15 +47,25 @@ class FailureKind(StrEnum):
     CANCELLED = "cancelled"
 
 
-BLAMING = frozenset({FailureKind.CONNECT_ERROR, FailureKind.TIMEOUT, FailureKind.SLOW_FIRST_TOKEN,
-                     FailureKind.STREAM_CUT, FailureKind.BACKEND_ERROR, FailureKind.CAPACITY,
-                     FailureKind.BACKEND_CONFIG})
-
-_BREAKER_OUTCOME = {
-    FailureKind.CAPACITY: Outcome.CAPACITY,
-    FailureKind.BACKEND_CONFIG: Outcome.CONFIG_FAILURE,
-    FailureKind.CANCELLED: Outcome.CANCELLED,
+_P, _C = Outcome.PROVIDER_FAILURE, Outcome.CLIENT_ERROR
+#: The one outcome vocabulary and its views: kind -> (blames the backend, the breaker's outcome, the ledger status).
+#: The breaker's outcome applies when the backend is blamed; a verdict blaming nobody is ``client_error`` to the
+#: breaker (``cancelled`` for a cancellation), which hands a half-open probe back without counting it.
+KINDS: dict[FailureKind, tuple[bool, Outcome, str]] = {
+    FailureKind.CONNECT_ERROR: (True, _P, "provider_failure"),
+    FailureKind.TIMEOUT: (True, _P, "provider_failure"),
+    FailureKind.SLOW_FIRST_TOKEN: (True, _P, "provider_failure"),
+    FailureKind.STREAM_CUT: (True, _P, "provider_failure"),
+    FailureKind.BACKEND_ERROR: (True, _P, "provider_failure"),
+    FailureKind.CAPACITY: (True, Outcome.CAPACITY, "capacity"),
+    FailureKind.BACKEND_CONFIG: (True, Outcome.CONFIG_FAILURE, "provider_failure"),
+    FailureKind.REQUEST_INVALID: (False, _C, "client_error"),
+    FailureKind.REQUEST_REJECTED: (False, _C, "client_error"),
+    FailureKind.ROUTER: (False, _C, "no_route"),
+    FailureKind.CANCELLED: (False, Outcome.CANCELLED, "cancelled"),
 }
+BLAMING = frozenset(k for k, (blames, _, _) in KINDS.items() if blames)
+LEDGER_STATUS = {k: status for k, (_, _, status) in KINDS.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,8 +82,21 @@ class Attribution:
     @property
     def outcome(self) -> Outcome:
         if self.blames_backend:
-            return _BREAKER_OUTCOME.get(self.kind, Outcome.PROVIDER_FAILURE)
+            return KINDS[self.kind][1]
         return Outcome.CANCELLED if self.kind is FailureKind.CANCELLED else Outcome.CLIENT_ERROR
+
+    @property
+    def ledger_status(self) -> str:
+        """The ledger's status of the attempt (``no_route``, ``cancelled``, ``capacity``, ``client_error`` or
+        ``provider_failure``)."""
+        return LEDGER_STATUS[self.kind]
+
+    def unsent(self) -> Attribution:
+        """This verdict for an attempt known not to have reached a backend: it blames nobody (what ``classify``
+        answers with ``backend_called=False``)."""
+        if not self.blames_backend:
+            return self
+        return replace(self, blames_backend=False, retry_after_s=None, before_prefill=True)
 
 
 def _norm(text: str) -> str:
@@ -210,11 +232,11 @@ def classify(exc: BaseException | None, *, backend_called: bool | None = None,
             return verdict(FailureKind.REQUEST_REJECTED, False)  # LiteLLM's own input validation
         kind, blamed = _by_status(status, retry_after, mid_stream)
         if kind in (FailureKind.BACKEND_ERROR, FailureKind.REQUEST_INVALID):
-            typed = classify_status(None, type(exc), mid_stream=mid_stream)
+            typed = status_outcome(None, type(exc), mid_stream=mid_stream)
             if typed is Outcome.CAPACITY:
                 kind, blamed = FailureKind.CAPACITY, True
         return verdict(kind, blamed)
-    typed = classify_status(None, type(exc), mid_stream=mid_stream)
+    typed = status_outcome(None, type(exc), mid_stream=mid_stream)
     kind = {Outcome.CAPACITY: FailureKind.CAPACITY, Outcome.CONFIG_FAILURE: FailureKind.BACKEND_CONFIG,
             Outcome.CLIENT_ERROR: FailureKind.REQUEST_INVALID, Outcome.CANCELLED: FailureKind.CANCELLED}.get(
         typed, FailureKind.STREAM_CUT if mid_stream else FailureKind.BACKEND_ERROR)

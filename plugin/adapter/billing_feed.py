@@ -247,9 +247,11 @@ class BillingFeed:
             return None
         return self.ids.begin(meta)
 
-    def success(self, kwargs: Mapping[str, Any], response: Any, start: Any, end: Any, ticket_id: str | None) -> None:
-        """``async_log_success_event``: the final success (a no-op when the pre-response record stored it)."""
-        found = self.ids.attempt_of(ticket_id)
+    def success(self, kwargs: Mapping[str, Any], response: Any, start: Any, end: Any, ticket_id: str | None = None,
+                *, found: tuple[RequestState, Attempt] | None = None) -> None:
+        """``async_log_success_event``: the final success (a no-op when the pre-response record stored it);
+        ``found``: the attempt the hook already resolved (else ``ticket_id``'s)."""
+        found = found or self.ids.attempt_of(ticket_id)
         if found is None:
             meta = request_metadata(kwargs)
             if meta is None:
@@ -324,13 +326,16 @@ class BillingFeed:
             kwargs = {**kwargs, "response_cost": cost}
         return kwargs, {"usage": usage}
 
-    def attempt_failed(self, request_data: Mapping[str, Any], exception: BaseException, ticket_id: str | None) -> None:
-        """``async_post_call_failure_deployment_hook``: one failed upstream attempt, non-final."""
-        found = self.ids.attempt_of(ticket_id)
+    def attempt_failed(self, request_data: Mapping[str, Any], exception: BaseException, ticket_id: str | None = None,
+                       *, found: tuple[RequestState, Attempt] | None = None, status: str | None = None) -> None:
+        """``async_post_call_failure_deployment_hook``: one failed upstream attempt, non-final (``status``: the
+        ledger status of the verdict the hook already reached; ``found``: the attempt it resolved)."""
+        found = found or self.ids.attempt_of(ticket_id)
         if found is None:
             return
         state, attempt = found
-        status, _, _ = self.events.exception_status(exception, backend_called=True)  # the per-attempt hook
+        if status is None:
+            status = self.events.exception_status(exception, backend_called=True)[0]  # the per-attempt hook
         kwargs, response = self._paid({**dict(request_data), "exception": exception}, attempt)
         self._record(kwargs, response, outcome=status, state=state, attempt=attempt, final=False,
                      backend=deployment_id(request_data) or attempt.backend)
@@ -347,11 +352,13 @@ class BillingFeed:
             self._record(kwargs, response, outcome="provider_failure", state=state, attempt=attempt, final=False,
                          backend=attempt.backend)
 
-    def logged_failure(self, kwargs: Mapping[str, Any], exception: Any) -> None:
-        """``async_log_failure_event``: a router-level hop as ``no_route``, or an attempt nothing else recorded."""
+    def logged_failure(self, kwargs: Mapping[str, Any], exception: Any, *, status: str | None = None) -> None:
+        """``async_log_failure_event``: a router-level hop as ``no_route``, or an attempt nothing else recorded
+        (``status``: the ledger status of the verdict the hook already reached)."""
         meta = request_metadata(kwargs)
         state = self.ids.state(meta)
-        status, _, _ = self.events.exception_status(exception)
+        if status is None:
+            status = self.events.exception_status(exception)[0]
         slo = kwargs.get("standard_logging_object")
         slo = slo if isinstance(slo, Mapping) else {}
         group = str(slo.get("model_group") or kwargs.get("model") or "")
@@ -379,7 +386,7 @@ class BillingFeed:
         """``async_post_call_failure_hook`` (proxy): the request failed for the client -- its final outcome row."""
         meta = request_metadata(data)
         state = self.ids.state(meta)
-        status, _, _ = self.events.exception_status(exception)
+        status = self.events.exception_status(exception)[0]
         if state is None:
             if status != "no_route":
                 return  # never routed (validation): not usage

@@ -1,8 +1,8 @@
-"""Server-owned request identity: the ledger request id, kvroute's attempt counter and the ticket id of each attempt.
+"""Server-owned request identity and the one record of each request and attempt (routing and billing read the same).
 
 Three ids, three things (none taken from what a client sends):
 
-- **ledger request id** -- a random uuid4 hex kvroute assigns the first time it sees a request (its first pick, or its
+- **ledger request id** -- 32 random hex digits kvroute assigns the first time it sees a request (its first pick, or its
   first outcome when no pick ran). Stored in the request metadata under ``kvroute_request`` with an HMAC tag
   (``kvroute_sig``, a per-process secret) so a client-sent value can never be mistaken for one kvroute wrote.
 - **attempt** -- kvroute's own counter per ledger request, kept here (LiteLLM copies the metadata dict between
@@ -11,6 +11,11 @@ Three ids, three things (none taken from what a client sends):
 
 LiteLLM's trace id, ``x-session-id`` and ``litellm_call_id`` (settable with the ``x-litellm-call-id`` header) are
 client-controlled and are used for none of them. Client-sent ``kvroute_*`` identity keys of any type are dropped.
+
+``RequestIds`` is the only per-request store: a ``RequestState`` holds its ``Attempt`` records (what the pick chose,
+what billing saw, the failure verdict), the backends that failed it and the exceptions already judged; the attempts
+still awaiting an outcome are indexed in ``open``. Evicting a request (the oldest beyond ``max_requests``) forgets
+all of it at once. A hook resolves its attempt once (``resolve``: one HMAC check).
 """
 
 from __future__ import annotations
@@ -18,12 +23,16 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
-import uuid
 from collections import OrderedDict
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from kvroute.policies.lifecycle import CANCELLED, RequestOutcome
+
+if TYPE_CHECKING:
+    from kvroute.policies.outcomes import Attribution
 
 REQUEST_KEY = "kvroute_request"
 SIG_KEY = "kvroute_sig"
@@ -31,21 +40,42 @@ TICKET_KEY = "kvroute_rid"
 ATTEMPT_KEY = "kvroute_attempt"
 SERVER_KEYS = (REQUEST_KEY, SIG_KEY, TICKET_KEY, ATTEMPT_KEY, "kvroute_trace")
 MAX_REQUESTS = 100_000
+MAX_FAILED = 16  # backends remembered as failed per request (a retry avoids them)
+MAX_JUDGED = 8  # exceptions remembered as judged per request
 
 
 @dataclass(slots=True)
 class Attempt:
-    """One upstream attempt (or router-level hop) of a request, as kvroute saw it."""
+    """One upstream attempt (or router-level hop) of a request: the pick (``router`` set while kvroute routed it),
+    what billing recorded, and the verdict on its failure (classified once)."""
 
     number: int
     group: str
     backend: str | None  # None: LiteLLM had no deployment for the hop (nothing was called)
+    ticket: str = ""  # ``<ledger request id>:<number>``: the routing policy's handle (``rid``)
     sent: bool = False
     recorded: bool = False
     started_at: datetime | None = None
     model_info: dict[str, Any] | None = None
     served: str | None = None
     streamed: int = 0  # chunks with output relayed from this attempt (≈ output tokens; billing of a cut stream)
+    router: Any = None  # the group's ``Router`` when kvroute pinned this attempt (None: not routed)
+    app: str | None = None
+    predicted_tokens: int = 0
+    prompt_tokens: int = 0
+    cache_key: str | None = None
+    started: float = 0.0  # clock reading of the pick, then of the upstream call
+    first_token: bool = False
+    outcome: str | None = None
+    request: Any = None  # the ``RoutingRequest`` (for a policy that learns from outcomes)
+    policy: Any = None  # that policy (None when it does not learn)
+    salt: str | None = None
+    verdict: Attribution | None = None  # the failure's attribution, once classified
+
+    @property
+    def rid(self) -> str:
+        """The ticket id (the routing policy's name for this attempt)."""
+        return self.ticket
 
 
 @dataclass(slots=True)
@@ -53,10 +83,36 @@ class RequestState:
     """What kvroute knows of one client request across its attempts."""
 
     request_id: str
+    sig: str = ""  # the id's verified tag (a later check compares it instead of recomputing the HMAC)
     attempts: list[Attempt] = field(default_factory=list)
     outcome_recorded: bool = False
     success_recorded: bool = False
     app: str | None = None  # the billed app, fixed by the request's first ledger event
+    failed: list[str] = field(default_factory=list)  # backends blamed for this request's failed attempts
+    judged: list[BaseException] = field(default_factory=list)  # exceptions whose verdict was applied
+
+    def note_failed(self, backend: str) -> None:
+        """Remember ``backend`` failed this request (a retry avoids it while others remain)."""
+        self.failed.append(backend)
+        del self.failed[:-MAX_FAILED]
+
+    def note_judged(self, exception: BaseException) -> None:
+        """Remember ``exception`` was judged (the request-level event must not count it again)."""
+        self.judged.append(exception)
+        del self.judged[:-MAX_JUDGED]
+
+    def was_judged(self, exception: BaseException) -> bool:
+        """Whether ``exception`` or one it wraps (``__cause__``/``__context__``, 12 links) was judged already."""
+        if not self.judged:
+            return False
+        link: BaseException | None = exception
+        for _ in range(12):
+            if link is None:
+                return False
+            if any(j is link for j in self.judged):
+                return True
+            link = link.__cause__ or link.__context__
+        return False
 
     def latest(self, backend: str | None = None, group: str | None = None, unrecorded: bool = False,
                hop: bool = False) -> Attempt | None:
@@ -77,6 +133,7 @@ class RequestIds:
         self._key = secrets.token_bytes(32)
         self.max_requests = max_requests
         self.requests: OrderedDict[str, RequestState] = OrderedDict()
+        self.open: OrderedDict[str, Attempt] = OrderedDict()  # routed attempts awaiting an outcome, by ticket id
 
     def _sign(self, request_id: str) -> str:
         return hmac.new(self._key, request_id.encode(), hashlib.sha256).hexdigest()[:24]
@@ -86,9 +143,11 @@ class RequestIds:
         if not isinstance(meta, MutableMapping):
             return None
         rid, sig = meta.get(REQUEST_KEY), meta.get(SIG_KEY)
-        if isinstance(rid, str) and isinstance(sig, str) and hmac.compare_digest(sig, self._sign(rid)):
-            return rid
-        return None
+        if not isinstance(rid, str) or not isinstance(sig, str):
+            return None
+        state = self.requests.get(rid)
+        expected = state.sig if state is not None and state.sig else self._sign(rid)
+        return rid if hmac.compare_digest(sig, expected) else None
 
     def begin(self, meta: MutableMapping[str, Any]) -> RequestState:
         """The request's state; on first sight drop every client-sent kvroute identity key and issue a new id."""
@@ -96,14 +155,16 @@ class RequestIds:
         if rid is None:
             for key in SERVER_KEYS:
                 meta.pop(key, None)
-            rid = uuid.uuid4().hex
+            rid = secrets.token_hex(16)
             meta[REQUEST_KEY] = rid
             meta[SIG_KEY] = self._sign(rid)
         state = self.requests.get(rid)
         if state is None:
-            state = self.requests[rid] = RequestState(rid)
+            state = self.requests[rid] = RequestState(rid, meta[SIG_KEY])
             while len(self.requests) > self.max_requests:
-                self.requests.popitem(last=False)
+                _, old = self.requests.popitem(last=False)
+                for attempt in old.attempts:
+                    self.close(attempt.ticket, cancel=True)
         return state
 
     def state(self, meta: Any) -> RequestState | None:
@@ -113,9 +174,10 @@ class RequestIds:
     def new_attempt(self, meta: MutableMapping[str, Any], group: str, backend: str | None) -> tuple[Attempt, str]:
         """Count the next attempt of the request in ``meta``; returns it and its ticket id (also written to meta)."""
         state = self.begin(meta)
-        attempt = Attempt(len(state.attempts) + 1, group, backend)
+        number = len(state.attempts) + 1
+        ticket_id = f"{state.request_id}:{number}"
+        attempt = Attempt(number, group, backend, ticket_id)
         state.attempts.append(attempt)
-        ticket_id = f"{state.request_id}:{attempt.number}"
         meta[TICKET_KEY] = ticket_id
         meta[ATTEMPT_KEY] = attempt.number
         return attempt, ticket_id
@@ -137,3 +199,34 @@ class RequestIds:
         if state is None or not number.isdigit() or not 0 < int(number) <= len(state.attempts):
             return None
         return state, state.attempts[int(number) - 1]
+
+    def resolve(self, meta: Any) -> tuple[RequestState, Attempt] | None:
+        """The request and current attempt ``meta`` names, verified once (None when kvroute did not write it)."""
+        return self.attempt_of(self.ticket_of(meta))
+
+    def hold(self, attempt: Attempt) -> None:
+        """Index a routed attempt as awaiting its outcome."""
+        self.open[attempt.ticket] = attempt
+
+    def open_attempt(self, found: tuple[RequestState, Attempt] | None) -> Attempt | None:
+        """The attempt of ``found`` if it still awaits its outcome."""
+        if found is None:
+            return None
+        attempt = found[1]
+        return attempt if self.open.get(attempt.ticket) is attempt else None
+
+    def close(self, ticket_id: str, *, cancel: bool = False) -> Attempt | None:
+        """Stop awaiting an attempt's outcome (``cancel``: also release its pick's load); the attempt or None."""
+        attempt = self.open.pop(ticket_id, None)
+        if attempt is not None and cancel and attempt.router is not None:
+            attempt.router.finish(attempt.request, RequestOutcome(CANCELLED, attempt.backend, attempt.router.clock()),
+                                  policy=attempt.policy)
+        return attempt
+
+    def expire(self, horizon: float) -> None:
+        """Forget open attempts picked before ``horizon`` (their pick's load expires in the router)."""
+        while self.open:
+            attempt = next(iter(self.open.values()))
+            if attempt.started >= horizon:
+                break
+            self.open.popitem(last=False)

@@ -10,8 +10,9 @@ import litellm
 import pytest
 from test_hooks_sdk import fleet, installed, litellm_flush, model_list, sample
 
-from kvroute.plugin.adapter.litellm_hooks import KvrouteCallback, _set_engine_salt
+from kvroute.plugin.adapter.litellm_hooks import KvrouteCallback
 from kvroute.plugin.adapter.metrics import Metrics
+from kvroute.plugin.adapter.tenancy import set_engine_salt as _set_engine_salt
 from kvroute.plugin.settings import KvrouteSettings, load_settings
 
 pytestmark = pytest.mark.timeout(120)

@@ -15,8 +15,8 @@ from kvroute.policies.health import (
     HealthBoard,
     Outcome,
     Transition,
-    classify,
 )
+from kvroute.policies.health import status_outcome as classify
 
 # --- classify -----------------------------------------------------------------------------------
 

@@ -14,7 +14,6 @@ from kvroute.policies.marketplace import (
     Marketplace,
     MarketplaceConfig,
     ProviderQuote,
-    upstream_cache_params,
 )
 from kvroute.policies.prefix_index import PrefixIndex
 from kvroute.policies.request import RoutingRequest
@@ -233,20 +232,6 @@ def test_bad_knobs_name_the_key(knobs, key):
     with pytest.raises(ConfigError) as info:
         build_policy("marketplace", knobs, where="groups.g")
     assert info.value.key == key
-
-
-def test_upstream_cache_params():
-    r = req(session="abc")
-    assert upstream_cache_params("openai", r, {}) == {"prompt_cache_key": "kvr-s-abc"}
-    assert upstream_cache_params("openai", r, {"prompt_cache_key": "mine"}) == {}
-    assert upstream_cache_params("openai", r, {"extra_body": {"prompt_cache_key": "mine"}}) == {}
-    assert upstream_cache_params("openrouter", r, {}) == {"session_id": "kvr-s-abc"}
-    assert upstream_cache_params("openrouter", r, {}, {"X-Session-Id": "u"}) == {}
-    assert upstream_cache_params("openrouter", r, {"prompt_cache_key": "k"}) == {}
-    assert upstream_cache_params("anthropic", r, {}) == {}
-    prefix = upstream_cache_params("openai", req(), {})["prompt_cache_key"]
-    assert prefix.startswith("kvr-p-") and len(prefix) <= 64
-    assert upstream_cache_params("openai", req(keys=()), {}) == {}
 
 
 def test_router_applies_app_rules_to_a_single_candidate():

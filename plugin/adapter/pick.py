@@ -1,0 +1,151 @@
+"""The pick: narrow LiteLLM's healthy deployments to the policy's choice, then pin the attempt going upstream."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from kvroute.plugin.adapter import hybrid
+from kvroute.plugin.adapter.hosted import forward_cache_key
+from kvroute.plugin.adapter.request_ids import Attempt
+from kvroute.plugin.adapter.rules import request_tags
+from kvroute.plugin.adapter.signals import deployment_id, request_metadata
+from kvroute.plugin.adapter.tenancy import SALT_ENGINES, set_engine_salt
+from kvroute.policies.lifecycle import FAILURE, RequestOutcome
+
+if TYPE_CHECKING:
+    from kvroute.plugin.adapter.litellm_hooks import KvrouteCallback
+
+
+def pick(cb: KvrouteCallback, model: str, healthy: list, messages: Any, request_kwargs: dict | None,
+         precise: Any = None) -> list:
+    """The deployments LiteLLM may use for this attempt: the policy's pick, or ``healthy`` when kvroute is off.
+    ``precise``: the (request, salt) a precise group's tokenizer already built."""
+    s = cb.settings
+    kwargs = request_kwargs if isinstance(request_kwargs, dict) else {}
+    group = str(model)
+    meta = request_metadata(kwargs, create=True)
+    if meta is not None:  # every pick is an attempt (an empty one is a router-level hop), even unrouted
+        close_previous(cb, meta)
+        attempt, rid = cb.ids.new_attempt(meta, group, None)
+    if not s.enabled or not healthy or meta is None:
+        return healthy
+    now = cb.clock()
+    maybe_expire(cb, now)
+    pairs = [(d, cb.fleet.backend(d)) for d in healthy]
+    allowed = [(d, b) for d, b in pairs if cb.health.available(b.id, now)]
+    state = cb.ids.requests.get(rid.rsplit(":", 1)[0])
+    failed = state.failed if state is not None else None
+    if failed and allowed:  # a retry: avoid what already failed for this request while others remain
+        untried = [(d, b) for d, b in allowed if b.id not in failed]
+        allowed = untried or allowed
+    if not allowed:
+        if any(b.self_hosted for _, b in pairs):
+            cb.metrics.fallbacks.labels(group, "all_open").inc()
+            return []
+        allowed = pairs  # hosted group with every breaker open: let LiteLLM try (Portkey-style bypass)
+    backends = [b for _, b in allowed]
+    router = cb.router_for(group, backends)
+    app = cb._app(meta, kwargs)
+    tags = request_tags(meta, s.tag_metadata_keys, kwargs.get("tags") if isinstance(kwargs.get("tags"), list)
+                        else None)
+    headers = meta.get("headers") if isinstance(meta.get("headers"), Mapping) else None
+    if precise is not None:
+        request, salt = precise
+        request.request_id, request.app, request.tags = rid, app, tags
+    else:
+        tenant, salt = cb.tenant_salt(s.group(group), meta, kwargs)
+        request = router.fingerprint(prompt_source(kwargs, messages), model=group, app=app, request_id=rid,
+                                     tags=tags, headers=headers, tenant=tenant, salt=salt, client_salt=False)
+    rule = cb.rules.resolve(group, app, tags) if len(cb.rules) else None
+    policy = rule.policy if rule is not None else router.policy_for(group)
+    if cb._attached.get(id(policy)) != len(backends):
+        cb._attach(router, policy, backends)
+        cb._attached[id(policy)] = len(backends)
+    decision = router.pick(request, [b.id for b in backends], group=group, policy=policy)
+    cb.metrics.decision(group, decision.policy, decision.reason.split(":", 1)[0], decision.matched_tokens,
+                        decision.wasted_prefill_tokens)
+    if decision.why is not None:
+        hybrid.observe_decision(cb.metrics, group, policy, decision, now)
+    if decision.backend is None:
+        if decision.reason.startswith("no_acceptable_provider"):
+            cb.metrics.fallbacks.labels(group, "no_acceptable_provider").inc()
+            return []
+        return [d for d, _ in allowed]
+    cb.health.admit(decision.backend, now)
+    cache_key = None
+    if request.session_key or request.keys:
+        cache_key = f"kvr-{request.session_key or format(request.prefix_key(1024) or 0, 'x')}"
+    pin(attempt, router, decision.backend, app, decision.matched_tokens, request.prompt_tokens, cache_key, now,
+        request, policy, salt)
+    cb.ids.hold(attempt)
+    chosen = [d for d, b in allowed if b.id == decision.backend]
+    return chosen or [d for d, _ in allowed]
+
+
+def pin(attempt: Attempt, router: Any, backend: str, app: str | None, predicted: int, prompt_tokens: int,
+        cache_key: str | None, now: float, request: Any, policy: Any, salt: str | None) -> None:
+    """Write the pick onto the attempt's record."""
+    attempt.router, attempt.backend, attempt.app = router, backend, app
+    attempt.predicted_tokens, attempt.prompt_tokens, attempt.cache_key = predicted, prompt_tokens, cache_key
+    attempt.started, attempt.request, attempt.policy, attempt.salt = now, request, policy, salt
+
+
+def close_previous(cb: KvrouteCallback, meta: Mapping[str, Any]) -> None:
+    """A new pick for the same request means the previous attempt is over (retry or fallback)."""
+    prev = cb.ids.ticket_of(meta)
+    if not prev:
+        return
+    attempt = cb.ids.close(prev)
+    if attempt is not None:  # superseded: the policy hears it now; its late failure hook finds no attempt
+        attempt.router.finish(attempt.request, RequestOutcome(FAILURE, attempt.backend, cb.clock()),
+                              policy=attempt.policy)
+    if cb.billing is not None:
+        cb.billing.superseded(prev)
+
+
+def maybe_expire(cb: KvrouteCallback, now: float) -> None:
+    """Every ``expire_every_s``: expire the routers' old picks and the attempts that never got an outcome."""
+    if now - cb._last_expire < cb.settings.expire_every_s:
+        return
+    cb._last_expire = now
+    for router in cb.routers.values():
+        router.expire()
+    cb.ids.expire(now - cb.settings.max_request_age_s)
+    cb.metrics.set_inflight((b.id, cb.routers[b.group].load.inflight(b.id))
+                            for b in cb.fleet.backends.values() if b.group in cb.routers)
+
+
+def pre_call(cb: KvrouteCallback, kwargs: dict) -> dict | None:
+    """The deployment really used for the attempt: move the pick there if LiteLLM chose another, and set the
+    engine salt or the provider cache key on the upstream request (the changed ``kwargs``, or None)."""
+    found = cb.ids.resolve(request_metadata(kwargs))
+    backend_id = deployment_id(kwargs)
+    ticket = cb.ids.open_attempt(found)
+    if ticket is not None and backend_id is not None and backend_id != ticket.backend:
+        ticket.router.on_attempt(ticket.rid, backend_id)  # LiteLLM sent it elsewhere: move the pick's load
+    if found is not None:
+        attempt = found[1]
+        attempt.backend = backend_id or attempt.backend
+        if cb.billing is not None:
+            cb.billing.attempt_started(attempt, kwargs)
+    if ticket is None or backend_id is None:
+        return None
+    ticket.started = cb.clock()
+    backend = cb.fleet.backends.get(backend_id)
+    if backend is None:
+        return None
+    if backend.self_hosted:
+        return set_engine_salt(kwargs, ticket.salt if backend.engine in SALT_ENGINES else None)
+    if not cb.settings.forward_cache_key or not ticket.cache_key:
+        return set_engine_salt(kwargs, None)
+    forwarded = forward_cache_key(kwargs, backend, ticket.cache_key)
+    stripped = set_engine_salt(kwargs, None)
+    return forwarded or stripped
+
+
+def prompt_source(kwargs: Mapping[str, Any], messages: Any) -> Mapping[str, Any]:
+    """What to fingerprint: the request's own messages or prompt, else the messages LiteLLM passed."""
+    if kwargs.get("messages") is not None or kwargs.get("prompt") is not None:
+        return kwargs
+    return {**kwargs, "messages": messages}

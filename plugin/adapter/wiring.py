@@ -1,0 +1,254 @@
+"""Wiring: settings, metrics, health, billing, shared state and one ``Router`` per model group, built once."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvroute.plugin.adapter import hybrid
+from kvroute.plugin.adapter.billing_feed import BillingFeed, billing_target
+from kvroute.plugin.adapter.hosted import provider_quote
+from kvroute.plugin.adapter.metrics import Metrics
+from kvroute.plugin.adapter.rules import RuleBook
+from kvroute.plugin.adapter.signals import HealthAdapter, breaker_config
+from kvroute.plugin.adapter.startup_log import log_startup
+from kvroute.plugin.settings import KvrouteSettings, load_settings, read_model_list
+from kvroute.plugin.state.hash_secret import fingerprint, resolve_chain_key
+from kvroute.policies import ChainKey, FingerprintConfig, PrefixIndexConfig, Router, RouterConfig
+from kvroute.policies.base import Policy
+from kvroute.policies.errors import ConfigError
+from kvroute.policies.lifecycle import FleetView, RouteSides
+from kvroute.policies.registry import policy_names
+
+if TYPE_CHECKING:
+    from kvroute.plugin.adapter.deployments import Backend
+    from kvroute.plugin.adapter.litellm_hooks import KvrouteCallback
+
+log = logging.getLogger("kvroute.plugin")
+
+
+def build(cb: KvrouteCallback) -> None:
+    """Load settings, metrics, the hash key, health, rules, billing and the proxy routes (once, at set-up)."""
+    if cb._settings is None:
+        cb._settings = load_settings(cb._proxy_config or proxy_config_path())
+    s = cb._settings
+    from kvroute.billing.location import check_data_dir
+
+    check_data_dir(s.data_dir)  # a file there: one line naming kvroute.data_dir, before anything uses it
+    if cb._metrics is None:
+        from prometheus_client import REGISTRY
+
+        cb._metrics = Metrics(REGISTRY, max_app_labels=s.max_app_labels,
+                              multiproc_dir=s.prometheus_multiproc_dir, shared_load=bool(s.redis_url))
+    if cb.chain is None:  # before Redis: instances sharing state must be given the secret
+        cb.chain, cb.chain_source = resolve_chain_key(
+            s.hash_secret.get_secret_value() if s.hash_secret else None, s.redis_url, s.data_dir,
+            s.hash_secret_file)
+        cb.chain_fingerprint = fingerprint(cb.chain) if s.redis_url else ""  # compared with other instances
+    if cb._health is None:
+        cb._health = HealthAdapter.build(cb._metrics, breaker_config(s.breaker),
+                                         redis=connect_shared_state(cb))
+    if cb._shared is not None and hasattr(cb._shared, "status_source"):
+        cb._shared.status_source = cb.worker_status
+        cb._shared.fingerprint = cb.chain_fingerprint
+        cb._shared.on_heartbeat = lambda shared: cb.metrics.shared_state(
+            len(shared.secret_mismatch), shared.replication()["lag_s"])
+    cb.rules = RuleBook.from_settings(s.rules)
+    if s.metrics_port is not None:
+        try:
+            cb._metrics.serve(s.metrics_port, s.metrics_host)
+        except OSError as exc:
+            log.warning("kvroute: cannot serve metrics on port %s: %s", s.metrics_port, exc)
+    start_billing(cb, s)
+    if cb._mount:
+        mount_on_proxy(cb)
+    learn_proxy_model_list(cb)
+    log_startup(cb)
+
+
+def learn_proxy_model_list(cb: KvrouteCallback) -> None:
+    """Classify the proxy's ``model_list`` up front so status shows every backend before traffic."""
+    path = cb._proxy_config or proxy_config_path()
+    if not path:
+        return
+    try:
+        entries = read_model_list(path)
+    except Exception:
+        return
+    names = {str(e.get("model_name")) for e in entries if isinstance(e, Mapping) and e.get("model_name")}
+    for group in cb.settings.groups:
+        if names and group not in names:
+            raise ConfigError(f"kvroute.groups.{group}", f"no model group {group!r} in the proxy's model_list")
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, Mapping) or not (entry.get("model_info") or {}).get("id"):
+            continue  # LiteLLM assigns an id itself; the backend is learned on its first request
+        try:
+            cb.fleet.add_model_list([entry])
+        except Exception as exc:  # e.g. os.environ/ references resolved only by LiteLLM
+            log.warning("kvroute: model_list.%d not classified at startup: %s", i, exc)
+    for group, backends in cb.fleet.groups().items():
+        cb.router_for(group, backends)
+
+
+def connect_shared_state(cb: KvrouteCallback) -> Any:
+    """The Redis-shared state of ``redis_url`` (None when not configured or unreachable)."""
+    s = cb._settings
+    if s is None or not s.redis_url:
+        return None
+    try:
+        from kvroute.plugin.state import shared_state  # written by the resilience engineer
+    except ImportError:
+        log.warning("kvroute: KVROUTE_REDIS_URL set but kvroute.plugin.state.shared_state is not available")
+        return None
+    try:
+        cb._shared = shared_state.connect(s.redis_url,
+                                          shared_state.SharedStateConfig(namespace=s.redis_namespace))
+    except Exception as exc:
+        log.warning("kvroute: redis shared state unavailable (%s); routing on local state", exc)
+        cb._shared = None
+    return cb._shared
+
+
+def start_billing(cb: KvrouteCallback, s: KvrouteSettings) -> None:
+    """On by default in the proxy (embedded SQLite in the data directory); see ``billing_feed.billing_target``."""
+    in_proxy = "litellm.proxy.proxy_server" in sys.modules
+    cb.billing_target = billing_target(s, in_proxy=in_proxy)  # where it records (the startup line says)
+    cb.billing = BillingFeed.start(s, cb.ids, in_proxy=in_proxy, on_error=cb._count_error)
+    cb.recorder = cb.billing.recorder if cb.billing is not None else None
+    if cb.billing is not None:
+        cb.billing.kind_of = lambda backend: hybrid.route_kind(cb.fleet.backends.get(backend))
+        cb.billing.provider_of = lambda backend: hybrid.provider_of(cb.fleet.backends.get(backend))
+        cb.billing.served_of = lambda backend: hybrid.served_model(cb.fleet.backends.get(backend))
+        from kvroute.plugin.adapter.billing_feed import RecorderCollector
+
+        with contextlib.suppress(ValueError):  # already registered (a second callback on the registry)
+            cb.metrics.registry.register(RecorderCollector(cb.billing))
+
+
+def mount_on_proxy(cb: KvrouteCallback) -> None:
+    """Add ``GET <status_path>`` and ``<status_path>/metrics`` to the running proxy app (if any)."""
+    proxy = sys.modules.get("litellm.proxy.proxy_server")
+    app = getattr(proxy, "app", None) if proxy else None
+    if app is None:
+        return
+    try:
+        from kvroute.plugin.cli.status import mount_routes
+
+        cb.mounted = mount_routes(app, cb, cb.settings.status_path, auth=cb.settings.endpoint_auth)
+    except Exception as exc:
+        log.warning("kvroute: could not mount status routes: %s", exc)
+
+
+def router_for(cb: KvrouteCallback, group: str, backends: Sequence[Backend]) -> Router:
+    """One ``kvroute.policies.Router`` per model group, built on first use."""
+    router = cb.routers.get(group)
+    if router is not None:
+        return router
+    s = cb.settings
+    gs = s.group(group)
+    hosted = bool(backends) and not any(b.self_hosted for b in backends)
+    block_tokens = s.block_bytes / 4.0
+    index_config = PrefixIndexConfig(capacity_tokens=s.kv_capacity_tokens, block_tokens=block_tokens,
+                                      ttl_s=s.index_ttl_s if not hosted else (s.index_ttl_s or 600.0))
+    index: Any = None
+    load = None
+    chain = cb.chain or ChainKey()
+    if gs.mode == "precise":
+        index = precise_index(index_config, chain, gs.precise, f"kvroute.groups.{group}.precise")
+    elif cb._shared is not None:
+        try:
+            index = cb._shared.index(group, index_config)
+            load = cb._shared.load(group)
+        except Exception as exc:
+            log.warning("kvroute: shared state for %s unavailable: %s", group, exc)
+            index, load = None, None
+    config = RouterConfig(
+        default_policy=s.default_policy,
+        default_knobs=s.default_knobs,
+        fingerprint=FingerprintConfig(block_bytes=s.block_bytes, chain=chain),
+        index=index_config,
+        max_request_age_s=s.max_request_age_s,
+    )
+    router = Router(config, clock=cb.clock, index=index, load=load, health=cb.health)
+    if gs.mode == "precise" and index is not None:
+        start_precise(cb, group, gs.precise, index, router)
+    else:
+        start_scraper(cb, group, backends, router)
+    name, knobs = gs.policy_knobs
+    if name is not None:
+        policy = router.set_policy(group, name, knobs)
+    elif hosted and s.hosted_policy in policy_names():
+        policy = router.set_policy(group, s.hosted_policy, {})
+    else:
+        policy = router.policy_for(group)
+    attach(cb, router, policy, backends)
+    for b in backends:
+        if b.kv_capacity_tokens and hasattr(router.index, "set_capacity"):
+            router.index.set_capacity(b.id, b.kv_capacity_tokens)  # type: ignore[attr-defined]
+    cb.routers[group] = router
+    return router
+
+
+def start_precise(cb: KvrouteCallback, group: str, block: Mapping[str, Any], index: Any, router: Router) -> None:
+    """Start the precise group's KV-event feed and metrics scraper (approximate keys until it has a tokenizer)."""
+    try:
+        from kvroute.plugin.feeds.precise import group_from_config
+
+        cb.precise[group] = group_from_config(group, block, index, router=router,
+                                              where=f"kvroute.groups.{group}.precise").start()
+    except ConfigError:
+        raise  # a bad precise: block stops startup (settings validated its shape already)
+    except Exception as exc:
+        log.warning("kvroute: precise mode for %s unavailable: %s", group, exc)
+        cb._count_error("precise_setup")
+
+
+def start_scraper(cb: KvrouteCallback, group: str, backends: Sequence[Backend], router: Router) -> None:
+    """Scrape the replicas' ``metrics_url``: queue depth and KV usage feed the load tracker (with their age),
+    the engine's block count sets the approximate index's capacity. Unreachable pages leave router-side load."""
+    known = {b.id: b for b in (*cb.fleet.backends.values(), *backends) if b.group == group}
+    targets = {b.id: b.metrics_url for b in known.values() if b.self_hosted and b.metrics_url}
+    if not targets:
+        return
+    try:
+        from kvroute.plugin.feeds.engine_metrics import EngineMetricsScraper
+
+        cb.scrapers[group] = EngineMetricsScraper(
+            targets, router.observe, capacity_sink=getattr(router.index, "set_capacity", None),
+            interval_s=cb.settings.metrics_scrape_interval_s, clock=cb.clock).start()
+    except Exception as exc:
+        log.warning("kvroute: engine metrics for %s unavailable: %s", group, exc)
+        cb._count_error("metrics_setup")
+
+
+def attach(cb: KvrouteCallback, router: Router, policy: Policy, backends: Sequence[Backend]) -> None:
+    """Bind a policy to its group's fleet: the breakers, the priced backends' rate cards, which side each
+    deployment is on (the ledger is read only when the policy asks) and, with shared state, the fleet's guard."""
+    def sides() -> RouteSides:
+        billing = cb.billing
+        return hybrid.route_sides(backends, *(billing.price_view(b.id for b in backends) if billing else ({}, {})))
+
+    shared, group = cb._shared, backends[0].group if backends else None
+    share = (lambda p: hybrid.share_guard(p, shared, group)) if shared is not None and group is not None else None
+    router.bind(policy, FleetView(
+        health=cb.health.board, quotes=tuple(q for q in map(provider_quote, backends) if q is not None),
+        sides=sides, share=share))
+
+
+def precise_index(fallback: PrefixIndexConfig, chain: ChainKey, block: Mapping[str, Any], where: str) -> Any:
+    """An event-fed index that answers from its approximate fallback for backends without events, crediting
+    blocks by cache tier as the group's ``precise.tier_credit`` says."""
+    from kvroute.plugin.feeds.precise import tier_credit_of
+    from kvroute.policies.precise_index import PreciseIndex, PreciseIndexConfig
+
+    credit = tier_credit_of(block, where)
+    return PreciseIndex(PreciseIndexConfig(fallback=fallback, chain=chain, tier_credit=credit))
+
+
+def proxy_config_path() -> str | None:
+    proxy = sys.modules.get("litellm.proxy.proxy_server")
+    path = getattr(proxy, "user_config_file_path", None) if proxy else None
+    return str(path) if path else None
