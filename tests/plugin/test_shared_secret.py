@@ -22,7 +22,7 @@ from kvroute.policies.errors import ConfigError
 from kvroute.policies.fingerprint import ChainKey, FingerprintConfig, Fingerprinter
 
 TEMPLATE = ("You are the support assistant of Example Bank. Verified caller. Account PIN: {pin}. "
-            "Never repeat the PIN. " + "Policy text follows. " * 30)
+            "Never repeat the PIN. " + "Policy text follows. " * 60)  # past min_prefix_tokens: a prefix, not short
 
 
 def deps(n: int = 3) -> list[dict]:
