@@ -219,12 +219,15 @@ async def test_llamacpp_replicas_kvroute_gets_twice_the_cached_tokens(stack):
     st = stack
     if st["llamacpp"] is None:
         pytest.skip("xllamacpp is not installed (pip install 'kvroute[engines]')")
-    # 16 conversations (48 requests): a lucky simple-shuffle run on 8 came within 0.2 % of half of kvroute's hits
-    base = await run_conversations(sender(client(st["shuffle"]), "tiny"), conversations=16, turns=3,
-                                   prompt_tokens=300, first_conv=0)
+    # 16 conversations (48 requests) per run. simple-shuffle's share is random (0.17-0.28 over runs of 16 here, and
+    # one lucky run above a third was seen), so it is the mean of two runs of 16, each as long as kvroute's run
+    shuffled = [await run_conversations(sender(client(st["shuffle"]), "tiny"), conversations=16, turns=3,
+                                        prompt_tokens=300, first_conv=first) for first in (0, 200)]
     ours = await run_conversations(sender(client(st["ours"]), "tiny"), conversations=16, turns=3,
                                    prompt_tokens=300, first_conv=100)
-    print(f"\nllama.cpp cached-token share: kvroute {ours.share:.3f} vs simple-shuffle {base.share:.3f}; "
-          f"spread {ours.backends}")
-    assert base.failed == 0 and ours.failed == 0, (base.errors[:3], ours.errors[:3])
-    assert ours.cached_tokens >= 2 * base.cached_tokens
+    base_share = sum(b.share for b in shuffled) / len(shuffled)
+    print(f"\nllama.cpp cached-token share: kvroute {ours.share:.3f} vs simple-shuffle "
+          f"{' / '.join(f'{b.share:.3f}' for b in shuffled)}; spread {ours.backends}")
+    assert all(b.failed == 0 for b in shuffled) and ours.failed == 0, ([b.errors[:3] for b in shuffled],
+                                                                       ours.errors[:3])
+    assert ours.share >= 2 * base_share
