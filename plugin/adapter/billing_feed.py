@@ -259,7 +259,7 @@ class BillingFeed:
             state = self.ids.begin(meta)  # no pick ran (routing off): stamp the id so a replay maps to it
             attempt = state.latest(backend=deployment_id(kwargs))
             if attempt is None:
-                attempt, _ = self.ids.new_attempt(meta, str(kwargs.get("model") or ""), deployment_id(kwargs))
+                _, attempt = self.ids.new_attempt(meta, str(kwargs.get("model") or ""), deployment_id(kwargs))
         else:
             state, attempt = found
         if state.success_recorded and attempt.recorded:

@@ -27,15 +27,15 @@ def pick(cb: KvrouteCallback, model: str, healthy: list, messages: Any, request_
     meta = request_metadata(kwargs, create=True)
     if meta is not None:  # every pick is an attempt (an empty one is a router-level hop), even unrouted
         close_previous(cb, meta)
-        attempt, rid = cb.ids.new_attempt(meta, group, None)
+        state, attempt = cb.ids.new_attempt(meta, group, None)
+        rid = attempt.ticket
     if not s.enabled or not healthy or meta is None:
         return healthy
     now = cb.clock()
     maybe_expire(cb, now)
     pairs = [(d, cb.fleet.backend(d)) for d in healthy]
     allowed = [(d, b) for d, b in pairs if cb.health.available(b.id, now)]
-    state = cb.ids.requests.get(rid.rsplit(":", 1)[0])
-    failed = state.failed if state is not None else None
+    failed = state.failed
     if failed and allowed:  # a retry: avoid what already failed for this request while others remain
         untried = [(d, b) for d, b in allowed if b.id not in failed]
         allowed = untried or allowed

@@ -171,8 +171,10 @@ class RequestIds:
         rid = self.request_of(meta)
         return self.requests.get(rid) if rid else None
 
-    def new_attempt(self, meta: MutableMapping[str, Any], group: str, backend: str | None) -> tuple[Attempt, str]:
-        """Count the next attempt of the request in ``meta``; returns it and its ticket id (also written to meta)."""
+    def new_attempt(self, meta: MutableMapping[str, Any], group: str,
+                    backend: str | None) -> tuple[RequestState, Attempt]:
+        """Count the next attempt of the request in ``meta``; returns the request and the attempt (whose ticket id,
+        ``attempt.ticket``, is also written to meta)."""
         state = self.begin(meta)
         number = len(state.attempts) + 1
         ticket_id = f"{state.request_id}:{number}"
@@ -180,7 +182,7 @@ class RequestIds:
         state.attempts.append(attempt)
         meta[TICKET_KEY] = ticket_id
         meta[ATTEMPT_KEY] = attempt.number
-        return attempt, ticket_id
+        return state, attempt
 
     def ticket_of(self, meta: Any) -> str | None:
         """The current attempt's ticket id in ``meta``, only if it belongs to kvroute's request id there."""

@@ -81,12 +81,14 @@ def test_attempt_lifecycle_each_outcome_once_with_its_own_status() -> None:
     feed.logged_failure({"model": "llama", "litellm_params": {"metadata": top}},
                         _Exc("No deployments available for selected model", 429))
     m2 = dict(top)  # the fallback hop's copy
-    a2, t2 = ids.new_attempt(m2, "hosted", "h-0")
+    _, a2 = ids.new_attempt(m2, "hosted", "h-0")
+    t2 = a2.ticket
     call2 = {"model": "openai/fake", "model_info": {"id": "h-0"}, "metadata": m2}
     feed.attempt_started(a2, call2)
     feed.attempt_failed(call2, _Exc("boom", 500), t2)
     m3 = dict(m2)
-    a3, t3 = ids.new_attempt(m3, "hosted", "h-1")
+    _, a3 = ids.new_attempt(m3, "hosted", "h-1")
+    t3 = a3.ticket
     call3 = {"model": "openai/fake", "model_info": {"id": "h-1"}, "metadata": m3}
     feed.attempt_started(a3, call3)
     feed.pre_response(data, _Resp("h-1"))
@@ -110,7 +112,8 @@ def test_a_failed_request_gets_one_final_outcome_row() -> None:
     ids, rec = RequestIds(), _Recorder()
     feed = BillingFeed(rec, ids)
     meta: dict = {}
-    a1, t1 = ids.new_attempt(meta, "llama", "r-0")
+    _, a1 = ids.new_attempt(meta, "llama", "r-0")
+    t1 = a1.ticket
     call = {"model": "openai/fake", "model_info": {"id": "r-0"}, "metadata": meta}
     feed.attempt_started(a1, call)
     feed.attempt_failed(call, _Exc("boom", 500), t1)
@@ -139,7 +142,8 @@ def test_a_router_level_final_outcome_is_booked_on_the_router_not_on_the_pick() 
     assert [(e.status, e.is_final, e.backend_id) for e in rec.events] == [("no_route", True, "router")]
 
     meta = {}
-    a1, t1 = ids.new_attempt(meta, "llama", "r-0")
+    _, a1 = ids.new_attempt(meta, "llama", "r-0")
+    t1 = a1.ticket
     call = {"model": "openai/fake", "model_info": {"id": "r-0"}, "metadata": meta}
     feed.attempt_started(a1, call)
     feed.attempt_failed(call, _Exc("boom", 500), t1)
@@ -167,12 +171,13 @@ def test_a_stream_cut_after_output_is_a_paid_failed_attempt_absorbed() -> None:
     ids, rec = RequestIds(), _Recorder()
     feed = BillingFeed(rec, ids)
     meta: dict = {}
-    a1, t1 = ids.new_attempt(meta, "llama", "r-0")
+    _, a1 = ids.new_attempt(meta, "llama", "r-0")
+    t1 = a1.ticket
     call1 = {"model": "openai/fake", "model_info": {"id": "r-0"}, "metadata": meta}
     feed.attempt_started(a1, call1)
     feed.attempt_failed(call1, _Exc("boom", 500), t1)  # no output: costs nothing
     m2 = dict(meta)
-    a2, _ = ids.new_attempt(m2, "hosted", "h-1")
+    _, a2 = ids.new_attempt(m2, "hosted", "h-1")
     feed.attempt_started(a2, {"model": "openai/fake", "metadata": m2, "model_info": {
         "id": "h-1", "input_cost_per_token": 1e-06, "output_cost_per_token": 2e-06}})
     chunks = [_Chunk(""), _Chunk("Hello"), _Chunk(None), _Chunk(" world")]
@@ -279,7 +284,7 @@ def test_startup_line_says_where_billing_records(tmp_path: Path, monkeypatch) ->
 
 def _success(feed, ids, meta: dict, backend: str, *, streamed: bool, hidden_provider: str | None) -> None:
     """One request served by ``backend`` and recorded before the response (the proxy's path, stream or not)."""
-    attempt, _ = ids.new_attempt(meta, "hosted", backend)
+    _, attempt = ids.new_attempt(meta, "hosted", backend)
     feed.attempt_started(attempt, {"model": "openai/fake-model", "model_info": {"id": backend}, "metadata": meta})
     resp = _Resp(backend)
     resp._hidden_params["custom_llm_provider"] = hidden_provider  # LiteLLM names it only when not streamed

@@ -168,7 +168,8 @@ def test_the_ledger_route_kind_comes_from_the_deployment_unless_model_info_names
     for backend, info in (("gpu-1", {"id": "gpu-1"}), ("prov", {"id": "prov"}),
                           ("gpu-1", {"id": "gpu-1", "kvroute_route_kind": "marketplace"})):
         meta: dict = {"user_api_key_alias": "acme"}
-        attempt, ticket = ids.new_attempt(meta, "chat", backend)
+        _, attempt = ids.new_attempt(meta, "chat", backend)
+        ticket = attempt.ticket
         call = {"model": "openai/m", "model_info": info, "metadata": meta}
         feed.attempt_started(attempt, call)
         feed.success({"litellm_params": {"metadata": meta, "model_info": info}, "model": "m",

@@ -12,7 +12,8 @@ def test_client_values_are_dropped_and_replaced(junk: object) -> None:
     ids = RequestIds()
     meta = {ATTEMPT_KEY: junk, TICKET_KEY: junk, REQUEST_KEY: "evil", SIG_KEY: "0" * 24, "kvroute_trace": junk,
             "app": "kept"}
-    attempt, ticket = ids.new_attempt(meta, "llama", None)
+    _, attempt = ids.new_attempt(meta, "llama", None)
+    ticket = attempt.ticket
     assert meta[REQUEST_KEY] != "evil" and len(meta[REQUEST_KEY]) == 32 and meta["app"] == "kept"
     assert (attempt.number, meta[ATTEMPT_KEY], meta[TICKET_KEY], ticket) == (1, 1, f"{meta[REQUEST_KEY]}:1", ticket)
     assert "kvroute_trace" not in meta and ids.ticket_of(meta) == ticket
@@ -23,10 +24,11 @@ def test_attempts_count_per_request_even_across_metadata_copies() -> None:
     meta: dict = {}
     ids.new_attempt(meta, "llama", None)
     hop = dict(meta)  # LiteLLM copies the metadata dict for a fallback hop
-    a2, t2 = ids.new_attempt(hop, "hosted", None)
+    _, a2 = ids.new_attempt(hop, "hosted", None)
+    t2 = a2.ticket
     assert a2.number == 2 and ids.request_of(hop) == ids.request_of(meta)
     other: dict = {}
-    b1, _ = ids.new_attempt(other, "llama", None)
+    _, b1 = ids.new_attempt(other, "llama", None)
     assert b1.number == 1 and ids.request_of(other) != ids.request_of(meta)  # distinct requests never merge
     assert ids.attempt_of(t2) == (ids.requests[meta[REQUEST_KEY]], a2)
 
@@ -34,7 +36,7 @@ def test_attempts_count_per_request_even_across_metadata_copies() -> None:
 def test_a_forged_ticket_for_another_request_is_not_honoured() -> None:
     ids = RequestIds()
     victim: dict = {}
-    _, victim_ticket = ids.new_attempt(victim, "llama", None)
+    victim_ticket = ids.new_attempt(victim, "llama", None)[1].ticket
     attacker: dict = {}
     ids.new_attempt(attacker, "llama", None)
     attacker[TICKET_KEY] = victim_ticket
