@@ -169,7 +169,7 @@ def request_failed(cb: KvrouteCallback, kwargs: Mapping[str, Any], exception: Ba
 def judge(cb: KvrouteCallback, backend_id: str, verdict: Attribution, started: float | None) -> None:
     """Give the breaker and the metrics one attempt's verdict (a neutral one hands a half-open probe back)."""
     outcome = verdict.outcome.value
-    cb.health.record(backend_id, outcome, cb.clock(), status=verdict.status, retry_after_s=verdict.retry_after_s,
+    cb.health.record(backend_id, outcome, cb.clock(), retry_after_s=verdict.retry_after_s,
                      started_at=started)
     cb.metrics.failed(backend_id, outcome)
 

@@ -183,9 +183,8 @@ class HealthAdapter:
         """Take the half-open probe token for the backend the router chose."""
         return self.board.allow(backend, now)
 
-    def record(self, backend: str, outcome: str, now: float, *, status: int | None = None,
-               retry_after_s: float | None = None, ttft_s: float | None = None,
-               started_at: float | None = None) -> str:
+    def record(self, backend: str, outcome: str, now: float, *, retry_after_s: float | None = None,
+               ttft_s: float | None = None, started_at: float | None = None) -> str:
         return self.board.record(backend, outcome, now, retry_after_s=retry_after_s, ttft_s=ttft_s,
                                  started_at=started_at).value
 
