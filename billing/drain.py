@@ -3,13 +3,14 @@
 The proxy's request processes only append to their journal segments (``kvroute.billing.spool``). One drainer per
 journal folder -- the holder of an exclusive ``flock`` on ``.drainer.lock``; a second one exits at once, and the
 recorders start a new one when the lock is free (the previous drainer died) -- reads every segment by offset,
-inserts its events in batches (idempotent, keyed by ``event_id``), dead-letters what does not parse or what the
-database refuses (never blocking the events after it), deletes segments whose writer is gone once consumed
-(dead processes' journals are replayed the same way) and keeps going while the database is down. Its progress --
-offsets per segment, counters, whether the database is up -- is written atomically to ``.drainer.json`` after
-every pass: the recorders read it for ``flush()`` and metrics; a new drainer resumes from its offsets (an event
-inserted twice is a no-op). It stops once no writer has held a segment for ``idle_exit_s`` (its parents are gone),
-or after SIGTERM/SIGINT as soon as no writer is left (at most ``stop_grace_s`` later).
+inserts its events in batches (idempotent, keyed by ``event_id``; a live segment's new lines wait until they fill
+``batch_bytes`` or the oldest has waited ``batch_wait_s``, or a reader asks for them with ``request_pass``), dead-
+letters what does not parse or what the database refuses (never blocking the events after it), deletes segments
+whose writer is gone once consumed (dead processes' journals are replayed the same way) and keeps going while the
+database is down. Its progress -- offsets per segment, counters, whether the database is up -- is written atomically
+to ``.drainer.json`` after every pass: the recorders read it for ``flush()`` and metrics; a new drainer resumes from
+its offsets (an event inserted twice is a no-op). It stops once no writer has held a segment for ``idle_exit_s``
+(its parents are gone), or after SIGTERM/SIGINT as soon as no writer is left (at most ``stop_grace_s`` later).
 
 Run as ``python -m kvroute.billing.drain`` (its settings in the ``KVROUTE_DRAIN`` environment variable, so a
 database password never shows in the process list), or in a thread of the recorder (embedded mode, same code).
@@ -32,7 +33,7 @@ from typing import Any
 
 from kvroute.billing.deadletter import DeadLetter
 from kvroute.billing.events import UsageEvent, event_from_json
-from kvroute.billing.spool import LOCK_FILE, STATS_FILE, as_documented, opened_segment, segment_paths
+from kvroute.billing.spool import LOCK_FILE, PASS_FILE, STATS_FILE, as_documented, opened_segment, segment_paths
 from kvroute.policies.errors import InputError
 
 log = logging.getLogger("kvroute.billing")
@@ -70,6 +71,19 @@ def read_stats(journal_dir: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
+def request_pass(journal_dir: Path) -> None:
+    """Ask the folder's drainer to store every line it holds at its next poll, without waiting for a batch."""
+    path = journal_dir / PASS_FILE
+    stamp = time.time_ns()
+    try:
+        os.utime(path, ns=(stamp, stamp))
+    except FileNotFoundError:
+        with contextlib.suppress(OSError):
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
+    except OSError:
+        pass
+
+
 def drainer_running(journal_dir: Path) -> bool:
     """Whether a drainer holds the folder's lock."""
     try:
@@ -90,7 +104,7 @@ class Drainer:
 
     def __init__(self, db: str | Any | Callable[[], Any], journal_dir: str | Path, *,
                  dead_letter: str | Path | None = None, batch_size: int = 500, poll_interval_s: float = 0.2,
-                 retry_interval_s: float = 2.0) -> None:
+                 retry_interval_s: float = 2.0, batch_wait_s: float = 1.0, batch_bytes: int = 64 << 10) -> None:
         from kvroute.billing.ledger import Ledger
 
         if isinstance(db, Ledger):
@@ -104,6 +118,12 @@ class Drainer:
         self.batch_size = batch_size
         self.poll_interval_s = poll_interval_s
         self.retry_interval_s = retry_interval_s
+        # a database pass costs the same for one line as for hundreds: a live segment's lines wait (at most
+        # ``batch_wait_s``) until ``batch_bytes`` of them are there
+        self.batch_wait_s = batch_wait_s
+        self.batch_bytes = batch_bytes
+        self._waiting: dict[str, float] = {}  # segment -> when its oldest unstored line was first seen
+        self._pass_stamp: int | None = None
         self.stats = DrainStats()
         self.offsets: dict[str, int] = {}
         self._ledger: Any = None
@@ -148,10 +168,12 @@ class Drainer:
             self._lock_fd = -1
 
     # -- one pass -----------------------------------------------------------------------------------------
-    def cycle(self) -> int:
-        """Connect if due, drain every segment as far as it goes; returns how many segments have a live writer."""
+    def cycle(self, *, force: bool = False) -> int:
+        """Connect if due, drain every segment whose batch is due (every one when ``force`` or a reader asked with
+        ``request_pass``) as far as it goes; returns how many segments have a live writer."""
         if not self.directory.is_dir():
             return 0  # the folder was removed: nothing left to drain, no writer left
+        force = self._pass_requested() or force
         if self._ledger is None and time.monotonic() >= self._next_try:
             self._connect()
         live = 0
@@ -163,6 +185,8 @@ class Drainer:
                 fd, is_live = seg
                 live += is_live
                 if self._ledger is None:
+                    continue
+                if is_live and not force and not self._due(path.name, fd):
                     continue
                 try:
                     self._drain_segment(path, fd, is_live)
@@ -176,9 +200,34 @@ class Drainer:
         for name in [n for n in self.offsets if n not in names]:
             del self.offsets[name]
             self._dirty = True
+        for name in [n for n in self._waiting if n not in names]:
+            del self._waiting[name]
         if self._dirty:
             self._publish()
         return live
+
+    def _pass_requested(self) -> bool:
+        """Whether a reader touched the pass file since the last look (the first look only notes its time)."""
+        try:
+            stamp = os.stat(self.directory / PASS_FILE).st_mtime_ns
+        except OSError:
+            stamp = None
+        asked = stamp is not None and stamp != self._pass_stamp
+        self._pass_stamp = stamp
+        return asked
+
+    def _due(self, name: str, fd: int) -> bool:
+        """Whether a live segment's unstored lines fill a batch or the oldest has waited ``batch_wait_s``."""
+        pending = os.fstat(fd).st_size - self.offsets.get(name, 0)
+        if pending <= 0:
+            self._waiting.pop(name, None)
+            return False
+        now = time.monotonic()
+        since = self._waiting.setdefault(name, now)
+        if pending >= self.batch_bytes or now - since >= self.batch_wait_s:
+            del self._waiting[name]
+            return True
+        return False
 
     def _connect(self) -> None:
         try:
@@ -200,6 +249,7 @@ class Drainer:
     def _drain_segment(self, path: Path, fd: int, live: bool) -> None:
         """Insert the complete lines past the segment's offset; a segment nobody writes is deleted afterwards."""
         name = path.name
+        self._waiting.pop(name, None)
         offset = self.offsets.get(name, 0)
         size = os.fstat(fd).st_size
         while offset < size:
@@ -293,7 +343,7 @@ class Drainer:
         last_live = time.monotonic()
         while True:
             try:
-                live = self.cycle()
+                live = self.cycle(force=bool(stopping))
             except Exception:  # one bad pass: retry (the idle rule still ends a drainer whose folder is gone)
                 log.exception("kvroute billing drainer pass failed; retrying")
                 live = 0

@@ -25,7 +25,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kvroute.billing.deadletter import DeadLetter
-from kvroute.billing.drain import Drainer, drain_env, drainer_running, is_unavailable, read_stats, spawn_command
+from kvroute.billing.drain import (
+    Drainer,
+    drain_env,
+    drainer_running,
+    is_unavailable,
+    read_stats,
+    request_pass,
+    spawn_command,
+)
 from kvroute.billing.events import UsageEvent
 from kvroute.billing.spool import Journal, encode_event, is_live, segment_paths
 
@@ -174,9 +182,10 @@ class UsageRecorder:
             drainer = self._drainer or self._new_drainer()
             if drainer.acquire():
                 with contextlib.suppress(Exception):
-                    drainer.cycle()
+                    drainer.cycle(force=True)
                 drainer.release()
             return self._consumed(own, others)
+        request_pass(self.journal_dir)  # the drainer stores what it holds at its next poll, not at its next batch
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._consumed(own, others):
             if deadline is not None and time.monotonic() >= deadline:
@@ -206,7 +215,7 @@ class UsageRecorder:
         if self._drainer is not None:  # embedded: a last pass, then free the folder's lock
             if self._drainer.acquire():
                 with contextlib.suppress(Exception):
-                    self._drainer.cycle()
+                    self._drainer.cycle(force=True)
             self._drainer.release()
         if closed is not None:
             path, written = closed

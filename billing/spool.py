@@ -33,6 +33,7 @@ PREFIX = "journal-"
 LEGACY_PREFIX = "spool-"  # files of the pre-journal spool are replayed the same way
 LOCK_FILE = ".drainer.lock"  # held (flock) by the one drainer of a journal folder
 STATS_FILE = ".drainer.json"  # the drainer's progress: offsets per segment, counters, database state
+PASS_FILE = ".drainer.pass"  # touched by a reader that wants every journaled line stored now (``flush``)
 
 
 _NATIVE = msgspec.json.Encoder()

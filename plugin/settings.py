@@ -131,6 +131,7 @@ class KvrouteSettings(BaseSettings):
     redis_namespace: str = Field(default="kvroute", min_length=1, pattern=r"^\S+$")
     apps: dict[str, AppSettings] = Field(default_factory=dict)  # key -> app without LiteLLM's database
     _app_keys: dict[str, str] = PrivateAttr(default_factory=dict)
+    _default_group: GroupSettings | None = PrivateAttr(default=None)
     billing: bool = False
     billing_db: str | None = None
     billing_spool: Path | None = None  # the journal folder (default <data_dir>/journal)
@@ -256,7 +257,13 @@ class KvrouteSettings(BaseSettings):
         return (self.billing or bool(self.billing_db)) and (self.billing_db or "").lower() != "off"
 
     def group(self, name: str) -> GroupSettings:
-        return self.groups.get(name) or GroupSettings()
+        """The group's settings; a group the config does not name gets the defaults (one shared instance)."""
+        found = self.groups.get(name)
+        if found is not None:
+            return found
+        if self._default_group is None:
+            self._default_group = GroupSettings()
+        return self._default_group
 
     def ledger_location(self) -> LedgerLocation:
         """Where the proxy's ledger, journal and dead letters live (``kvroute.billing.location.ledger_location``,

@@ -2,9 +2,11 @@
 
 Three ids, three things (none taken from what a client sends):
 
-- **ledger request id** -- 32 random hex digits kvroute assigns the first time it sees a request (its first pick, or its
-  first outcome when no pick ran). Stored in the request metadata under ``kvroute_request`` with an HMAC tag
-  (``kvroute_sig``, a per-process secret) so a client-sent value can never be mistaken for one kvroute wrote.
+- **ledger request id** -- 32 hex digits kvroute assigns the first time it sees a request (its first pick, or its
+  first outcome when no pick ran): 16 digits drawn at random per process (again in a forked child) and a 16-digit
+  counter, so issuing one makes no system call and no two processes share one. Stored in the request metadata
+  under ``kvroute_request`` with an HMAC tag (``kvroute_sig``, a per-process secret) so a client-sent value can
+  never be mistaken for one kvroute wrote.
 - **attempt** -- kvroute's own counter per ledger request, kept here (LiteLLM copies the metadata dict between
   fallback hops, so a counter in the dict would go stale); ``kvroute_attempt`` only mirrors it.
 - **ticket id** -- ``<ledger request id>:<attempt>``, the routing policy's handle on one attempt (``kvroute_rid``).
@@ -22,6 +24,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
+import os
 import secrets
 from collections import OrderedDict
 from collections.abc import MutableMapping
@@ -126,6 +130,24 @@ class RequestState:
         return None
 
 
+class _IdSource:
+    """Unique 32-hex-digit ids without a system call: a random per-process prefix and a counter."""
+
+    def __init__(self) -> None:
+        self.reset()
+        os.register_at_fork(after_in_child=self.reset)  # a forked worker must not repeat its parent's ids
+
+    def reset(self) -> None:
+        self.prefix = secrets.token_hex(8)
+        self.counter = itertools.count(1)
+
+    def next(self) -> str:
+        return f"{self.prefix}{next(self.counter):016x}"
+
+
+_IDS = _IdSource()
+
+
 class RequestIds:
     """Issues and verifies ledger request ids and counts attempts (bounded: the oldest requests are forgotten)."""
 
@@ -140,7 +162,7 @@ class RequestIds:
 
     def request_of(self, meta: Any) -> str | None:
         """The ledger request id in ``meta`` if kvroute wrote it (valid tag), else None."""
-        if not isinstance(meta, MutableMapping):
+        if not isinstance(meta, dict):  # request_metadata hands out dicts only
             return None
         rid, sig = meta.get(REQUEST_KEY), meta.get(SIG_KEY)
         if not isinstance(rid, str) or not isinstance(sig, str):
@@ -155,7 +177,7 @@ class RequestIds:
         if rid is None:
             for key in SERVER_KEYS:
                 meta.pop(key, None)
-            rid = secrets.token_hex(16)
+            rid = _IDS.next()
             meta[REQUEST_KEY] = rid
             meta[SIG_KEY] = self._sign(rid)
         state = self.requests.get(rid)

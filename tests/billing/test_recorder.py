@@ -465,3 +465,38 @@ def test_close_right_after_start_stores_everything(tmp_path: Path) -> None:
         rec.record(event(i))
     rec.close()
     assert len(_ids(url)) == 20 and not list((tmp_path / "journal").glob("journal-*.jsonl"))
+
+
+def test_a_live_segment_waits_for_a_batch_a_deadline_or_a_pass(tmp_path: Path) -> None:
+    """A writer's few new lines wait for company (one database pass per batch, not per poll) until a batch's
+    bytes are there, the oldest has waited ``batch_wait_s``, or a reader asks for a pass; none is lost meanwhile."""
+    from kvroute.billing.drain import Drainer, request_pass
+    from kvroute.billing.spool import Journal, encode_event
+
+    url = f"sqlite:///{tmp_path / 'billing.db'}"
+    journal = Journal(tmp_path / "journal")
+    line = encode_event(event(0))
+    drainer = Drainer(url, tmp_path / "journal", batch_wait_s=3600, batch_bytes=10 * len(line))
+    assert drainer.acquire()
+    try:
+        for i in range(3):
+            journal.append(encode_event(event(i)))
+        drainer.cycle()
+        assert drainer.stats.inserted == 0 and drainer.stats.lines == 0  # 3 lines: no batch yet, not due
+        request_pass(tmp_path / "journal")  # what flush() does
+        drainer.cycle()
+        assert drainer.stats.inserted == 3
+        drainer.cycle()  # the pass was taken once
+        for i in range(3, 13):  # a batch's worth of bytes
+            journal.append(encode_event(event(i)))
+        drainer.cycle()
+        assert drainer.stats.inserted == 13
+        journal.append(encode_event(event(13)))
+        drainer.batch_wait_s = 0.0  # the oldest line has waited long enough
+        drainer.cycle()
+        drainer.cycle()
+        assert drainer.stats.inserted == 14
+    finally:
+        drainer.release()
+        journal.close()
+    assert len(_ids(url)) == 14
