@@ -130,9 +130,12 @@ async def replay(base_url: str, api_key: str, model: str, sessions: Sequence[Con
 
 
 async def warm_up(base_url: str, api_key: str, model: str) -> None:
-    """One tiny request so the proxy's first-call costs do not land in the measured TTFT."""
+    """One tiny streamed request through the same client path ``replay`` measures, so neither the proxy's nor
+    this process's first-call costs (the OpenAI client's lazy imports: ~0.6 s on 2 cores) land in the TTFT of
+    whichever policy is replayed first."""
     import httpx
+    from openai import AsyncOpenAI
 
     async with httpx.AsyncClient(trust_env=False, timeout=60.0) as http:
-        await http.post(base_url + "/v1/chat/completions", headers={"Authorization": f"Bearer {api_key}"},
-                        json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+        client = AsyncOpenAI(base_url=base_url + "/v1", api_key=api_key or "none", http_client=http, max_retries=0)
+        await _one_request(client, model, [{"role": "user", "content": "hi"}], 1)
