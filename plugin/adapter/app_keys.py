@@ -11,8 +11,8 @@ kvroute:
 ```
 
 ``auth`` admits the master key as the proxy admin, a listed key as its app (key alias and key metadata
-``kvroute_app``: the attribution rule billing already reads, ``litellm_events.resolve_app``), and refuses any
-other key with 401. Keys are kept and compared only as sha256 hashes; no key is ever logged.
+``kvroute_app``: what the one app rule of ledger, metrics and routing rules reads, ``billing.attribution``), and
+refuses any other key with 401. Keys are kept and compared only as sha256 hashes; no key is ever logged.
 """
 
 from __future__ import annotations

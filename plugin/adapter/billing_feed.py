@@ -15,6 +15,9 @@ before the response; streams: end of the stream)   so a kill right after the ans
 ``async_post_call_failure_hook`` (proxy)           the request's final outcome when it failed (``outcome`` row)
 =================================================  ==========================================================
 
+Each event is built from ``CallFacts`` (``kvroute.billing.call_facts``): read from LiteLLM's payload where a hook has
+one, else stated from kvroute's own attempt record (a pre-response success, a router-level hop, a superseded
+attempt, a request's final outcome). The app is the request's, resolved once (``RequestState.app``).
 Identity comes from ``kvroute.plugin.adapter.request_ids`` (server-assigned, never client values), so distinct requests
 never merge and a replayed callback maps to the same event id. The exception → ledger status mapping is
 ``kvroute.billing.litellm_events.failure_status`` (one function). Events go to ``UsageRecorder.record`` (journaled
@@ -36,6 +39,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from kvroute.billing.call_facts import CallFacts, money
+from kvroute.billing.call_facts import first_given as _first
+from kvroute.billing.usage import as_mapping
 from kvroute.plugin.adapter.request_ids import Attempt, RequestIds, RequestState
 from kvroute.plugin.adapter.signals import deployment_id, request_metadata
 
@@ -153,44 +159,61 @@ class BillingFeed:
         declared = {b: catalog.identity(b) for b in ids}
         return ({b: r for b, r in cards.items() if r is not None}, {b: d for b, d in declared.items() if d is not None})
 
-    def _record(self, kwargs: Mapping[str, Any], response: Any, *, outcome: str, state: RequestState,
-                attempt: Attempt | None, final: bool, backend: str | None = None, route_kind: str | None = None,
-                attempt_key: str | None = None, start: Any = None, end: Any = None) -> bool:
+    def _record(self, read: Callable[[str], CallFacts | None], *, state: RequestState, attempt: Attempt | None,
+                outcome: str, final: bool, backend: str | None) -> bool:
+        """Book the event of the facts ``read(app)`` states (None: nothing to book) under the request's app; an
+        event that cannot be built goes to the dead letters. Whether it was recorded; never raises."""
         from kvroute.policies.errors import InputError
 
-        if route_kind is None and backend and not _dict_get(kwargs, "kvroute_route_kind"):
-            route_kind = self.kind_of(backend)
-        provider = _dict_get(kwargs, "kvroute_provider") or (self.provider_of(backend) if backend else None)
-        served = self.served_of(backend) if backend else None
+        facts = None
         try:
             try:
-                event = self.events.event_from_callback(
-                    kwargs, response, outcome=outcome, attempt=attempt.number if attempt else None, final=final,
-                    request_id=state.request_id, app_id=state.app, backend_id=backend, route_kind=route_kind,
-                    provider=provider, served_model=served, end_time=end,
-                    start_time=start if start is not None else (attempt.started_at if attempt else None))
-                if event is None:
+                facts = read(state.app or self.events.UNATTRIBUTED)
+                if facts is None:
                     return False
-                if state.app is None and event.app_id == self.events.UNATTRIBUTED:
-                    self._note_unattributed()
-                state.app = state.app or event.app_id  # one app per request: every record of it gets the same id
-                if backend == self.events.ROUTER_BACKEND:  # nothing was called: no backend, no provider
-                    event = replace(event, provider=self.events.ROUTER_PROVIDER)
-                if attempt_key is not None or attempt is None:
-                    key = attempt_key_for(attempt_key or f"{outcome}:{event.requested_model}")
-                    event = replace(event, attempt=len(state.attempts), attempt_key=key, event_id="")
+                event = self.events.event_from_facts(facts)
             except InputError as exc:  # e.g. a provider usage that contradicts itself: keep it for an operator
-                self._dead_letter(kwargs, response, state, attempt, backend, outcome, final, exc)
+                self._dead_letter(facts, state, attempt, backend, outcome, final, exc)
                 return False
+            if not state.booked:
+                state.booked = True
+                if state.app is None:
+                    self._note_unattributed()
             self.recorder.record(event)
             if attempt is not None:
                 attempt.recorded = True
             return True
-        except Exception as exc:  # a payload nothing foresaw: the event still reaches the dead letters
+        except Exception as exc:  # facts nothing foresaw: the event still reaches the dead letters
             log.debug("kvroute billing failed", exc_info=True)
             self._on_error("billing")
-            self._dead_letter(kwargs, response, state, attempt, backend, outcome, final, exc)
+            self._dead_letter(facts, state, attempt, backend, outcome, final, exc)
             return False
+
+    def _callback_facts(self, kwargs: Mapping[str, Any], response: Any, app: str, *, outcome: str,
+                        state: RequestState, attempt: Attempt | None, final: bool, backend: str | None,
+                        start: Any = None, end: Any = None, exception: Any = None, model: str | None = None,
+                        model_info: Mapping[str, Any] | None = None) -> CallFacts | None:
+        """The facts of a LiteLLM payload, with what kvroute knows first: the request, the attempt and the
+        deployment's route kind, provider and served model (``exception``, ``model`` and ``model_info``: the
+        attempt's, when the payload holds the request's or none)."""
+        route_kind = None
+        if backend and not _dict_get(kwargs, "kvroute_route_kind", model_info):
+            route_kind = self.kind_of(backend)
+        provider = _dict_get(kwargs, "kvroute_provider", model_info) or (self.provider_of(backend) if backend else None)
+        facts = self.events.facts_from_callback(
+            kwargs, response, outcome=outcome, attempt=attempt.number if attempt else None, final=final,
+            request_id=state.request_id, app_id=app, backend_id=backend, route_kind=route_kind, provider=provider,
+            served_model=self.served_of(backend) if backend else None, end_time=end, exception=exception, model=model,
+            start_time=start if start is not None else (attempt.started_at if attempt else None))
+        if facts is not None and backend == self.events.ROUTER_BACKEND:  # nothing was called: no provider
+            facts = replace(facts, provider=self.events.ROUTER_PROVIDER)
+        return facts
+
+    def _deployment(self, backend: str, *infos: Any) -> tuple[str | None, str | None]:
+        """(route kind, provider) of ``backend``: what its ``model_info`` declares (``kvroute_route_kind``,
+        ``kvroute_provider``; the first of ``infos`` that holds one), else what the fleet knows."""
+        return (_declared(infos, "kvroute_route_kind") or self.kind_of(backend),
+                _declared(infos, "kvroute_provider") or self.provider_of(backend))
 
     def _note_unattributed(self) -> None:
         """Count a request booked ``unattributed`` and say so in the log, at most once a minute."""
@@ -202,20 +225,17 @@ class BillingFeed:
                         "(key metadata kvroute_app, a team, a key alias, or kvroute.apps with "
                         "custom_auth: kvroute.plugin.adapter.app_keys.auth)", self.unattributed)
 
-    def _dead_letter(self, kwargs: Mapping[str, Any], response: Any, state: RequestState, attempt: Attempt | None,
+    def _dead_letter(self, facts: CallFacts | None, state: RequestState, attempt: Attempt | None,
                      backend: str | None, outcome: str, final: bool, exc: Exception) -> None:
-        """An attempt whose payload cannot make a valid event: its ids and raw usage (never prompt text)."""
-        from kvroute.billing.usage import as_mapping
-
+        """An attempt whose facts cannot make a valid event: its ids and raw usage (never prompt text)."""
         try:
-            usage = getattr(response, "usage", None) if not isinstance(response, Mapping) else response.get("usage")
-            slo = kwargs.get("standard_logging_object")
-            slo = slo if isinstance(slo, Mapping) else {}
             line = {"request_id": state.request_id, "attempt": attempt.number if attempt else len(state.attempts),
                     "final": final, "status": outcome if outcome in self.events.STATUSES else "success",
-                    "backend_id": backend or slo.get("model_id"),
-                    "served_model": slo.get("model") or kwargs.get("model"), "provider": slo.get("custom_llm_provider"),
-                    "occurred_at": datetime.now(UTC).isoformat(), "raw_usage": as_mapping(usage)}
+                    "backend_id": facts.backend_id if facts else backend,
+                    "served_model": facts.served_model if facts else None,
+                    "provider": facts.provider if facts else None,
+                    "occurred_at": datetime.now(UTC).isoformat(),
+                    "raw_usage": dict(facts.usage) if facts and facts.usage else {}}
             if state.app:
                 line["app_id"] = state.app
             self.recorder.dead_letter.append(json.dumps(line, default=str), f"invalid event: {exc}", "callback")
@@ -265,8 +285,13 @@ class BillingFeed:
         if state.success_recorded and attempt.recorded:
             return  # recorded before the response went out (same event id): nothing to add
         state.success_recorded = True
-        self._record(kwargs, response, outcome="success", state=state, attempt=attempt, final=True,
-                     backend=deployment_id(kwargs) or attempt.backend, start=start, end=end)
+        backend = deployment_id(kwargs) or attempt.backend
+
+        def read(app: str) -> CallFacts | None:
+            return self._callback_facts(kwargs, response, app, outcome="success", state=state, attempt=attempt,
+                                        final=True, backend=backend, start=start, end=end)
+
+        self._record(read, state=state, attempt=attempt, outcome="success", final=True, backend=backend)
 
     def pre_response(self, data: Mapping[str, Any], response: Any, *, hidden: Any = None,
                      streamed: bool = False) -> None:
@@ -288,9 +313,26 @@ class BillingFeed:
             (a for a in reversed(state.attempts) if a.sent and a.backend), None)
         if attempt is None or not attempt.sent:
             return
-        model_id = model_id or attempt.backend
-        if self._record(_success_kwargs(data, meta, attempt, hidden, streamed), response, outcome="success",
-                        state=state, attempt=attempt, final=True, backend=str(model_id), end=datetime.now(UTC)):
+        backend = str(model_id or attempt.backend)
+        end = datetime.now(UTC)
+
+        def read(app: str) -> CallFacts | None:
+            served = self.served_of(backend) or _served_model(attempt.served)
+            if served is None:
+                return None
+            kind, provider = self._deployment(backend, attempt.model_info, meta.get("model_info"))
+            usage, reported, finish = self.events.read_response(response)
+            return CallFacts(
+                request_id=state.request_id, app_id=app, served_model=served, backend_id=backend,
+                requested_model=_first(data.get("model"), meta.get("model_group")),
+                provider=_first(provider, hidden.get("custom_llm_provider")), route_kind=kind, final=True,
+                attempt=attempt.number, usage=as_mapping(usage), usage_provider=hidden.get("custom_llm_provider"),
+                reported_cost=reported, litellm_cost=money(_first(hidden.get("response_cost"))),
+                finish_reason=finish, streamed=streamed, start=attempt.started_at, end=end,
+                fallback_depth=meta.get("fallback_depth"), end_user=data.get("user"),
+                api_key_hash=meta.get("user_api_key_hash"))
+
+        if self._record(read, state=state, attempt=attempt, outcome="success", final=True, backend=backend):
             self.before_response += 1
         state.success_recorded = True
 
@@ -307,24 +349,25 @@ class BillingFeed:
         except Exception:
             self._on_error("billing")
 
-    def _paid(self, kwargs: dict, attempt: Attempt) -> tuple[dict, Any]:
-        """``kwargs`` and a response for a failed attempt: none for one that sent no output; for a stream cut
-        after output went out (the chunks the proxy relayed, else LiteLLM's count of the partial stream), what the
-        provider bills for it (``litellm_events.cut_stream_usage``)."""
-        slo = kwargs.get("standard_logging_object")
+    def _paid(self, facts: CallFacts | None, attempt: Attempt, payload: Mapping[str, Any]) -> CallFacts | None:
+        """``facts`` of a failed attempt with what the provider bills for it: nothing for one that sent no output;
+        for a stream cut after output went out (the chunks the proxy relayed, else LiteLLM's count of the partial
+        stream in the failure ``payload``), the usage and cost of ``litellm_events.cut_stream_usage``."""
+        if facts is None:
+            return None
+        slo = payload.get("standard_logging_object")
         slo = slo if isinstance(slo, Mapping) else {}
         output, prompt = attempt.streamed, slo.get("prompt_tokens")
         if not output:  # LiteLLM's own count of a partial stream, in its failure payload
             counted = slo.get("completion_tokens")
             output = counted if isinstance(counted, int) and not isinstance(counted, bool) and counted > 0 else 0
         if not output:
-            return kwargs, None
+            return facts
         if not isinstance(prompt, int) or isinstance(prompt, bool) or prompt <= 0:
-            prompt = _prompt_tokens(kwargs, attempt.served)
+            prompt = _prompt_tokens(payload, attempt.served)
         usage, cost = self.events.cut_stream_usage(prompt, output, _prices(attempt.model_info))
-        if cost is not None:
-            kwargs = {**kwargs, "response_cost": cost}
-        return kwargs, {"usage": usage}
+        return replace(facts, usage=usage, reported_cost=None, finish_reason=None,
+                       litellm_cost=cost if cost is not None else facts.litellm_cost)
 
     def attempt_failed(self, request_data: Mapping[str, Any], exception: BaseException, ticket_id: str | None = None,
                        *, found: tuple[RequestState, Attempt] | None = None, status: str | None = None) -> None:
@@ -336,9 +379,14 @@ class BillingFeed:
         state, attempt = found
         if status is None:
             status = self.events.exception_status(exception, backend_called=True)[0]  # the per-attempt hook
-        kwargs, response = self._paid({**dict(request_data), "exception": exception}, attempt)
-        self._record(kwargs, response, outcome=status, state=state, attempt=attempt, final=False,
-                     backend=deployment_id(request_data) or attempt.backend)
+        backend = deployment_id(request_data) or attempt.backend
+
+        def read(app: str) -> CallFacts | None:
+            return self._paid(self._callback_facts(request_data, None, app, outcome=status, state=state,
+                                                   attempt=attempt, final=False, backend=backend, exception=exception),
+                              attempt, request_data)
+
+        self._record(read, state=state, attempt=attempt, outcome=status, final=False, backend=backend)
 
     def superseded(self, ticket_id: str | None) -> None:
         """A new pick arrived while the previous attempt had no outcome: record it once as a failed attempt."""
@@ -347,10 +395,25 @@ class BillingFeed:
             return
         state, attempt = found
         if attempt.sent and not attempt.recorded and attempt.backend:
-            kwargs, response = self._paid({"model": attempt.served or attempt.group,
-                                           "model_info": attempt.model_info or {}}, attempt)
-            self._record(kwargs, response, outcome="provider_failure", state=state, attempt=attempt, final=False,
-                         backend=attempt.backend)
+            backend = attempt.backend
+
+            def read(app: str) -> CallFacts | None:
+                sent_as = attempt.served or attempt.group
+                served = _first(self.served_of(backend), sent_as)
+                if served is None:
+                    return None
+                # a superseded attempt's row has always taken the fleet's route kind, and none where the
+                # deployment declares its own (the ledger books it ``direct``)
+                declared = _declared((attempt.model_info,), "kvroute_route_kind")
+                facts = CallFacts(
+                    request_id=state.request_id, app_id=app, served_model=served, backend_id=backend,
+                    requested_model=sent_as, route_kind=None if declared else self.kind_of(backend),
+                    provider=_declared((attempt.model_info,), "kvroute_provider") or self.provider_of(backend),
+                    outcome="provider_failure", final=False, attempt=attempt.number, start=attempt.started_at)
+                return self._paid(facts, attempt, {})
+
+            self._record(read, state=state, attempt=attempt, outcome="provider_failure", final=False,
+                         backend=backend)
 
     def logged_failure(self, kwargs: Mapping[str, Any], exception: Any, *, status: str | None = None) -> None:
         """``async_log_failure_event``: a router-level hop as ``no_route``, or an attempt nothing else recorded
@@ -368,19 +431,27 @@ class BillingFeed:
                 if state is None:
                     return
             hop = state.latest(group=group, unrecorded=True, hop=True) if group else None
-            router_kwargs = {"model": group or "unknown", "litellm_params": {"metadata": meta},
-                             "exception": exception, "user": kwargs.get("user")}
-            self._record(router_kwargs, None, outcome="no_route", state=state, attempt=hop, final=False,
-                         backend=self.events.ROUTER_BACKEND, route_kind="direct",
-                         attempt_key=None if hop else f"no_route:{group}")
+            router = self.events.ROUTER_BACKEND
+
+            def read_hop(app: str) -> CallFacts | None:
+                return self._request_facts(state, app, meta, exception, outcome="no_route", final=False,
+                                           model=group or "unknown", user=kwargs.get("user"), backend=router,
+                                           route_kind="direct", provider=None, key=f"no_route:{group}", attempt=hop)
+
+            self._record(read_hop, state=state, attempt=hop, outcome="no_route", final=False, backend=router)
             return
         if state is None:
             return
         attempt = state.latest(backend=deployment_id(kwargs), unrecorded=True)
         if attempt is not None and attempt.sent:
-            paid_kwargs, response = self._paid({**kwargs, "exception": exception}, attempt)
-            self._record(paid_kwargs, response, outcome=status, state=state, attempt=attempt, final=False,
-                         backend=attempt.backend)
+            sent = attempt
+
+            def read(app: str) -> CallFacts | None:
+                return self._paid(self._callback_facts(kwargs, None, app, outcome=status, state=state,
+                                                       attempt=sent, final=False, backend=sent.backend,
+                                                       exception=exception), sent, kwargs)
+
+            self._record(read, state=state, attempt=attempt, outcome=status, final=False, backend=attempt.backend)
 
     def request_failed(self, data: Mapping[str, Any], exception: BaseException) -> None:
         """``async_post_call_failure_hook`` (proxy): the request failed for the client -- its final outcome row."""
@@ -398,20 +469,48 @@ class BillingFeed:
         last = state.latest(unrecorded=False)
         if last is not None and last.sent and last.backend and not last.recorded and last.streamed:
             # a stream cut after output went out (no per-attempt hook runs for it): the attempt's own row, paid
-            paid_kwargs, response = self._paid({**dict(data), "exception": exception,
-                                                "model": last.served or last.group,
-                                                "model_info": last.model_info or {}}, last)
-            self._record(paid_kwargs, response, outcome=status, state=state, attempt=last, final=False,
-                         backend=last.backend)
+            cut = last
+
+            def read_cut(app: str) -> CallFacts | None:
+                return self._paid(self._callback_facts(data, None, app, outcome=status, state=state, attempt=cut,
+                                                       final=False, backend=cut.backend, exception=exception,
+                                                       model=cut.served or cut.group, model_info=cut.model_info or {}),
+                                  cut, data)
+
+            self._record(read_cut, state=state, attempt=last, outcome=status, final=False, backend=last.backend)
         # a router-level outcome (no deployment, a budget) called no upstream, whatever kvroute had picked
         routed = last is not None and bool(last.backend) and status != "no_route"
         backend = last.backend if routed else self.events.ROUTER_BACKEND
-        kwargs = {"model": str(data.get("model") or (last.group if last else "unknown")),
-                  "litellm_params": {"metadata": meta, "model_info": (last.model_info if last else None) or {}},
-                  "exception": exception, "user": data.get("user")}
-        if self._record(kwargs, None, outcome=status, state=state, attempt=None, final=True, backend=backend,
-                        attempt_key="outcome"):
+        model = str(data.get("model") or (last.group if last else "unknown"))
+
+        def read_outcome(app: str) -> CallFacts | None:
+            kind, provider = self._deployment(backend, (last.model_info if last else None) or {},
+                                              meta.get("model_info"))
+            return self._request_facts(state, app, meta, exception, outcome=status, final=True, model=model,
+                                       user=data.get("user"), backend=backend, route_kind=kind, provider=provider,
+                                       key="outcome")
+
+        if self._record(read_outcome, state=state, attempt=None, outcome=status, final=True, backend=backend):
             state.outcome_recorded = True
+
+    def _request_facts(self, state: RequestState, app: str, meta: Mapping[str, Any], exception: Any, *,
+                       outcome: str, final: bool, model: str, user: Any, backend: str, route_kind: str | None,
+                       provider: str | None, key: str, attempt: Attempt | None = None) -> CallFacts | None:
+        """The facts of a row no upstream answer describes: a router-level hop (``attempt``, else one told apart by
+        ``key``) or the request's final outcome (``key``), sent as ``model``."""
+        served = _first(self.served_of(backend), model)
+        if served is None:
+            return None
+        if backend == self.events.ROUTER_BACKEND:  # nothing was called: no provider
+            provider = self.events.ROUTER_PROVIDER
+        http_status, error_type = self.events.read_error(exception)
+        number, attempt_key = (attempt.number, None) if attempt else (len(state.attempts), attempt_key_for(key))
+        return CallFacts(
+            request_id=state.request_id, app_id=app, served_model=served, backend_id=backend,
+            requested_model=_first(meta.get("model_group"), model), provider=provider, route_kind=route_kind,
+            outcome=outcome, final=final, attempt=number, attempt_key=attempt_key, http_status=http_status,
+            error_type=error_type, start=attempt.started_at if attempt else None,
+            fallback_depth=meta.get("fallback_depth"), end_user=user, api_key_hash=meta.get("user_api_key_hash"))
 
 
 class RecorderCollector:
@@ -455,23 +554,19 @@ def attempt_key_for(key: str) -> str:
     return fit_text("attempt_key", key) or key
 
 
-def _success_kwargs(data: Mapping[str, Any], meta: Any, attempt: Attempt, hidden: Mapping[str, Any],
-                    streamed: bool = False) -> dict:
-    """A success payload shaped like LiteLLM's logging kwargs, from the proxy's request data and hidden params."""
-    cost = hidden.get("response_cost")
-    slo = {"model_id": hidden.get("model_id"), "custom_llm_provider": hidden.get("custom_llm_provider"),
-           "model_group": data.get("model"), "response_cost": cost, "metadata": {},
-           "model": _served_model(attempt.served), "stream": streamed}
-    return {"litellm_params": {"metadata": meta if isinstance(meta, Mapping) else {},
-                               "model_info": attempt.model_info or {}},
-            "standard_logging_object": slo, "response_cost": cost, "user": data.get("user")}
-
-
-def _dict_get(kwargs: Mapping[str, Any], key: str) -> Any:
-    """``key`` of the deployment's ``model_info`` in a hook payload (None when absent)."""
+def _dict_get(kwargs: Mapping[str, Any], key: str, model_info: Mapping[str, Any] | None = None) -> Any:
+    """``key`` of the deployment's ``model_info`` in a hook payload (``model_info``: the attempt's, in place of
+    the payload's top-level one; None when absent)."""
     params = kwargs.get("litellm_params") if isinstance(kwargs.get("litellm_params"), Mapping) else {}
-    for holder in (params, kwargs, params.get("metadata"), kwargs.get("metadata")):
-        info = holder.get("model_info") if isinstance(holder, Mapping) else None
+    top = model_info if model_info is not None else kwargs.get("model_info")
+    meta = (params.get("metadata"), kwargs.get("metadata"))
+    return _declared((params.get("model_info"), top, *(m.get("model_info") if isinstance(m, Mapping) else None
+                                                       for m in meta)), key)
+
+
+def _declared(infos: Iterable[Any], key: str) -> Any:
+    """``key`` of the first ``model_info`` among ``infos`` that holds it (None when none does)."""
+    for info in infos:
         if isinstance(info, Mapping) and info.get(key) is not None:
             return info.get(key)
     return None

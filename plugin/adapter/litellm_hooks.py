@@ -27,7 +27,7 @@ from kvroute.plugin.adapter.billing_feed import BillingFeed, chunk_has_output
 from kvroute.plugin.adapter.deployments import Backend, Deployments, litellm_cost_map
 from kvroute.plugin.adapter.metrics import Metrics
 from kvroute.plugin.adapter.peer_filters import PeerFilters
-from kvroute.plugin.adapter.request_ids import ATTEMPT_KEY, TICKET_KEY, Attempt, RequestIds
+from kvroute.plugin.adapter.request_ids import ATTEMPT_KEY, TICKET_KEY, Attempt, RequestIds, RequestState
 from kvroute.plugin.adapter.rules import RuleBook
 from kvroute.plugin.adapter.signals import HealthAdapter, request_metadata
 from kvroute.plugin.settings import GroupSettings, KvrouteSettings
@@ -161,12 +161,14 @@ class KvrouteCallback(CustomLogger):
         """The request's tenant and engine salt (``tenancy.tenant_salt``, keyed with this deployment's secret)."""
         return tenancy.tenant_salt(gs, meta, kwargs, self.chain)
 
-    def _app(self, meta: Mapping[str, Any], kwargs: Mapping[str, Any]) -> str | None:
-        """The app behind metrics and rules (``tenancy.AppNames``)."""
+    def _app(self, meta: Mapping[str, Any], kwargs: Mapping[str, Any],
+             state: RequestState | None = None) -> str | None:
+        """The app behind metrics and rules: the request's app (kept on ``state``; without one, the same rule read
+        from ``meta``) as a label bounded per key (``tenancy.AppNames``)."""
         if self._apps is None:
-            s = self.settings
-            self._apps = tenancy.AppNames(tuple(s.app_metadata_keys), s.max_apps_per_key)
-        return self._apps.of(meta)
+            self._apps = tenancy.AppNames(self.settings.max_apps_per_key)
+        app = state.app if state is not None else self.ids.app_rule(meta)
+        return self._apps.label(app, meta.get("user_api_key_hash"))
 
     # --- the attempt -------------------------------------------------------------------------------
     async def async_pre_call_deployment_hook(self, kwargs: dict, call_type: Any) -> dict | None:

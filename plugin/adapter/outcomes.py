@@ -86,7 +86,7 @@ def success(cb: KvrouteCallback, kwargs: Mapping[str, Any], response_obj: Any, s
     if backend_id is None:
         return
     cost = kwargs.get("response_cost", slo.get("response_cost"))
-    app = ticket.app if ticket else cb._app(_metadata(kwargs), kwargs)
+    app = ticket.app if ticket else cb._app(_metadata(kwargs), kwargs, found[0] if found else None)
     cb.metrics.completed(group, backend_id, app, prompt_tokens, cached, ttft,
                          cost if isinstance(cost, int | float) else None)
     if ticket is not None:

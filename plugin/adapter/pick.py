@@ -46,7 +46,7 @@ def pick(cb: KvrouteCallback, model: str, healthy: list, messages: Any, request_
         allowed = pairs  # hosted group with every breaker open: let LiteLLM try (Portkey-style bypass)
     backends = [b for _, b in allowed]
     router = cb.router_for(group, backends)
-    app = cb._app(meta, kwargs)
+    app = cb._app(meta, kwargs, state)
     tags = request_tags(meta, s.tag_metadata_keys, kwargs.get("tags") if isinstance(kwargs.get("tags"), list)
                         else None)
     headers = meta.get("headers") if isinstance(meta.get("headers"), Mapping) else None

@@ -16,8 +16,10 @@ client-controlled and are used for none of them. Client-sent ``kvroute_*`` ident
 
 ``RequestIds`` is the only per-request store: a ``RequestState`` holds its ``Attempt`` records (what the pick chose,
 what billing saw, the failure verdict), the backends that failed it and the exceptions already judged; the attempts
-still awaiting an outcome are indexed in ``open``. Evicting a request (the oldest beyond ``max_requests``) forgets
-all of it at once. A hook resolves its attempt once (``resolve``: one HMAC check).
+still awaiting an outcome are indexed in ``open``. The request's app (``kvroute.billing.attribution``, the one rule
+the ledger, metrics and routing rules share) is resolved once, when kvroute first sees the request, and kept on its
+state. Evicting a request (the oldest beyond ``max_requests``) forgets all of it at once. A hook resolves its
+attempt once (``resolve``: one HMAC check).
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ import itertools
 import os
 import secrets
 from collections import OrderedDict
-from collections.abc import MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from kvroute.billing.attribution import AppRule
 from kvroute.policies.lifecycle import CANCELLED, RequestOutcome
 
 if TYPE_CHECKING:
@@ -91,7 +94,8 @@ class RequestState:
     attempts: list[Attempt] = field(default_factory=list)
     outcome_recorded: bool = False
     success_recorded: bool = False
-    app: str | None = None  # the billed app, fixed by the request's first ledger event
+    app: str | None = None  # the request's app, resolved once (None: nothing names one; booked ``unattributed``)
+    booked: bool = False  # a ledger event of the request was built
     failed: list[str] = field(default_factory=list)  # backends blamed for this request's failed attempts
     judged: list[BaseException] = field(default_factory=list)  # exceptions whose verdict was applied
 
@@ -151,9 +155,13 @@ _IDS = _IdSource()
 class RequestIds:
     """Issues and verifies ledger request ids and counts attempts (bounded: the oldest requests are forgotten)."""
 
-    def __init__(self, max_requests: int = MAX_REQUESTS) -> None:
+    def __init__(self, max_requests: int = MAX_REQUESTS,
+                 app_rule: Callable[[Mapping[str, Any]], str | None] | None = None) -> None:
         self._key = secrets.token_bytes(32)
         self.max_requests = max_requests
+        #: metadata -> the request's app (``billing.attribution.AppRule``: the plugin sets its claim keys and whether
+        #: callers are the operator's code); by default a client's claim counts only where its key trusts it
+        self.app_rule: Callable[[Mapping[str, Any]], str | None] = app_rule or AppRule()
         self.requests: OrderedDict[str, RequestState] = OrderedDict()
         self.open: OrderedDict[str, Attempt] = OrderedDict()  # routed attempts awaiting an outcome, by ticket id
 
@@ -172,7 +180,8 @@ class RequestIds:
         return rid if hmac.compare_digest(sig, expected) else None
 
     def begin(self, meta: MutableMapping[str, Any]) -> RequestState:
-        """The request's state; on first sight drop every client-sent kvroute identity key and issue a new id."""
+        """The request's state; on first sight drop every client-sent kvroute identity key, issue a new id and
+        resolve the request's app."""
         rid = self.request_of(meta)
         if rid is None:
             for key in SERVER_KEYS:
@@ -182,7 +191,7 @@ class RequestIds:
             meta[SIG_KEY] = self._sign(rid)
         state = self.requests.get(rid)
         if state is None:
-            state = self.requests[rid] = RequestState(rid, meta[SIG_KEY])
+            state = self.requests[rid] = RequestState(rid, meta[SIG_KEY], app=self.app_rule(meta))
             while len(self.requests) > self.max_requests:
                 _, old = self.requests.popitem(last=False)
                 for attempt in old.attempts:

@@ -1,4 +1,4 @@
-"""Whose request it is: the tenant and engine salt (from the authenticated key only) and the app behind metrics."""
+"""Whose request it is: the tenant and engine salt (from the authenticated key only) and the app label of metrics."""
 
 from __future__ import annotations
 
@@ -39,40 +39,19 @@ def tenant_salt(gs: GroupSettings, meta: Mapping[str, Any], kwargs: Mapping[str,
 
 
 class AppNames:
-    """The app behind metrics and rules, bounded per key (``max_apps_per_key``; more are counted as ``other``).
+    """The app label behind metrics and rules: the request's app by the one rule the ledger books it under
+    (``kvroute.billing.attribution``, kept on its ``RequestState``), bounded per key (``max_apps_per_key``; more
+    are counted as ``other``). The bound shapes metric labels only; the ledger books the app itself."""
 
-    The trust rule is billing's (``litellm_events.resolve_app``): the app comes from the key; a client's claim
-    (``app_metadata_keys`` or ``kvroute_app``) counts only where the key allows it or there is no key (SDK)."""
-
-    def __init__(self, claim_keys: tuple[str, ...], max_apps_per_key: int) -> None:
-        from kvroute.billing.litellm_events import APP_KEY
-
-        self.claim_keys = (APP_KEY, *claim_keys)
+    def __init__(self, max_apps_per_key: int) -> None:
         self.max_apps_per_key = max_apps_per_key
         self.seen: dict[str, set[str]] = {}
 
-    def of(self, meta: Mapping[str, Any]) -> str | None:
-        """The app of the request whose metadata is ``meta`` (None when nothing names one)."""
-        from kvroute.billing.litellm_events import APP_KEY, resolve_app
-
-        requester = meta.get("requester_metadata") if isinstance(meta.get("requester_metadata"), Mapping) else {}
-        claim = None
-        for src in (requester, meta):
-            for key in self.claim_keys:
-                value = src.get(key)
-                if isinstance(value, str) and value:
-                    claim = value
-                    break
-            if claim is not None:
-                break
-        view = meta  # read only; a claim is added to a copy
-        if claim is not None:
-            view = {**meta, "requester_metadata": {**requester, APP_KEY: claim}}
-            view.setdefault(APP_KEY, claim)
-        app = resolve_app({}, view, trust_unauthenticated=True)
+    def label(self, app: str | None, key_hash: Any) -> str | None:
+        """``app`` as the label of a request sent with the key hashed ``key_hash`` (None: no app)."""
         if app is None:
             return None
-        seen = self.seen.setdefault(str(meta.get("user_api_key_hash") or ""), set())
+        seen = self.seen.setdefault(str(key_hash or ""), set())
         if app not in seen:
             if len(seen) >= self.max_apps_per_key:
                 return "other"

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvroute.billing.attribution import AppRule
 from kvroute.plugin.adapter import hybrid
 from kvroute.plugin.adapter.billing_feed import BillingFeed, billing_target
 from kvroute.plugin.adapter.hosted import provider_quote
@@ -62,7 +63,11 @@ def build(cb: KvrouteCallback) -> None:
             cb._metrics.serve(s.metrics_port, s.metrics_host)
         except OSError as exc:
             log.warning("kvroute: cannot serve metrics on port %s: %s", s.metrics_port, exc)
-    start_billing(cb, s)
+    in_proxy = "litellm.proxy.proxy_server" in sys.modules
+    # one app rule for the ledger, metrics and rules: in the proxy a client's claim counts only where its key
+    # trusts it; in the SDK the caller is the operator's own code
+    cb.ids.app_rule = AppRule(tuple(s.app_metadata_keys), operator_calls=not in_proxy)
+    start_billing(cb, s, in_proxy=in_proxy)
     if cb._mount:
         mount_on_proxy(cb)
     learn_proxy_model_list(cb)
@@ -112,9 +117,8 @@ def connect_shared_state(cb: KvrouteCallback) -> Any:
     return cb._shared
 
 
-def start_billing(cb: KvrouteCallback, s: KvrouteSettings) -> None:
+def start_billing(cb: KvrouteCallback, s: KvrouteSettings, *, in_proxy: bool) -> None:
     """On by default in the proxy (embedded SQLite in the data directory); see ``billing_feed.billing_target``."""
-    in_proxy = "litellm.proxy.proxy_server" in sys.modules
     cb.billing_target = billing_target(s, in_proxy=in_proxy)  # where it records (the startup line says)
     cb.billing = BillingFeed.start(s, cb.ids, in_proxy=in_proxy, on_error=cb._count_error)
     cb.recorder = cb.billing.recorder if cb.billing is not None else None

@@ -8,7 +8,6 @@ import pytest
 
 from kvroute.billing.deadletter import DeadLetter
 from kvroute.billing.events import FIELD_LIMITS
-from kvroute.plugin.adapter import billing_feed
 from kvroute.plugin.adapter.billing_feed import BillingFeed
 from kvroute.plugin.adapter.request_ids import RequestIds
 
@@ -52,19 +51,18 @@ def test_a_no_route_row_for_an_odd_model_name_is_recorded(tmp_path: Path, model:
     assert rec.dead_letter.entries() == []
 
 
-def test_an_event_that_cannot_be_built_is_dead_lettered_not_dropped(tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """Whatever makes an event invalid (here: a key builder that lets the raw name through), the attempt lands
-    in the dead letters for an operator instead of a debug log line."""
-    monkeypatch.setattr(billing_feed, "attempt_key_for", lambda key: key)
+def test_an_event_that_cannot_be_built_is_dead_lettered_not_dropped(tmp_path: Path) -> None:
+    """Whatever makes an event invalid (here: a provider usage that contradicts itself), the attempt lands in the
+    dead letters for an operator instead of a debug log line."""
     rec = _Recorder(tmp_path)
     errors: list[str] = []
     feed = BillingFeed(rec, RequestIds(), on_error=errors.append)
-    _no_route(feed, "llama\x00evil")
+    feed.success({"model": "llama", "litellm_params": {"metadata": {}}},
+                 {"usage": {"prompt_tokens": -1, "completion_tokens": 3}}, None, None)
     assert rec.events == []
     entries = rec.dead_letter.entries()
     assert len(entries) == 1 and rec.noted == 1
-    assert "attempt_key" in entries[0].error and entries[0].source == "callback"
+    assert "usage.prompt_tokens" in entries[0].error and entries[0].source == "callback"
 
 
 def test_an_unforeseen_failure_is_dead_lettered_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -74,7 +72,7 @@ def test_an_unforeseen_failure_is_dead_lettered_too(tmp_path: Path, monkeypatch:
     rec = _Recorder(tmp_path)
     errors: list[str] = []
     feed = BillingFeed(rec, RequestIds(), on_error=errors.append)
-    monkeypatch.setattr(feed.events, "event_from_callback", broken)
+    monkeypatch.setattr(feed.events, "event_from_facts", broken)
     _no_route(feed, "llama")
     assert rec.events == [] and errors == ["billing"]
     assert [e.error for e in rec.dead_letter.entries()] == ["invalid event: a payload nothing foresaw"]
