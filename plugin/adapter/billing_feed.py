@@ -196,9 +196,7 @@ class BillingFeed:
         """The facts of a LiteLLM payload, with what kvroute knows first: the request, the attempt and the
         deployment's route kind, provider and served model (``exception``, ``model`` and ``model_info``: the
         attempt's, when the payload holds the request's or none)."""
-        route_kind = None
-        if backend and not _dict_get(kwargs, "kvroute_route_kind", model_info):
-            route_kind = self.kind_of(backend)
+        route_kind = _dict_get(kwargs, "kvroute_route_kind", model_info) or (self.kind_of(backend) if backend else None)
         provider = _dict_get(kwargs, "kvroute_provider", model_info) or (self.provider_of(backend) if backend else None)
         facts = self.events.facts_from_callback(
             kwargs, response, outcome=outcome, attempt=attempt.number if attempt else None, final=final,
@@ -388,8 +386,9 @@ class BillingFeed:
 
         self._record(read, state=state, attempt=attempt, outcome=status, final=False, backend=backend)
 
-    def superseded(self, ticket_id: str | None) -> None:
-        """A new pick arrived while the previous attempt had no outcome: record it once as a failed attempt."""
+    def superseded(self, ticket_id: str | None, request: Mapping[str, Any] | None = None) -> None:
+        """A new pick arrived while the previous attempt had no outcome: record it once as a failed attempt
+        (``request``: the request's data, for its key, end user and stream flag)."""
         found = self.ids.attempt_of(ticket_id)
         if found is None:
             return
@@ -402,14 +401,16 @@ class BillingFeed:
                 served = _first(self.served_of(backend), sent_as)
                 if served is None:
                     return None
-                # a superseded attempt's row has always taken the fleet's route kind, and none where the
-                # deployment declares its own (the ledger books it ``direct``)
-                declared = _declared((attempt.model_info,), "kvroute_route_kind")
+                data = request if request is not None else {}
+                meta = request_metadata(data) or {}
                 facts = CallFacts(
                     request_id=state.request_id, app_id=app, served_model=served, backend_id=backend,
-                    requested_model=sent_as, route_kind=None if declared else self.kind_of(backend),
+                    requested_model=sent_as,
+                    route_kind=_declared((attempt.model_info,), "kvroute_route_kind") or self.kind_of(backend),
                     provider=_declared((attempt.model_info,), "kvroute_provider") or self.provider_of(backend),
-                    outcome="provider_failure", final=False, attempt=attempt.number, start=attempt.started_at)
+                    outcome="provider_failure", final=False, attempt=attempt.number, start=attempt.started_at,
+                    end_user=data.get("user"), api_key_hash=meta.get("user_api_key_hash"),
+                    streamed=bool(data.get("stream")))
                 return self._paid(facts, attempt, {})
 
             self._record(read, state=state, attempt=attempt, outcome="provider_failure", final=False,

@@ -26,7 +26,7 @@ def pick(cb: KvrouteCallback, model: str, healthy: list, messages: Any, request_
     group = str(model)
     meta = request_metadata(kwargs, create=True)
     if meta is not None:  # every pick is an attempt (an empty one is a router-level hop), even unrouted
-        close_previous(cb, meta)
+        close_previous(cb, meta, kwargs)
         state, attempt = cb.ids.new_attempt(meta, group, None)
         rid = attempt.ticket
     if not s.enabled or not healthy or meta is None:
@@ -91,8 +91,9 @@ def pin(attempt: Attempt, router: Any, backend: str, app: str | None, predicted:
     attempt.started, attempt.request, attempt.policy, attempt.salt = now, request, policy, salt
 
 
-def close_previous(cb: KvrouteCallback, meta: Mapping[str, Any]) -> None:
-    """A new pick for the same request means the previous attempt is over (retry or fallback)."""
+def close_previous(cb: KvrouteCallback, meta: Mapping[str, Any], request: Mapping[str, Any]) -> None:
+    """A new pick for the same request (``request``: its data) means the previous attempt is over (retry or
+    fallback)."""
     prev = cb.ids.ticket_of(meta)
     if not prev:
         return
@@ -101,7 +102,7 @@ def close_previous(cb: KvrouteCallback, meta: Mapping[str, Any]) -> None:
         attempt.router.finish(attempt.request, RequestOutcome(FAILURE, attempt.backend, cb.clock()),
                               policy=attempt.policy)
     if cb.billing is not None:
-        cb.billing.superseded(prev)
+        cb.billing.superseded(prev, request)
 
 
 def maybe_expire(cb: KvrouteCallback, now: float) -> None:

@@ -134,18 +134,21 @@ def test_a_superseded_attempt_with_and_without_output() -> None:
     meta = dict(KEY)
     state, first = _sent(feed, ids, meta, "r-0", "openai/llama-8b", PRICED)
     first.streamed = 3
-    feed.superseded(first.ticket)
-    _, second = _sent(feed, ids, dict(meta), "h-0", "openai/gpt-x")
-    feed.superseded(second.ticket)
-    feed.superseded(second.ticket)  # once only
+    request = {"metadata": meta, "user": "cust-7", "stream": True}  # the request's own key, end user and stream
+    feed.superseded(first.ticket, request)
+    _, second = _sent(feed, ids, dict(meta), "h-0", "openai/gpt-x", {"kvroute_route_kind": "marketplace"})
+    feed.superseded(second.ticket, request)
+    feed.superseded(second.ticket, request)  # once only
     paid, unpaid = rec.events
     cut = {"prompt_tokens": 0, "completion_tokens": 3, "total_tokens": 3, "kvroute_estimate": "stream_cut"}
     assert _row(paid) == _expect(status="provider_failure", backend_id="r-0", provider="vllm",
                                  route_kind="self_hosted", served_model="llama-8b", requested_model="openai/llama-8b",
-                                 litellm_cost=Decimal("0.000006"), raw_usage=cut, api_key_hash=None)
+                                 litellm_cost=Decimal("0.000006"), raw_usage=cut, end_user="cust-7",
+                                 streamed=True)
+    # the deployment's declared route kind wins over the fleet's, as on every other row of that backend
     assert _row(unpaid) == _expect(status="provider_failure", attempt=2, backend_id="h-0", provider="openai",
-                                   route_kind="direct", served_model="gpt-x", requested_model="openai/gpt-x",
-                                   api_key_hash=None)
+                                   route_kind="marketplace", served_model="gpt-x", requested_model="openai/gpt-x",
+                                   end_user="cust-7", streamed=True)
     assert paid.event_id == _event_id("acme", state.request_id, 1) and paid.occurred_at == first.started_at
     assert unpaid.event_id == _event_id("acme", state.request_id, 2)
 
@@ -180,16 +183,17 @@ def test_failed_attempts_pay_for_the_output_of_a_cut_stream() -> None:
 
 
 def test_a_failed_request_after_a_cut_stream_and_its_final_outcome() -> None:
-    """The cut stream's own row (5 chunks relayed, prompt unknown), then the request's outcome row."""
+    """The cut stream's own row (5 chunks relayed, prompt unknown), then the request's outcome row; both carry the
+    route kind the deployment declares (over the fleet's ``direct``)."""
     feed, ids, rec = _feed()
     meta = dict(KEY)
-    state, _ = _sent(feed, ids, meta, "h-0", "openai/gpt-x", PRICED)
+    state, _ = _sent(feed, ids, meta, "h-0", "openai/gpt-x", {**PRICED, "kvroute_route_kind": "marketplace"})
     data = {"model": "llama", "metadata": meta, "user": "cust-2"}
     feed.stream_cut(data, 5)
     feed.request_failed(data, _Exc("cut", 502))
     feed.request_failed(data, _Exc("cut", 502))  # fired twice: one outcome row
     cut, outcome = rec.events
-    failed = {"status": "provider_failure", "backend_id": "h-0", "provider": "openai", "route_kind": "direct",
+    failed = {"status": "provider_failure", "backend_id": "h-0", "provider": "openai", "route_kind": "marketplace",
               "served_model": "gpt-x", "end_user": "cust-2", "http_status": 502, "error_type": "_Exc"}
     assert _row(cut) == _expect(**failed, requested_model="openai/gpt-x", litellm_cost=Decimal("0.00001"),
                                 raw_usage={"prompt_tokens": 0, "completion_tokens": 5, "total_tokens": 5,
