@@ -387,34 +387,51 @@ class BillingFeed:
         self._record(read, state=state, attempt=attempt, outcome=status, final=False, backend=backend)
 
     def superseded(self, ticket_id: str | None, request: Mapping[str, Any] | None = None) -> None:
-        """A new pick arrived while the previous attempt had no outcome: record it once as a failed attempt
-        (``request``: the request's data, for its key, end user and stream flag)."""
+        """A new pick arrived while the previous attempt had no outcome: record it once (``request``: the
+        request's data, for its key, end user and stream flag).
+
+        LiteLLM reports every upstream call's failure through a hook before it retries or falls back, so an
+        attempt no hook described was refused before any call (its budget, a pre-call check): ``no_route`` on
+        ``router``, as the request's own outcome is booked when LiteLLM refuses it. Only an attempt whose
+        stream already relayed output certainly reached its provider: ``provider_failure`` on its backend,
+        paid for that output (``_paid``)."""
         found = self.ids.attempt_of(ticket_id)
         if found is None:
             return
         state, attempt = found
-        if attempt.sent and not attempt.recorded and attempt.backend:
-            backend = attempt.backend
+        if not (attempt.sent and not attempt.recorded and attempt.backend):
+            return
+        data = request if request is not None else {}
+        meta = request_metadata(data) or {}
+        sent_as = attempt.served or attempt.group
+        if not attempt.streamed:
+            router = self.events.ROUTER_BACKEND
 
-            def read(app: str) -> CallFacts | None:
-                sent_as = attempt.served or attempt.group
-                served = _first(self.served_of(backend), sent_as)
-                if served is None:
-                    return None
-                data = request if request is not None else {}
-                meta = request_metadata(data) or {}
-                facts = CallFacts(
-                    request_id=state.request_id, app_id=app, served_model=served, backend_id=backend,
-                    requested_model=sent_as,
-                    route_kind=_declared((attempt.model_info,), "kvroute_route_kind") or self.kind_of(backend),
-                    provider=_declared((attempt.model_info,), "kvroute_provider") or self.provider_of(backend),
-                    outcome="provider_failure", final=False, attempt=attempt.number, start=attempt.started_at,
-                    end_user=data.get("user"), api_key_hash=meta.get("user_api_key_hash"),
-                    streamed=bool(data.get("stream")))
-                return self._paid(facts, attempt, {})
+            def read_refused(app: str) -> CallFacts | None:
+                return self._request_facts(state, app, meta, None, outcome="no_route", final=False,
+                                           model=attempt.group or sent_as, user=data.get("user"), backend=router,
+                                           route_kind="direct", provider=None, key="", attempt=attempt)
 
-            self._record(read, state=state, attempt=attempt, outcome="provider_failure", final=False,
-                         backend=backend)
+            self._record(read_refused, state=state, attempt=attempt, outcome="no_route", final=False,
+                         backend=router)
+            return
+        backend = attempt.backend
+
+        def read(app: str) -> CallFacts | None:
+            served = _first(self.served_of(backend), sent_as)
+            if served is None:
+                return None
+            facts = CallFacts(
+                request_id=state.request_id, app_id=app, served_model=served, backend_id=backend,
+                requested_model=sent_as,
+                route_kind=_declared((attempt.model_info,), "kvroute_route_kind") or self.kind_of(backend),
+                provider=_declared((attempt.model_info,), "kvroute_provider") or self.provider_of(backend),
+                outcome="provider_failure", final=False, attempt=attempt.number, start=attempt.started_at,
+                end_user=data.get("user"), api_key_hash=meta.get("user_api_key_hash"),
+                streamed=bool(data.get("stream")))
+            return self._paid(facts, attempt, {})
+
+        self._record(read, state=state, attempt=attempt, outcome="provider_failure", final=False, backend=backend)
 
     def logged_failure(self, kwargs: Mapping[str, Any], exception: Any, *, status: str | None = None) -> None:
         """``async_log_failure_event``: a router-level hop as ``no_route``, or an attempt nothing else recorded

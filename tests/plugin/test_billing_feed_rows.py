@@ -128,8 +128,10 @@ def test_router_level_hops_on_backend_router() -> None:
 
 
 def test_a_superseded_attempt_with_and_without_output() -> None:
-    """A new pick arrived before the attempt's outcome: one failed row; output it streamed is billed as a cut
-    stream (prompt unknown: 0 tokens; 3 output tokens at 2e-6)."""
+    """A new pick arrived before the attempt's outcome: one row. Output it streamed reached its provider and is
+    billed as a cut stream (prompt unknown: 0 tokens; 3 output tokens at 2e-6); an attempt no hook described and
+    that relayed nothing was refused before any call (a budget), ``no_route`` on ``router`` like the request's
+    own refusal."""
     feed, ids, rec = _feed()
     meta = dict(KEY)
     state, first = _sent(feed, ids, meta, "r-0", "openai/llama-8b", PRICED)
@@ -145,10 +147,9 @@ def test_a_superseded_attempt_with_and_without_output() -> None:
                                  route_kind="self_hosted", served_model="llama-8b", requested_model="openai/llama-8b",
                                  litellm_cost=Decimal("0.000006"), raw_usage=cut, end_user="cust-7",
                                  streamed=True)
-    # the deployment's declared route kind wins over the fleet's, as on every other row of that backend
-    assert _row(unpaid) == _expect(status="provider_failure", attempt=2, backend_id="h-0", provider="openai",
-                                   route_kind="marketplace", served_model="gpt-x", requested_model="openai/gpt-x",
-                                   end_user="cust-7", streamed=True)
+    assert _row(unpaid) == _expect(status="no_route", attempt=2, backend_id="router", provider="litellm-router",
+                                   route_kind="direct", served_model="llama", requested_model="llama",
+                                   end_user="cust-7")
     assert paid.event_id == _event_id("acme", state.request_id, 1) and paid.occurred_at == first.started_at
     assert unpaid.event_id == _event_id("acme", state.request_id, 2)
 

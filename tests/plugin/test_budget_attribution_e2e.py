@@ -126,7 +126,8 @@ async def served_again(proxy: ProxyProcess, model: str, backends: set[str], tag:
 
 
 def ledger_rows(url: str, users_prefix: str, want: int, timeout_s: float = 30.0) -> list:
-    """The ledger rows of requests whose ``user`` starts with ``users_prefix`` (waits for ``want`` of them)."""
+    """The ledger rows of requests whose ``user`` starts with ``users_prefix``, once ``want`` of them are final
+    (one final row per request; a request's earlier rows are journaled, hence stored, before its final one)."""
     from sqlalchemy import select
 
     from kvroute.billing.models import UsageEventRow as E
@@ -142,7 +143,7 @@ def ledger_rows(url: str, users_prefix: str, want: int, timeout_s: float = 30.0)
                             if (r.end_user_id or "").startswith(users_prefix)]
             finally:
                 led.close()
-            if len(rows) >= want:
+            if sum(1 for r in rows if r.is_final_attempt) >= want:
                 return rows
         time.sleep(0.5)
     return rows
