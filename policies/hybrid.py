@@ -288,16 +288,18 @@ class Hybrid(Policy):
     def self_rate(self, backend: str | None) -> SelfHostedRate | None:
         return self._rates.get(backend or "", self._default_rate)
 
-    def predicted_self_s(self, decision: Decision, request: RoutingRequest, state: RoutingState) -> float:
+    def predicted_self_s(self, decision: Decision, request: RoutingRequest, state: RoutingState,
+                         now: float) -> float:
         """The self-hosted pick's TTFT in real seconds: the cost model's prior seconds times the learned
-        factor, plus its real-second part; for a short prompt (no prediction) the queued work plus its prefill."""
+        factor, plus its real-second part; for a short prompt (no prediction) the work still queued at ``now``
+        plus its prefill."""
         load = state.load
         backend = decision.backend or ""
         factor = load.factor(backend) or 1.0
         if decision.predicted_ttft_s > 0:
             return factor * decision.predicted_ttft_s + decision.fixed_wait_s
         speed = self.self_policy.speed
-        return factor * (load.work_s(backend) + speed.prefill_s(request.prompt_tokens))
+        return factor * (load.work_s(backend, now) + speed.prefill_s(request.prompt_tokens))
 
     def hosted_quotes(self, request: RoutingRequest, hosted: Sequence[str], now: float) -> tuple[
             list[HostedQuote], dict[str, int]]:
@@ -366,7 +368,7 @@ class Hybrid(Policy):
         if not own:
             return self._failover(request, quotes, target, why, now)
         sd = self.self_policy.select(request, own, state, now)
-        predicted = self.predicted_self_s(sd, request, state)
+        predicted = self.predicted_self_s(sd, request, state, now)
         margin = self.errors.margin(now) if self.errors is not None else 1.0
         ratio = predicted * margin / target
         rate = self.self_rate(sd.backend)

@@ -4,10 +4,10 @@ Router-side counts react within a burst (updated at pick); external signals (eng
 usage) come with their age and weigh less as they get stale (exponential decay, ``half_life_s``).
 
 Work is also kept in seconds: each pick may carry its predicted own-prefill seconds (``work_s``, from the
-``EngineSpeed`` prior) and its predicted time to first token; the tracker sums the outstanding work per
-backend, learns a per-backend factor *observed TTFT / predicted TTFT* (log-space moving average), the
-mean decode duration (first token → completion), and a decayed sum of the busy seconds assigned to each
-backend (the hot-spot bound's measure).
+``EngineSpeed`` prior) and its predicted time to first token; the tracker keeps the outstanding work per
+backend as a function of time (``work_s(backend, now)``: the queue drains in order), learns a per-backend
+factor *observed TTFT / predicted TTFT* (log-space moving average), the mean decode duration (first token →
+completion), and a decayed sum of the busy seconds assigned to each backend (the hot-spot bound's measure).
 """
 
 from __future__ import annotations
@@ -71,6 +71,10 @@ class LoadTracker:
         self.half_life_s = half_life_s
         self._work: dict[str, float] = {}
         self._queued: dict[str, int] = {}  # requests not yet at first token
+        # per backend: its requests not yet at first token, in the order they were charged, and when the first of
+        # them became the first (``work_s`` drains it from then on)
+        self._pending: dict[str, dict[str, _Inflight]] = {}
+        self._head_since: dict[str, float] = {}
         self._log_factor: dict[str, float] = {}
         self._log_factor_all: float | None = None
         self._decode_s: dict[str, float] = {}
@@ -108,6 +112,10 @@ class LoadTracker:
         if work_s:
             self._work[backend] = self._work.get(backend, 0.0) + work_s
         self._queued[backend] = self._queued.get(backend, 0) + 1
+        pending = self._pending.setdefault(backend, {})
+        if not pending:
+            self._head_since[backend] = now
+        pending[request_id] = self._requests[request_id]
         self._last_pick[backend] = now
         self._mean_prompt = 0.98 * self._mean_prompt + 0.02 * max(prefill_tokens, 1)
         if work_s:
@@ -133,7 +141,7 @@ class LoadTracker:
             return
         req.prefill_done = True
         self._prefill[req.backend] = max(0, self._prefill.get(req.backend, 0) - req.prefill_tokens)
-        self._drop_work(req)
+        self._drop_work(request_id, req, now)
         if now is not None:
             req.first_at = now
             if req.ttft_s > 0:
@@ -153,13 +161,25 @@ class LoadTracker:
         self._inflight[req.backend] = max(0, self._inflight.get(req.backend, 0) - 1)
         if not req.prefill_done:
             self._prefill[req.backend] = max(0, self._prefill.get(req.backend, 0) - req.prefill_tokens)
-            self._drop_work(req)
+            self._drop_work(request_id, req, now)
         elif now is not None and req.first_at >= 0:
             self._learn_decode(req.backend, max(0.0, now - req.first_at))
         return req.backend
 
-    def _drop_work(self, req: _Inflight) -> None:
+    def _drop_work(self, request_id: str, req: _Inflight, now: float | None) -> None:
+        """``req`` left its backend's prefill queue; if it was the first, the next one's clock starts at ``now``
+        (unknown: at the later of the old start and the next one's charge)."""
         self._queued[req.backend] = max(0, self._queued.get(req.backend, 0) - 1)
+        pending = self._pending.get(req.backend)
+        if pending:
+            was_head = next(iter(pending)) == request_id
+            pending.pop(request_id, None)
+            if not pending:
+                self._head_since.pop(req.backend, None)
+            elif was_head:
+                if now is None:
+                    now = max(self._head_since[req.backend], next(iter(pending.values())).started)
+                self._head_since[req.backend] = now
         if req.work_s:
             left = self._work.get(req.backend, 0.0) - req.work_s
             self._work[req.backend] = left if left > 1e-12 else 0.0
@@ -205,9 +225,23 @@ class LoadTracker:
         """Requests charged to ``backend`` that have not had their first token yet."""
         return self._queued.get(backend, 0)
 
-    def work_s(self, backend: str) -> float:
-        """Outstanding prefill work of requests not yet at first token, in prior seconds (unscaled)."""
-        return self._work.get(backend, 0.0)
+    def work_s(self, backend: str, now: float) -> float:
+        """Prefill work still outstanding on ``backend`` at ``now``, in prior seconds (unscaled). The queue drains
+        in order: the first request not yet at first token has been computed since it became the first (elapsed
+        time over the learned ``factor``, up to its own predicted prefill); the requests behind it wait whole."""
+        work = self._work.get(backend, 0.0)
+        if work <= 0.0:
+            return work
+        pending = self._pending.get(backend)
+        if not pending:
+            return work
+        head = next(iter(pending.values())).work_s
+        done = (now - self._head_since[backend]) / self.factor(backend)
+        if done > head:
+            done = head
+        elif done < 0.0:
+            done = 0.0
+        return work - done if done < work else 0.0
 
     def add_busy(self, backend: str, seconds: float, now: float) -> None:
         ref = self._busy_ref
@@ -273,6 +307,8 @@ class LoadTracker:
         self._signals.pop(backend, None)
         self._work.pop(backend, None)
         self._queued.pop(backend, None)
+        self._pending.pop(backend, None)
+        self._head_since.pop(backend, None)
         self._busy.pop(backend, None)
 
     # --- views ----------------------------------------------------------------------------------
@@ -291,20 +327,21 @@ class LoadTracker:
     def scoring_inputs(self, backends: Sequence[str], now: float) -> tuple[list[tuple[Any, ...]], list[float]]:
         """What scorers read of each backend, in one pass: ``(inflight, prefill_tokens, queue_tokens, running,
         kv_usage, work_s, queued, decode_s)`` (the view's fields but ``last_pick``, then the three getters'
-        values) per backend, and each backend's ``last_pick``. Equal to calling ``view``, ``work_s``,
-        ``queued``, ``decode_s`` and ``last_pick``; a subclass that overrides any of them is asked through them.
+        values at ``now``) per backend, and each backend's ``last_pick``. Equal to calling ``view(b, now)``,
+        ``work_s(b, now)``, ``queued``, ``decode_s`` and ``last_pick``; a subclass that overrides any of them is
+        asked through them.
         """
         if self._overridden:
             states = []
             picks = []
             for b in backends:
                 v = self.view(b, now)
-                states.append((v.inflight, v.prefill_tokens, v.queue_tokens, v.running, v.kv_usage, self.work_s(b),
-                               self.queued(b), self.decode_s(b)))
+                states.append((v.inflight, v.prefill_tokens, v.queue_tokens, v.running, v.kv_usage,
+                               self.work_s(b, now), self.queued(b), self.decode_s(b)))
                 picks.append(self.last_pick(b))
             return states, picks
         inflight_of, prefill_of, signal_of = self._inflight.get, self._prefill.get, self._signals.get
-        work_of, queued_of, decode_of = self._work.get, self._queued.get, self._decode_s.get
+        work_of, queued_of, decode_of = self.work_s, self._queued.get, self._decode_s.get
         pick_of = self._last_pick.get
         decode_all = self._decode_all
         never = -math.inf
@@ -316,10 +353,10 @@ class LoadTracker:
             sig = signal_of(b)
             d = decode_of(b, decode_all)
             if sig is None:
-                append((inflight, prefill, float(prefill), inflight, 0.0, work_of(b, 0.0), queued_of(b, 0),
+                append((inflight, prefill, float(prefill), inflight, 0.0, work_of(b, now), queued_of(b, 0),
                         0.0 if d is None else d))
             else:
-                append((inflight, prefill, *self._signal_load(sig, inflight, prefill, now), work_of(b, 0.0),
+                append((inflight, prefill, *self._signal_load(sig, inflight, prefill, now), work_of(b, now),
                         queued_of(b, 0), 0.0 if d is None else d))
         return states, [pick_of(b, never) for b in backends]
 

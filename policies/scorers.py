@@ -6,7 +6,7 @@ are multiplied by the backend's learned factor (observed / predicted time to fir
 
 | scorer | predicts | from |
 |---|---|---|
-| ``queue_wait`` | prefill work queued ahead on the backend | router's outstanding work, engine queue depth |
+| ``queue_wait`` | prefill work queued ahead on the backend | router's outstanding work now, engine queue depth |
 | ``slot_wait`` | waiting for a free sequence slot | running requests over ``slots`` × learned decode time |
 | ``own_prefill`` | this request's uncached prefill, decode steps sharing it | tier-credited match, running decoders |
 | ``kv_pressure`` | admission delay when the new blocks do not fit the free KV | engine KV usage (scraped) |
@@ -51,7 +51,8 @@ Scorer = Callable[[Candidate, EngineSpeed], float]
 
 
 def queue_wait(c: Candidate, speed: EngineSpeed) -> float:
-    """Prefill queued ahead: the router's outstanding work, or the engine's reported queue if larger."""
+    """Prefill queued ahead: the router's outstanding work at the pick (``LoadTracker.work_s``, drained in queue
+    order), or the engine's reported queue if larger."""
     queued = c.work_s
     if c.view.queue_tokens > 0:
         queued = max(queued, c.view.queue_tokens / speed.prefill_tok_s)

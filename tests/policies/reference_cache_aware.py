@@ -2,7 +2,8 @@
 faster ``CacheAware.select`` must agree with (tests/policies/test_cache_aware_equivalence.py), with the changes
 since marked: equal holders go to the cheapest; the hot-spot bound never counts a holder of the prefix that is
 idle now as hot (``filters.hot_load``); the decision reports its wasted prefill; a session's first request
-that a backend holds a prefix of adds each backend's recent busy seconds to its cost."""
+that a backend holds a prefix of adds each backend's recent busy seconds to its cost; the outstanding work is the
+load tracker's at the pick's instant (``work_s(b, now)``, drained in queue order)."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ class ReferenceCacheAware(CacheAware):
             rest = [b for b in candidates if b not in matches]
             keep = max(4, cfg.max_scored - len(matches))
             if len(rest) > keep:
-                rest.sort(key=lambda b: (load.work_s(b), load.busy(b, now), load.last_pick(b), b))
+                rest.sort(key=lambda b: (load.work_s(b, now), load.busy(b, now), load.last_pick(b), b))
                 candidates = [b for b in candidates if b in matches] + rest[:keep]
         for b in candidates:
             m = min(prompt - 1, int(matches.get(b, 0) * bt)) if prompt > 0 else 0
@@ -73,9 +74,9 @@ class ReferenceCacheAware(CacheAware):
             own_s = own_by_match.get(m)
             if own_s is None:
                 own_s = own_by_match[m] = prefill_s(prompt - m, m)
-            c = Candidate(b, prompt, m, load.view(b, now), factor, load.work_s(b), load.queued(b), load.decode_s(b),
-                          index.blocks(b) * bt, capacity_of(b) * bt if capacity_of is not None else 0.0,
-                          best_matched, own_s, best_own)
+            c = Candidate(b, prompt, m, load.view(b, now), factor, load.work_s(b, now), load.queued(b),
+                          load.decode_s(b), index.blocks(b) * bt,
+                          capacity_of(b) * bt if capacity_of is not None else 0.0, best_matched, own_s, best_own)
             cands[b] = c
             t = 0.0
             for f, w in scorers:

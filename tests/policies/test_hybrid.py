@@ -118,9 +118,11 @@ def test_hysteresis_band_and_minimum_dwell():
     queue(router, 5.0, now=1.0)
     assert pick(hy, router, req("b"), now=1.0).reason == "overflow_latency"
     drain(router, 5.0, now=1.0)
+    drain(router, 0.6)  # queued work drains with time: the t=0 charge is done by t=2, so the band is charged anew
+    queue(router, 0.6, now=2.0)
     d = pick(hy, router, req("c"), now=2.0)  # back in the band: overflow mode still overflows it
     assert d.reason == "overflow_latency" and d.why["mode"] == "overflow"
-    drain(router, 0.6)
+    drain(router, 0.6, now=2.0)
     d = pick(hy, router, req("d"), now=3.0)  # below leave, but the dwell is not over
     assert d.reason == "self_hosted" and hy.overflowing
     d = pick(hy, router, req("e"), now=6.5)
@@ -165,6 +167,7 @@ def test_spend_guard_stops_overflow_and_counts_reservations():
     assert n == int(Decimal("0.06") / price) > 1 and hy.reasons["guard_spend"] == 1
     hy.record_success(req("a"), "h1", 1.0, cached_tokens=0, output_tokens=10, prompt_tokens=4000)
     assert hy.guard.total_spent == Decimal("0.000002") * 4000 + Decimal("0.000008") * 10
+    queue(router, 5.0, now=120.0)  # still 5 s behind at 120 s (the t=0 charge has drained by then)
     assert pick(hy, router, req("late"), now=120.0).reason == "overflow_latency"  # the window moved on
 
 

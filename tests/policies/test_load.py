@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kvroute.policies import ExternalSignal, LoadTracker
 
 
@@ -44,6 +46,40 @@ def test_router_side_load_is_not_double_counted_with_signal():
     assert load.view("a", now=0).queue_tokens == 2000
 
 
+def test_outstanding_work_drains_in_queue_order():
+    """Only the first request not yet at first token is being computed, since it became the first, at the learned
+    speed and up to its own work; the ones behind it wait whole; a new first starts its clock when it moves up."""
+    load = LoadTracker()
+    load.start("head", "a", 1000, now=0.0, work_s=1.0)
+    load.start("next", "a", 1000, now=0.1, work_s=0.5)
+    assert load.work_s("a", 0.0) == pytest.approx(1.5)
+    assert load.work_s("a", 0.4) == pytest.approx(0.6 + 0.5)  # the head has 0.6 s left, the next waits whole
+    assert load.work_s("a", 5.0) == pytest.approx(0.5)  # the head's own 1.0 s at most
+    load.first_token("head", 2.0)
+    assert load.work_s("a", 2.0) == pytest.approx(0.5)  # the next one's clock starts at the head's first token
+    assert load.work_s("a", 2.2) == pytest.approx(0.3)
+    load.release("next", 2.3)
+    assert load.work_s("a", 2.3) == 0.0 and load.work_s("b", 2.3) == 0.0
+
+    load.start("x", "b", 1000, now=10.0, work_s=1.0)
+    load.start("y", "b", 1000, now=10.0, work_s=1.0)
+    load.start("z", "b", 1000, now=13.0, work_s=1.0)
+    load.release("y", 10.5)  # one behind the head leaves: the head's clock runs on
+    assert load.work_s("b", 10.5) == pytest.approx(0.5 + 1.0)
+    load.release("x")  # a failure without a time: the next one's clock starts when it was charged
+    assert load.work_s("b", 13.5) == pytest.approx(0.5)
+
+
+def test_outstanding_work_drains_at_the_learned_speed():
+    load = LoadTracker()
+    load.start("r", "a", 1000, now=0.0, work_s=0.1, ttft_s=0.1)
+    load.first_token("r", 0.2)  # twice the prediction: prior seconds take two real seconds
+    assert load.factor("a") == pytest.approx(2.0)
+    load.start("s", "a", 1000, now=1.0, work_s=1.0)
+    assert load.work_s("a", 1.4) == pytest.approx(0.8)
+    assert load.work_s("a", 0.5) == pytest.approx(1.0)  # before its start: nothing done yet
+
+
 def test_scoring_inputs_and_busy_many_equal_the_one_backend_getters():
     import random
 
@@ -75,8 +111,11 @@ def test_scoring_inputs_and_busy_many_equal_the_one_backend_getters():
             for b2, st, lp in zip(ask, states, picks, strict=True):
                 v = tracker.view(b2, now)
                 want = (v.inflight, v.prefill_tokens, v.queue_tokens, v.running, v.kv_usage,
-                        tracker.work_s(b2), tracker.queued(b2), tracker.decode_s(b2))
+                        tracker.work_s(b2, now), tracker.queued(b2), tracker.decode_s(b2))
                 assert st == want and [type(x) for x in st] == [type(x) for x in want]
+                # the same state read a second later: drained, never grown, by at most a second of compute
+                later = tracker.work_s(b2, now + 1.0)
+                assert want[5] - 1.0 / tracker.factor(b2) - 1e-9 <= later <= want[5]
                 assert lp == tracker.last_pick(b2)
             assert tracker.busy_many(ask, now) == [tracker.busy(b2, now) for b2 in ask]
 

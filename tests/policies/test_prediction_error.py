@@ -51,7 +51,8 @@ class _Policy(Hybrid):
 
     predicted = 1.0
 
-    def predicted_self_s(self, decision: Decision, request: RoutingRequest, state: RoutingState) -> float:
+    def predicted_self_s(self, decision: Decision, request: RoutingRequest, state: RoutingState,
+                         now: float) -> float:
         return self.predicted
 
 

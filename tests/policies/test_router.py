@@ -161,7 +161,7 @@ def test_an_answered_request_releases_its_load_and_still_confirms_the_index_late
     req, d = router.route(msgs, ["a", "b"])
     assert router.load.inflight(d.backend) == 1
     router.on_answered(req.request_id)
-    assert router.load.inflight(d.backend) == 0 and router.load.work_s(d.backend) == 0.0
+    assert router.load.inflight(d.backend) == 0 and router.load.work_s(d.backend, t[0]) == 0.0
     t[0] = 10.0
     router.expire()
     assert router.pending_backend(req.request_id) == d.backend

@@ -80,10 +80,10 @@ def test_tracker_learns_speed_factor_decode_time_and_busy_seconds():
     t = LoadTracker()
     assert t.factor("a") == 1.0 and t.decode_s("a") == 0.0
     t.start("r1", "a", 1000, 0.0, work_s=0.1, ttft_s=0.1)
-    assert t.work_s("a") == pytest.approx(0.1) and t.queued("a") == 1
+    assert t.work_s("a", 0.0) == pytest.approx(0.1) and t.queued("a") == 1
     t.first_token("r1", 0.4)  # took 4x the prediction
     assert t.factor("a") == pytest.approx(4.0) and t.factor("b") == pytest.approx(4.0)  # fleet-wide
-    assert t.work_s("a") == 0.0 and t.queued("a") == 0
+    assert t.work_s("a", 0.4) == 0.0 and t.queued("a") == 0
     t.release("r1", 2.4)
     assert t.decode_s("a") == pytest.approx(2.0)
     for i in range(50):  # later requests match the prediction: the factor converges back towards 1
@@ -95,4 +95,4 @@ def test_tracker_learns_speed_factor_decode_time_and_busy_seconds():
     assert busy > 0 and t.busy("a", 60.0 + t.busy_half_life_s) == pytest.approx(busy / 2)
     t.release("never-started")  # idempotent, no error
     t.remove_backend("a")
-    assert t.busy("a", 100.0) == 0.0 and t.work_s("a") == 0.0
+    assert t.busy("a", 100.0) == 0.0 and t.work_s("a", 100.0) == 0.0
