@@ -1,14 +1,16 @@
 """Proxy CPU per request: plain LiteLLM vs LiteLLM with a do-nothing callback vs LiteLLM + kvroute.
 
 Same 4 fake replicas (instant prefill and decode, so the proxies are the work), the same shared-prefix chat
-requests, streamed or not, in interleaved rounds (the order rotates every round). CPU is read per thread from
-``/proc/*/task/*/schedstat`` (nanoseconds of CPU actually run, so other load on the machine disturbs it far less
-than wall clock). Prints the medians over rounds of the per-round ratios ``kvroute ÷ plain`` (goal ≤ 1.03) and
-``noop ÷ plain`` (what LiteLLM spends on dispatching to any callback with kvroute's hooks). ``--profile`` also
-samples each proxy with py-spy (installed into a throw-away venv) and lists kvroute's own hot frames. Usage::
+requests, streamed or not, in interleaved rounds (the order rotates every round; with ``--orders 2``, the default,
+every proxy is started again in the reverse order for as many rounds more, since the one started first costs up to 2
+ms more per request on a 2-core VM). CPU is read per thread from ``/proc/*/task/*/schedstat`` (nanoseconds of CPU
+actually run, so other load on the machine disturbs it far less than wall clock). Prints the medians over rounds of
+the per-round ratios ``kvroute ÷ plain`` (goal ≤ 1.03) and ``noop ÷ plain`` (what LiteLLM spends on dispatching to
+any callback with kvroute's hooks). ``--profile`` also samples each proxy with py-spy (installed into a throw-away
+venv) and lists kvroute's own hot frames. Usage::
 
     LITELLM_LOCAL_MODEL_COST_MAP=True .venv/bin/python bench/proxy_cpu.py [--rounds 8] [--requests 200]
-        [--stream] [--profile] [--json] [--before TREE]
+        [--stream] [--profile] [--json] [--before TREE] [--orders 1|2]
 
 ``--before TREE`` adds a ``kvroute_before`` proxy running the kvroute of another source tree (e.g. ``git archive
 <commit> | tar -x -C TREE``) in the same interleaved rounds, so a change is priced against its parent under the same
@@ -102,10 +104,13 @@ def own_frames(raw: Path, top: int = 15) -> dict:
             "hot": [[f, n] for f, n in frames.most_common(top)]}
 
 
-def measure(proxies: dict[str, ProxyProcess], args: argparse.Namespace) -> dict:
+def measure(proxies: dict[str, ProxyProcess], args: argparse.Namespace,
+            cpu: dict[str, list[float]] | None = None) -> tuple[dict[str, list[float]], int]:
+    """Per-request CPU of every proxy in ``args.rounds`` interleaved rounds (the order rotates every round),
+    appended to ``cpu``; returns it and the number of failed requests."""
     for proxy in proxies.values():  # warm-up: connections, lazy imports, first picks
         asyncio.run(_load(proxy, max(20, args.requests // 5), 10_000_000, args))
-    cpu: dict[str, list[float]] = {v: [] for v in proxies}
+    cpu = cpu if cpu is not None else {v: [] for v in proxies}
     failed = 0
     for r in range(args.rounds):
         names = list(proxies)
@@ -114,12 +119,17 @@ def measure(proxies: dict[str, ProxyProcess], args: argparse.Namespace) -> dict:
             proxy = proxies[name]
             before = cpu_seconds([proxy.process.pid])
             failed += asyncio.run(_load(proxy, args.requests, r * args.requests, args))
-            cpu[name].append((cpu_seconds([proxy.process.pid]) - before) / args.requests)
-    out: dict = {"rounds": args.rounds, "requests_per_round": args.requests, "stream": args.stream,
-                 "concurrency": args.concurrency, "failed": failed,
+            cpu.setdefault(name, []).append((cpu_seconds([proxy.process.pid]) - before) / args.requests)
+    return cpu, failed
+
+
+def summarize(cpu: dict[str, list[float]], failed: int, args: argparse.Namespace) -> dict:
+    """Medians over every round (of every start order) and the medians of the per-round ratios to ``plain``."""
+    out: dict = {"rounds": len(cpu["plain"]), "requests_per_round": args.requests, "stream": args.stream,
+                 "concurrency": args.concurrency, "start_orders": args.orders, "failed": failed,
                  "cpu_ms_per_request": {v: round(statistics.median(c) * 1000, 3) for v, c in cpu.items()},
                  "rounds_ms": {v: [round(x * 1000, 2) for x in c] for v, c in cpu.items()}}
-    for v in proxies:
+    for v in cpu:
         if v != "plain":
             out[f"{v}_vs_plain"] = round(statistics.median(a / b for a, b in zip(cpu[v], cpu["plain"],
                                                                                    strict=True)), 4)
@@ -156,12 +166,18 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="also sample each proxy with py-spy")
     p.add_argument("--hooks", action="store_true",
                    help="also one proxy per kvroute hook, each alone and doing nothing (prices LiteLLM's dispatch)")
+    p.add_argument("--orders", type=int, default=2, choices=(1, 2),
+                   help="start the proxies in this many orders (2: as listed, then reversed; the rounds of both are "
+                        "pooled): the proxy started first costs up to 2 ms more per request on a 2-core VM")
     p.add_argument("--json", action="store_true")
     p.add_argument("--before", type=Path, help="also a proxy running the kvroute of this source tree")
     args = p.parse_args()
     opts = ReplicaOptions(capacity_tokens=65536, prefill_tokens_per_s=1e6, decode_ms=0.0, slots=64)
-    with contextlib.ExitStack() as stack:
-        fleet = stack.enter_context(Fleet(4, engine="fake", options=opts, name_prefix="cpu"))
+    cpu: dict[str, list[float]] = {}
+    failed = 0
+    result_profile = None
+    with contextlib.ExitStack() as fleet_stack:
+        fleet = fleet_stack.enter_context(Fleet(4, engine="fake", options=opts, name_prefix="cpu"))
         group = ModelGroup("llama", fleet.api_bases, engine="vllm")
         settings = {"num_retries": 0}
         env = {"LITELLM_LOG": "ERROR", "PYTHONPATH": str(HERE)}
@@ -172,21 +188,29 @@ def main() -> None:
         for part in NOOP_PARTS if args.hooks else ():
             configs[part] = build_proxy_config([group], kvroute=False, router_settings=settings,
                                                litellm_settings={"callbacks": [f"proxy_noop_callback.{part}"]})
-        proxies = {v: stack.enter_context(ProxyProcess(c, env=env, inherit_kvroute_env=False))
-                   for v, c in configs.items()}
+        envs = {name: env for name in configs}
         if args.before is not None:
-            proxies["kvroute_before"] = stack.enter_context(ProxyProcess(
-                configs["kvroute"], env={**env, "PYTHONPATH": str(_tree_path(args.before, stack))},
-                inherit_kvroute_env=False))
-        result = measure(proxies, args)
-        if args.profile:
-            result["profile"] = profile(proxies, args, Path(stack.enter_context(_tempdir())))
+            configs["kvroute_before"] = configs["kvroute"]
+            envs["kvroute_before"] = {**env, "PYTHONPATH": str(_tree_path(args.before, fleet_stack))}
+        for k in range(args.orders):
+            names = list(configs) if k == 0 else list(configs)[::-1]
+            with contextlib.ExitStack() as stack:
+                proxies = {name: stack.enter_context(ProxyProcess(configs[name], env=envs[name],
+                                                                  inherit_kvroute_env=False)) for name in names}
+                cpu, n_failed = measure(proxies, args, cpu)
+                failed += n_failed
+                if args.profile and k == 0:
+                    result_profile = profile(proxies, args, Path(stack.enter_context(_tempdir())))
+    result = summarize(cpu, failed, args)
+    if result_profile is not None:
+        result["profile"] = result_profile
     if args.json:
         print(json.dumps(result))
         return
     c = result["cpu_ms_per_request"]
-    print(f"proxy CPU per {'streamed ' if args.stream else ''}request (median of {args.rounds} interleaved rounds "
-          f"× {args.requests}): plain {c['plain']} ms, no-op callback {c['noop']} ms, kvroute {c['kvroute']} ms")
+    print(f"proxy CPU per {'streamed ' if args.stream else ''}request (median of {result['rounds']} interleaved "
+          f"rounds × {args.requests}, {args.orders} start order(s)): plain {c['plain']} ms, "
+          f"no-op callback {c['noop']} ms, kvroute {c['kvroute']} ms")
     print(f"kvroute ÷ plain {result['kvroute_vs_plain']} (goal ≤ 1.03); no-op ÷ plain {result['noop_vs_plain']}; "
           f"failed {result['failed']}")
     for part in (*NOOP_PARTS, "kvroute_before"):
