@@ -13,21 +13,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvroute.billing.call_facts import as_dict as _dict
+from kvroute.billing.call_facts import first_given as _first
+
 APP_KEY = "kvroute_app"
 TRUSTED_KEY = "kvroute_trusted_apps"
 APP_HEADER = "x-kvroute-app"
 UNATTRIBUTED = "unattributed"  # the ledger's app of a request that names none
-
-
-def _dict(value: Any) -> Mapping[str, Any]:
-    return value if isinstance(value, Mapping) else {}
-
-
-def _first(*values: Any) -> Any:
-    for v in values:
-        if v not in (None, ""):
-            return v
-    return None
 
 
 def _claim(sources: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> str | None:

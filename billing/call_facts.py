@@ -117,6 +117,11 @@ def moment(value: Any) -> datetime | None:
     return None
 
 
+def as_dict(value: Any) -> Mapping[str, Any]:
+    """``value`` when it is a mapping, else an empty one."""
+    return value if isinstance(value, Mapping) else {}
+
+
 def first_given(*values: Any) -> Any:
     """The first value that is neither None nor an empty string (None when there is none)."""
     for v in values:

@@ -30,6 +30,8 @@ from typing import Any
 
 from kvroute.billing.attribution import APP_HEADER, APP_KEY, TRUSTED_KEY, UNATTRIBUTED, app_of
 from kvroute.billing.call_facts import LIMITS, CallFacts, event_from_facts, fit, int32, moment, money
+from kvroute.billing.call_facts import as_dict as _dict
+from kvroute.billing.call_facts import first_given as _first
 from kvroute.billing.events import STATUSES, UsageEvent
 from kvroute.billing.usage import as_mapping
 from kvroute.policies.outcomes import classify
@@ -49,17 +51,6 @@ def _get(obj: Any, key: str, default: Any = None) -> Any:
     if isinstance(obj, Mapping):
         return obj.get(key, default)
     return getattr(obj, key, default)
-
-
-def _dict(value: Any) -> Mapping[str, Any]:
-    return value if isinstance(value, Mapping) else {}
-
-
-def _first(*values: Any) -> Any:
-    for v in values:
-        if v not in (None, ""):
-            return v
-    return None
 
 
 def resolve_app(slo_meta: Mapping[str, Any], params_meta: Mapping[str, Any], *,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from feed_doubles import Recorder as _Recorder
+from feed_doubles import UpstreamError as _Exc
 from prometheus_client import CollectorRegistry
 
 from kvroute.plugin.adapter.billing_feed import billing_target
@@ -44,22 +46,6 @@ def test_label_cardinality_is_bounded_per_key() -> None:
     apps = [cb._app({**base, "app": f"junk{i}"}, {}) for i in range(60)]
     assert apps[:3] == ["junk0", "junk1", "junk2"] and set(apps[3:]) == {"other"}
     assert cb._app({**base, "user_api_key_hash": "h-other", "app": "fine"}, {}) == "fine"  # another key's budget
-
-
-class _Recorder:
-    """Collects events (the feed's boundary: what it hands to ``UsageRecorder.record``)."""
-
-    def __init__(self) -> None:
-        self.events: list = []
-
-    def record(self, event) -> None:
-        self.events.append(event)
-
-
-class _Exc(Exception):
-    def __init__(self, msg: str, status_code: int) -> None:
-        super().__init__(msg)
-        self.status_code = status_code
 
 
 class _Resp:

@@ -8,6 +8,9 @@ import hashlib
 from decimal import Decimal
 from typing import Any
 
+from feed_doubles import Recorder as _Recorder
+from feed_doubles import UpstreamError as _Exc
+
 from kvroute.plugin.adapter.billing_feed import BillingFeed
 from kvroute.plugin.adapter.request_ids import RequestIds
 
@@ -17,20 +20,6 @@ ZERO = {"prompt_tokens": 0, "completion_tokens": 0}
 COLUMNS = ("app_id", "attempt", "attempt_key", "status", "is_final", "backend_id", "provider", "route_kind",
            "served_model", "requested_model", "streamed", "litellm_cost", "provider_cost", "end_user",
            "api_key_hash", "raw_usage", "http_status", "error_type", "fallback_depth")
-
-
-class _Recorder:
-    def __init__(self) -> None:
-        self.events: list = []
-
-    def record(self, event) -> None:
-        self.events.append(event)
-
-
-class _Exc(Exception):
-    def __init__(self, msg: str, status_code: int) -> None:
-        super().__init__(msg)
-        self.status_code = status_code
 
 
 class _NoRoute(Exception):
@@ -172,12 +161,12 @@ def test_failed_attempts_pay_for_the_output_of_a_cut_stream() -> None:
     first, second = rec.events
     assert _row(first) == _expect(status="provider_failure", backend_id="h-0", provider="openai", route_kind="direct",
                                   served_model="gpt-x", requested_model="openai/gpt-x",
-                                  litellm_cost=Decimal("0.000004"), http_status=502, error_type="_Exc",
+                                  litellm_cost=Decimal("0.000004"), http_status=502, error_type="UpstreamError",
                                   raw_usage={"prompt_tokens": 0, "completion_tokens": 2, "total_tokens": 2,
                                              "kvroute_estimate": "stream_cut"})
     assert _row(second) == _expect(status="capacity", attempt=2, backend_id="r-0", provider="vllm",
                                    route_kind="self_hosted", served_model="llama-8b", requested_model="llama",
-                                   litellm_cost=Decimal("0.000017"), http_status=503, error_type="_Exc",
+                                   litellm_cost=Decimal("0.000017"), http_status=503, error_type="UpstreamError",
                                    raw_usage={"prompt_tokens": 9, "completion_tokens": 4, "total_tokens": 13,
                                               "kvroute_estimate": "stream_cut"})
     assert [e.event_id for e in rec.events] == [_event_id("acme", state.request_id, n) for n in (1, 2)]
@@ -195,7 +184,7 @@ def test_a_failed_request_after_a_cut_stream_and_its_final_outcome() -> None:
     feed.request_failed(data, _Exc("cut", 502))  # fired twice: one outcome row
     cut, outcome = rec.events
     failed = {"status": "provider_failure", "backend_id": "h-0", "provider": "openai", "route_kind": "marketplace",
-              "served_model": "gpt-x", "end_user": "cust-2", "http_status": 502, "error_type": "_Exc"}
+              "served_model": "gpt-x", "end_user": "cust-2", "http_status": 502, "error_type": "UpstreamError"}
     assert _row(cut) == _expect(**failed, requested_model="openai/gpt-x", litellm_cost=Decimal("0.00001"),
                                 raw_usage={"prompt_tokens": 0, "completion_tokens": 5, "total_tokens": 5,
                                            "kvroute_estimate": "stream_cut"})
