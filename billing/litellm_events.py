@@ -38,8 +38,7 @@ from kvroute.policies.outcomes import classify
 
 __all__ = ["APP_HEADER", "APP_KEY", "LIMITS", "ROUTER_BACKEND", "ROUTER_PROVIDER", "STATUSES", "TRUSTED_KEY",
            "UNATTRIBUTED", "CallFacts", "cut_stream_usage", "event_from_callback", "event_from_facts",
-           "exception_status", "facts_from_callback", "failure_status", "fit", "read_error", "read_response",
-           "resolve_app"]
+           "exception_status", "facts_from_callback", "failure_status", "fit", "read_error", "read_response"]
 
 ROUTER_BACKEND = "router"  # the backend of a router-level outcome (no deployment, cooldown): no upstream was called
 ROUTER_PROVIDER = "litellm-router"
@@ -51,13 +50,6 @@ def _get(obj: Any, key: str, default: Any = None) -> Any:
     if isinstance(obj, Mapping):
         return obj.get(key, default)
     return getattr(obj, key, default)
-
-
-def resolve_app(slo_meta: Mapping[str, Any], params_meta: Mapping[str, Any], *,
-                trust_unauthenticated: bool = False) -> str | None:
-    """The billed app of a callback payload (``attribution.app_of``; ``trust_unauthenticated``: a caller
-    without proxy auth, whose claim counts)."""
-    return app_of(params_meta, slo_meta=slo_meta, operator_call=trust_unauthenticated)
 
 
 ROUTER_ERRORS = ("RouterRateLimitError", "NoDeploymentsAvailable", "No deployments available")
@@ -136,7 +128,7 @@ def facts_from_callback(kwargs: Mapping[str, Any], response_obj: Any, *, outcome
                     _first(model, kwargs.get("model")))
     if rid is None or served is None:
         return None
-    app = app_id or resolve_app(slo_meta, params_meta, trust_unauthenticated=trust_unauthenticated) or default_app
+    app = app_id or app_of(params_meta, slo_meta=slo_meta, operator_call=trust_unauthenticated) or default_app
     if app is None:
         return None
     backend = str(_first(backend_id, slo.get("model_id"), model_info.get("id"), slo.get("api_base"), served))
