@@ -69,7 +69,7 @@ def as_mapping(obj: Any) -> dict[str, Any]:
     """A usage object (dict, pydantic model, plain object) as a plain dict, recursively for nested details."""
     if obj is None:
         return {}
-    if isinstance(obj, Mapping):
+    if type(obj) is dict or isinstance(obj, Mapping):
         return {k: _plain(v) for k, v in obj.items()}
     dump = getattr(obj, "model_dump", None)
     if callable(dump):
@@ -85,8 +85,11 @@ def as_mapping(obj: Any) -> dict[str, Any]:
     return {}
 
 
+_SCALARS = frozenset({str, int, float, bool, Decimal, type(None)})
+
+
 def _plain(value: Any) -> Any:
-    if value is None or isinstance(value, (str, int, float, bool, Decimal)):
+    if type(value) in _SCALARS or isinstance(value, (str, int, float, bool, Decimal)):
         return value
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]

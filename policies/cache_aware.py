@@ -260,12 +260,15 @@ class CacheAware(Policy):
         busy = load.busy_many(candidates, now)
         busy_of = dict(zip(candidates, busy, strict=True))
         session_start = self._sessions.first(request.session_key)
-        hot = [hot_load(v, st[_INFLIGHT] > 0 or st[_QTOKENS] > 0, b in matches)
-               for b, v, st in zip(candidates, busy, all_states, strict=True)]
-        limit: float | None = hot_limit(busy, cfg.epsilon, cfg.busy_floor_s)  # the hot-spot bound, below
-        hot_of = dict(zip(candidates, hot, strict=True))
-        if not min(hot) <= limit:  # none within (NaN too, as in ``within_hot_bound``): all pass (None)
-            limit = None
+        limit: float | None = None  # the hot-spot bound, below (None: every backend passes)
+        hot_of: dict[str, float] = {}
+        if cfg.epsilon != math.inf:  # off by default: an infinite limit passes every backend, so skip it
+            hot = [hot_load(v, st[_INFLIGHT] > 0 or st[_QTOKENS] > 0, b in matches)
+                   for b, v, st in zip(candidates, busy, all_states, strict=True)]
+            limit = hot_limit(busy, cfg.epsilon, cfg.busy_floor_s)
+            hot_of = dict(zip(candidates, hot, strict=True))
+            if not min(hot) <= limit:  # none within (NaN too, as in ``within_hot_bound``): all pass (None)
+                limit = None
         holders = [b for b in candidates if b in matches]
         matched = dict.fromkeys(candidates, 0)
         if prompt > 0:
