@@ -34,6 +34,20 @@ class NoopCallback(CustomLogger):
     async def async_log_success_event(self, kwargs: dict, response_obj: Any, start_time: Any, end_time: Any) -> None:
         return None
 
+    async def async_pre_call_hook(self, user_api_key_dict: Any, cache: Any, data: dict, call_type: Any) -> None:
+        return None
+
+    async def async_post_call_success_deployment_hook(self, request_data: dict, response: Any,
+                                                      call_type: Any) -> Any:
+        return None
+
+    async def async_post_call_success_hook(self, data: dict, user_api_key_dict: Any, response: Any) -> Any:
+        return None
+
+    async def async_post_call_failure_hook(self, request_data: dict, original_exception: Exception,
+                                           user_api_key_dict: Any, traceback_str: str | None = None) -> Any:
+        return None
+
     async def async_post_call_failure_deployment_hook(self, request_data: dict, exception: Exception,
                                                       call_type: Any, fallback_depth: int | None = None) -> None:
         return None
