@@ -7,10 +7,11 @@ ms more per request on a 2-core VM). CPU is read per thread from ``/proc/*/task/
 actually run, so other load on the machine disturbs it far less than wall clock). Prints the medians over rounds of
 the per-round ratios ``kvroute ÷ plain`` (goal ≤ 1.03) and ``noop ÷ plain`` (what LiteLLM spends on dispatching to
 any callback with kvroute's hooks). ``--profile`` also samples each proxy with py-spy (installed into a throw-away
-venv) and lists kvroute's own hot frames. Usage::
+venv) and lists kvroute's own hot frames; ``--hook-timers`` adds a kvroute proxy whose hooks are timed
+(``bench/proxy_hook_timers.py``) and reports kvroute's own CPU per hook call. Usage::
 
     LITELLM_LOCAL_MODEL_COST_MAP=True .venv/bin/python bench/proxy_cpu.py [--rounds 8] [--requests 200]
-        [--stream] [--profile] [--json] [--before TREE] [--orders 1|2]
+        [--stream] [--profile] [--hook-timers] [--json] [--before TREE] [--orders 1|2]
 
 ``--before TREE`` adds a ``kvroute_before`` proxy running the kvroute of another source tree (e.g. ``git archive
 <commit> | tar -x -C TREE``) in the same interleaved rounds, so a change is priced against its parent under the same
@@ -43,6 +44,11 @@ from kvroute.plugin.dev.proxy_process import ModelGroup, ProxyProcess, build_pro
 HERE = Path(__file__).resolve().parent
 VARIANTS = ("plain", "noop", "kvroute")
 NOOP_PARTS = ("noop_filter", "noop_pre_call", "noop_success", "noop_failure", "noop_stream")
+TIMED_CALLBACK = "proxy_hook_timers.timed_callback"
+#: the hooks one successful request calls once each (the stream chunk hook runs per chunk)
+ONCE_PER_REQUEST = ("async_pre_call_hook", "async_filter_deployments", "async_pre_call_deployment_hook",
+                    "async_post_call_success_deployment_hook", "async_post_call_success_hook",
+                    "async_log_success_event")
 PY_SPY_VENV = HERE.parent / ".kvroute" / "py-spy"
 _KVROUTE_FRAME = re.compile(r"\((plugin|policies|billing|sim)/")
 _IDLE = ("Condition.wait", "_worker (", "Runner.run (", "select (", "poll (")
@@ -169,6 +175,9 @@ def main() -> None:
     p.add_argument("--orders", type=int, default=2, choices=(1, 2),
                    help="start the proxies in this many orders (2: as listed, then reversed; the rounds of both are "
                         "pooled): the proxy started first costs up to 2 ms more per request on a 2-core VM")
+    p.add_argument("--hook-timers", action="store_true",
+                   help="also a kvroute proxy with each hook timed (bench/proxy_hook_timers.py): kvroute's own CPU "
+                        "per hook")
     p.add_argument("--json", action="store_true")
     p.add_argument("--before", type=Path, help="also a proxy running the kvroute of this source tree")
     args = p.parse_args()
@@ -188,12 +197,23 @@ def main() -> None:
         for part in NOOP_PARTS if args.hooks else ():
             configs[part] = build_proxy_config([group], kvroute=False, router_settings=settings,
                                                litellm_settings={"callbacks": [f"proxy_noop_callback.{part}"]})
-        envs = {name: env for name in configs}
+        # each proxy its own ledger folder: a drainer is a child of the proxy that started it and drains the folder
+        envs = {name: {**env, "KVROUTE_DATA_DIR": fleet_stack.enter_context(_tempdir())} for name in configs}
+        timer_files: list[Path] = []
+        if args.hook_timers:
+            timers_dir = Path(fleet_stack.enter_context(_tempdir()))
+            configs["kvroute_timed"] = build_proxy_config([group], kvroute=False, router_settings=settings,
+                                                          litellm_settings={"callbacks": [TIMED_CALLBACK]})
+            envs["kvroute_timed"] = {**env, "KVROUTE_DATA_DIR": fleet_stack.enter_context(_tempdir())}
         if args.before is not None:
             configs["kvroute_before"] = configs["kvroute"]
-            envs["kvroute_before"] = {**env, "PYTHONPATH": str(_tree_path(args.before, fleet_stack))}
+            envs["kvroute_before"] = {**env, "PYTHONPATH": str(_tree_path(args.before, fleet_stack)),
+                                      "KVROUTE_DATA_DIR": fleet_stack.enter_context(_tempdir())}
         for k in range(args.orders):
             names = list(configs) if k == 0 else list(configs)[::-1]
+            if args.hook_timers:  # one file per start order: each proxy's totals from its own start
+                timer_files.append(timers_dir / f"hooks-{k}.json")
+                envs["kvroute_timed"]["PROXY_HOOK_TIMERS"] = str(timer_files[-1])
             with contextlib.ExitStack() as stack:
                 proxies = {name: stack.enter_context(ProxyProcess(configs[name], env=envs[name],
                                                                   inherit_kvroute_env=False)) for name in names}
@@ -201,7 +221,10 @@ def main() -> None:
                 failed += n_failed
                 if args.profile and k == 0:
                     result_profile = profile(proxies, args, Path(stack.enter_context(_tempdir())))
+        hooks_ms = hook_cpu(timer_files) if timer_files else None  # before the temporary folder goes
     result = summarize(cpu, failed, args)
+    if hooks_ms is not None:
+        result["hook_cpu_ms"] = hooks_ms
     if result_profile is not None:
         result["profile"] = result_profile
     if args.json:
@@ -213,11 +236,29 @@ def main() -> None:
           f"no-op callback {c['noop']} ms, kvroute {c['kvroute']} ms")
     print(f"kvroute ÷ plain {result['kvroute_vs_plain']} (goal ≤ 1.03); no-op ÷ plain {result['noop_vs_plain']}; "
           f"failed {result['failed']}")
-    for part in (*NOOP_PARTS, "kvroute_before"):
+    for part in (*NOOP_PARTS, "kvroute_before", "kvroute_timed"):
         if f"{part}_vs_plain" in result:
             print(f"{part} ÷ plain {result[f'{part}_vs_plain']}")
+    if "hook_cpu_ms" in result:
+        print(f"kvroute's own CPU per hook call (ms): {json.dumps(result['hook_cpu_ms'])}")
     for name, prof in result.get("profile", {}).items():
         print(f"py-spy {name}: {json.dumps(prof)}")
+
+
+def hook_cpu(files: list[Path]) -> dict[str, float]:
+    """Mean thread CPU per call of each timed hook (ms), pooled over ``files`` (``proxy_hook_timers`` dumps), and
+    ``per_request``: their sum over the hooks a non-streamed success calls once each."""
+    calls: collections.Counter[str] = collections.Counter()
+    seconds: collections.Counter[str] = collections.Counter()
+    for f in files:
+        if f.exists():
+            for hook, (n, s) in json.loads(f.read_text()).items():
+                calls[hook] += n
+                seconds[hook] += s
+    out = {hook: round(seconds[hook] / calls[hook] * 1000, 4) for hook in sorted(calls, key=seconds.__getitem__,
+                                                                                    reverse=True)}
+    out["per_request"] = round(sum(out[h] for h in ONCE_PER_REQUEST if h in out), 4)
+    return out
 
 
 def _tree_path(tree: Path, stack: contextlib.ExitStack) -> Path:
