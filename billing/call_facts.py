@@ -71,6 +71,8 @@ class CallFacts:
 
 def fit(value: Any, limit: int) -> str:
     """``value`` as a string of at most ``limit`` characters (long ones: a prefix, ``~`` and a 12-hex sha256)."""
+    if type(value) is str and 0 < len(value) <= limit and value.isascii() and "\x00" not in value:
+        return value  # the common case: nothing to replace or shorten
     raw = value if isinstance(value, str) else str(value)
     # PostgreSQL text holds neither NUL nor lone surrogates: replace them (SQLite and PostgreSQL store the same)
     text = raw.replace("\x00", "\ufffd").encode("utf-8", "replace").decode("utf-8")

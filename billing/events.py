@@ -345,6 +345,12 @@ def json_safe(value: Any) -> Any:
     Only the archived ``raw_usage``/``router_attempts`` pass through here (when stored and in ``to_json``);
     billed amounts were read from the exact ``Decimal`` before.
     """
+    kind = type(value)
+    if value is None or kind is int or kind is bool:  # the common leaves first (a usage dict is mostly these)
+        return value
+    if kind is dict:
+        return {k if type(k) is str and k.isascii() and "\x00" not in k else json_safe(str(k)): json_safe(v)
+                for k, v in value.items()}
     if isinstance(value, str):
         if value.isascii() and "\x00" not in value:
             return value

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from contextvars import ContextVar
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
@@ -54,7 +54,7 @@ class TokenBuckets:
         return self.cache_write_5m + self.cache_write_1h
 
     def as_dict(self) -> dict[str, int]:
-        return asdict(self)
+        return {name: getattr(self, name) for name in BUCKETS}  # the fields, in order (``asdict`` deep-copies)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = "usage") -> TokenBuckets:
