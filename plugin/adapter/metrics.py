@@ -50,7 +50,6 @@ class LabelLimiter:
 
 
 PREFIX = "kvroute_"
-_MEMO_MAX = 4096  # label tuples remembered per recorder (cleared when full)
 
 
 class KvrouteOnly:
@@ -146,7 +145,6 @@ class Metrics:
                                         buckets=TTFT_BUCKETS, registry=r)
         self._server: tuple[object, threading.Thread] | None = None
         self._children: dict[tuple[int, tuple[str, ...]], object] = {}
-        self._completed: dict[tuple[str, str, str | None], tuple[Any, ...]] = {}
 
     # --- recorders (never raise: callers are on the request path) --------------------------------
     def _child(self, metric: Counter | Gauge | Histogram, *labels: str) -> Any:
@@ -167,22 +165,12 @@ class Metrics:
 
     def completed(self, group: str, backend: str, app: str | None, prompt_tokens: int, cached_tokens: int | None,
                   ttft_s: float | None, cost: float | Decimal | None, currency: str = "USD") -> None:
-        key = (group, backend, app)
-        found = self._completed.get(key)
-        if found is None:  # the labels of one (group, backend, app), resolved once (every success asks)
-            if len(self._completed) >= _MEMO_MAX:
-                self._completed.clear()
-            b, a = self.backend_label(backend), self.app_label(app)
-            found = self._completed[key] = (b, a, self._child(self.outcomes, b, "success"),
-                                            self._child(self.prompt_tokens, group),
-                                            self._child(self.app_requests, a, "success"),
-                                            self._child(self.app_prompt_tokens, a))
-        b, a, outcome, group_prompt, app_requests, app_prompt = found
-        outcome.inc()
-        prompt = prompt_tokens if prompt_tokens > 0 else 0
-        group_prompt.inc(prompt)
-        app_requests.inc()
-        app_prompt.inc(prompt)
+        b = self.backend_label(backend)
+        a = self.app_label(app)
+        self._child(self.outcomes, b, "success").inc()
+        self._child(self.prompt_tokens, group).inc(max(0, prompt_tokens))
+        self._child(self.app_requests, a, "success").inc()
+        self._child(self.app_prompt_tokens, a).inc(max(0, prompt_tokens))
         if cached_tokens:
             self._child(self.confirmed_cached, group).inc(cached_tokens)
             self._child(self.app_cached_tokens, a).inc(cached_tokens)
