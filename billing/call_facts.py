@@ -21,9 +21,9 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
-from kvroute.billing.events import ROUTE_KINDS, STATUSES, UsageEvent
+from kvroute.billing.events import ROUTE_KINDS, STATUSES, UsageEvent, fits_as_is
 from kvroute.billing.money import to_decimal
-from kvroute.billing.usage import normalize_usage
+from kvroute.billing.usage import normalize_plain, normalize_usage
 from kvroute.policies.errors import InputError
 
 INT32_MAX = 2**31 - 1
@@ -71,7 +71,7 @@ class CallFacts:
 
 def fit(value: Any, limit: int) -> str:
     """``value`` as a string of at most ``limit`` characters (long ones: a prefix, ``~`` and a 12-hex sha256)."""
-    if type(value) is str and 0 < len(value) <= limit and value.isascii() and "\x00" not in value:
+    if fits_as_is(value, limit) and value:
         return value  # the common case: nothing to replace or shorten
     raw = value if isinstance(value, str) else str(value)
     # PostgreSQL text holds neither NUL nor lone surrogates: replace them (SQLite and PostgreSQL store the same)
@@ -141,10 +141,12 @@ def event_from_facts(f: CallFacts) -> UsageEvent:
     raw_usage: Mapping[str, Any]
     if f.usage:
         raw_usage = f.usage
-        tokens = normalize_usage(raw_usage, f.usage_provider)
+        # plain as stated (the producers build it with ``as_mapping``): not converted a second time
+        tokens = (normalize_plain(raw_usage, f.usage_provider) if type(raw_usage) is dict
+                  else normalize_usage(raw_usage, f.usage_provider))
     else:
         raw_usage = {"prompt_tokens": f.prompt_tokens, "completion_tokens": f.completion_tokens}
-        tokens = normalize_usage(raw_usage)
+        tokens = normalize_plain(raw_usage)
     if f.outcome == "success":
         status = "success"
         if tokens.output == 0 and f.finish_reason in (None, "", "error"):

@@ -186,12 +186,18 @@ _TEXT_LIMITS = tuple((n, limit) for n, limit in FIELD_LIMITS.items() if isinstan
 _INT_LIMITS = tuple((n, limit) for n, limit in FIELD_LIMITS.items() if isinstance(limit, range))
 
 
+def fits_as_is(value: Any, limit: int) -> bool:
+    """A string both databases store unchanged within ``limit`` characters (ASCII, no NUL): the common case,
+    checked cheaply on the request path."""
+    return type(value) is str and len(value) <= limit and value.isascii() and "\x00" not in value
+
+
 def check_limits(e: UsageEvent) -> None:
     """Raise ``InputError`` naming the first field of ``e`` that does not fit its ``FIELD_LIMITS`` entry."""
     for name, limit in _TEXT_LIMITS:
         value = getattr(e, name)
-        if value is None or (type(value) is str and len(value) <= limit and value.isascii() and "\x00" not in value):
-            continue  # the common case, checked cheaply (construction is on the request path)
+        if value is None or fits_as_is(value, limit):
+            continue
         if not isinstance(value, str):
             raise InputError(name, f"must be a string, got {type(value).__name__}")
         if len(value) > limit:
@@ -345,12 +351,8 @@ def json_safe(value: Any) -> Any:
     Only the archived ``raw_usage``/``router_attempts`` pass through here (when stored and in ``to_json``);
     billed amounts were read from the exact ``Decimal`` before.
     """
-    kind = type(value)
-    if value is None or kind is int or kind is bool:  # the common leaves first (a usage dict is mostly these)
+    if value is None or isinstance(value, int):  # bool too; the common leaves first (a usage dict is mostly these)
         return value
-    if kind is dict:
-        return {k if type(k) is str and k.isascii() and "\x00" not in k else json_safe(str(k)): json_safe(v)
-                for k, v in value.items()}
     if isinstance(value, str):
         if value.isascii() and "\x00" not in value:
             return value
@@ -360,8 +362,6 @@ def json_safe(value: Any) -> Any:
             value.encode()
         except UnicodeEncodeError:
             value = value.encode(errors="replace").decode()
-        return value
-    if isinstance(value, bool) or value is None or isinstance(value, int):
         return value
     if isinstance(value, Decimal):
         if value.is_finite() and value == value.to_integral_value() and abs(value) < 2**63:

@@ -69,7 +69,7 @@ def as_mapping(obj: Any) -> dict[str, Any]:
     """A usage object (dict, pydantic model, plain object) as a plain dict, recursively for nested details."""
     if obj is None:
         return {}
-    if type(obj) is dict or isinstance(obj, Mapping):
+    if isinstance(obj, Mapping):
         return {k: _plain(v) for k, v in obj.items()}
     dump = getattr(obj, "model_dump", None)
     if callable(dump):
@@ -85,11 +85,8 @@ def as_mapping(obj: Any) -> dict[str, Any]:
     return {}
 
 
-_SCALARS = frozenset({str, int, float, bool, Decimal, type(None)})
-
-
 def _plain(value: Any) -> Any:
-    if type(value) in _SCALARS or isinstance(value, (str, int, float, bool, Decimal)):
+    if value is None or isinstance(value, (str, int, float, bool, Decimal)):
         return value
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
@@ -177,9 +174,14 @@ def normalize_usage(usage: Any, provider: str | None = None, strict: bool = Fals
     also refuses wrong types (a string token count, details that are not objects) and a cache-write split
     larger than its total, which are otherwise skipped or capped.
     """
+    return normalize_plain(as_mapping(usage), provider, strict)
+
+
+def normalize_plain(data: dict[str, Any], provider: str | None = None, strict: bool = False) -> TokenBuckets:
+    """``normalize_usage`` of a usage already made plain (``as_mapping``'s result: nested details as dicts)."""
     token = _STRICT.set(strict)
     try:
-        return _normalize(as_mapping(usage), provider)
+        return _normalize(data, provider)
     finally:
         _STRICT.reset(token)
 
