@@ -42,7 +42,6 @@ from kvroute.plugin.dev.fleet import Fleet, ReplicaOptions
 from kvroute.plugin.dev.proxy_process import ModelGroup, ProxyProcess, build_proxy_config
 
 HERE = Path(__file__).resolve().parent
-VARIANTS = ("plain", "noop", "kvroute")
 NOOP_PARTS = ("noop_filter", "noop_pre_call", "noop_success", "noop_failure", "noop_stream")
 TIMED_CALLBACK = "proxy_hook_timers.timed_callback"
 #: the hooks one successful request calls once each (the stream chunk hook runs per chunk)

@@ -10,20 +10,22 @@ awaits nothing in, so ``time.thread_time`` around an ``await`` of one measures t
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from litellm.integrations.custom_logger import CustomLogger
+
 from kvroute.plugin.adapter.litellm_hooks import KvrouteCallback, get_callback
 
 DUMP_EVERY = 200
-#: the hooks timed: every coroutine hook kvroute overrides but the stream iterator (an async generator)
-HOOKS = ("async_pre_call_hook", "async_filter_deployments", "async_pre_call_deployment_hook",
-         "async_post_call_success_deployment_hook", "async_post_call_streaming_deployment_hook",
-         "async_post_call_success_hook", "async_log_success_event", "async_post_call_failure_deployment_hook",
-         "async_post_call_failure_hook", "async_log_failure_event")
+#: the hooks timed: every LiteLLM hook kvroute's callback overrides with a coroutine (not the stream iterator, an
+#: async generator)
+HOOKS = tuple(name for name, fn in vars(KvrouteCallback).items()
+              if inspect.iscoroutinefunction(fn) and hasattr(CustomLogger, name))
 
 
 def timed(callback: KvrouteCallback, path: str) -> KvrouteCallback:

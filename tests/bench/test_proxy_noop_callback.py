@@ -29,3 +29,44 @@ def test_the_noop_callback_overrides_every_hook_kvroute_does():
     kvroute, noop = _overridden(KvrouteCallback), _overridden(NoopCallback)
     assert kvroute, "found no kvroute hooks: the comparison would prove nothing"
     assert kvroute == noop, {"kvroute only": sorted(kvroute - noop), "noop only": sorted(noop - kvroute)}
+
+
+def test_hook_timers_time_every_coroutine_hook_and_report_the_mean_per_call(tmp_path, monkeypatch):
+    """``proxy_cpu --hook-timers``: each of kvroute's coroutine hooks is wrapped; a dump holds calls and thread CPU,
+    and ``hook_cpu`` pools the dumps of both start orders into a mean per call."""
+    import asyncio
+    import time
+
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    import proxy_cpu
+    import proxy_hook_timers
+
+    assert set(proxy_hook_timers.HOOKS) >= set(proxy_cpu.ONCE_PER_REQUEST)
+    assert set(proxy_hook_timers.HOOKS) == {h for h in _overridden(KvrouteCallback)
+                                            if h != "async_post_call_streaming_iterator_hook"}
+
+    class Hooks:
+        pass
+
+    async def busy(*args, **kwargs):
+        end = time.thread_time() + 0.0005
+        while time.thread_time() < end:
+            pass
+
+    files = []
+    for order in range(2):
+        target = Hooks()
+        for name in proxy_hook_timers.HOOKS:
+            setattr(target, name, busy)
+        files.append(tmp_path / f"hooks-{order}.json")
+        timed = proxy_hook_timers.timed(target, str(files[-1]))
+
+        async def calls(timed=timed):
+            for _ in range(proxy_hook_timers.DUMP_EVERY):
+                await timed.async_filter_deployments()
+
+        asyncio.run(calls())
+    out = proxy_cpu.hook_cpu(files)
+    assert set(out) == {"async_filter_deployments", "per_request"}
+    assert 0.5 <= out["async_filter_deployments"] < 50  # ms per call: 0.5 ms of busy thread CPU each
+    assert out["per_request"] == out["async_filter_deployments"]
