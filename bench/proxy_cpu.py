@@ -15,7 +15,11 @@ venv) and lists kvroute's own hot frames; ``--hook-timers`` adds a kvroute proxy
 
 ``--before TREE`` adds a ``kvroute_before`` proxy running the kvroute of another source tree (e.g. ``git archive
 <commit> | tar -x -C TREE``) in the same interleaved rounds, so a change is priced against its parent under the same
-noise (``kvroute_before_vs_plain`` beside ``kvroute_vs_plain``).
+noise (``kvroute_before_vs_plain`` beside ``kvroute_vs_plain``). ``--variant NAME:KEY=VALUE[,KEY=VALUE]`` adds a
+kvroute proxy named ``kvroute_NAME`` with those ``KVROUTE_*`` settings (e.g. ``nobilling:KVROUTE_BILLING_DB=off``),
+so a part of kvroute is priced by leaving it out in the same rounds. ``--identical N`` runs only N plain proxies of
+one config, started one after another, and prints each start position's median: the bias the two start orders
+cancel.
 """
 
 from __future__ import annotations
@@ -179,7 +183,14 @@ def main() -> None:
                         "per hook")
     p.add_argument("--json", action="store_true")
     p.add_argument("--before", type=Path, help="also a proxy running the kvroute of this source tree")
+    p.add_argument("--variant", action="append", type=_variant, default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+                   help="also a kvroute proxy kvroute_NAME with these KVROUTE_* settings (repeatable)")
+    p.add_argument("--identical", type=int, default=0, metavar="N",
+                   help="only N identical plain proxies: CPU per request by start position (the start-order bias)")
     args = p.parse_args()
+    if args.identical:
+        start_positions(args)
+        return
     opts = ReplicaOptions(capacity_tokens=65536, prefill_tokens_per_s=1e6, decode_ms=0.0, slots=64)
     cpu: dict[str, list[float]] = {}
     failed = 0
@@ -208,6 +219,9 @@ def main() -> None:
             configs["kvroute_before"] = configs["kvroute"]
             envs["kvroute_before"] = {**env, "PYTHONPATH": str(_tree_path(args.before, fleet_stack)),
                                       "KVROUTE_DATA_DIR": fleet_stack.enter_context(_tempdir())}
+        for name, settings_env in args.variant:
+            configs[name] = configs["kvroute"]
+            envs[name] = {**env, **settings_env, "KVROUTE_DATA_DIR": fleet_stack.enter_context(_tempdir())}
         for k in range(args.orders):
             names = list(configs) if k == 0 else list(configs)[::-1]
             if args.hook_timers:  # one file per start order: each proxy's totals from its own start
@@ -235,13 +249,35 @@ def main() -> None:
           f"no-op callback {c['noop']} ms, kvroute {c['kvroute']} ms")
     print(f"kvroute ÷ plain {result['kvroute_vs_plain']} (goal ≤ 1.03); no-op ÷ plain {result['noop_vs_plain']}; "
           f"failed {result['failed']}")
-    for part in (*NOOP_PARTS, "kvroute_before", "kvroute_timed"):
+    for part in (*NOOP_PARTS, "kvroute_before", "kvroute_timed", *(name for name, _ in args.variant)):
         if f"{part}_vs_plain" in result:
             print(f"{part} ÷ plain {result[f'{part}_vs_plain']}")
     if "hook_cpu_ms" in result:
         print(f"kvroute's own CPU per hook call (ms): {json.dumps(result['hook_cpu_ms'])}")
     for name, prof in result.get("profile", {}).items():
         print(f"py-spy {name}: {json.dumps(prof)}")
+
+
+def start_positions(args: argparse.Namespace) -> None:
+    """``--identical N``: N plain proxies of one config in interleaved rounds; the median CPU per request of each by
+    the position it was started in (they differ only in that)."""
+    opts = ReplicaOptions(capacity_tokens=65536, prefill_tokens_per_s=1e6, decode_ms=0.0, slots=64)
+    with contextlib.ExitStack() as stack:
+        fleet = stack.enter_context(Fleet(4, engine="fake", options=opts, name_prefix="cpu"))
+        config = build_proxy_config([ModelGroup("llama", fleet.api_bases, engine="vllm")], kvroute=False,
+                                    router_settings={"num_retries": 0})
+        env = {"LITELLM_LOG": "ERROR", "PYTHONPATH": str(HERE)}
+        proxies = {f"started_{i + 1}": stack.enter_context(ProxyProcess(config, env=env, inherit_kvroute_env=False))
+                   for i in range(args.identical)}
+        cpu, failed = measure(proxies, args)
+    out = {"rounds": args.rounds, "requests_per_round": args.requests, "stream": args.stream, "failed": failed,
+           "cpu_ms_per_request": {v: round(statistics.median(c) * 1000, 3) for v, c in cpu.items()},
+           "rounds_ms": {v: [round(x * 1000, 2) for x in c] for v, c in cpu.items()}}
+    if args.json:
+        print(json.dumps(out))
+        return
+    print(f"{args.identical} identical plain proxies, CPU per request by start position (median of {args.rounds} "
+          f"rounds × {args.requests}): " + ", ".join(f"{k} {v} ms" for k, v in out["cpu_ms_per_request"].items()))
 
 
 def hook_cpu(files: list[Path]) -> dict[str, float]:
@@ -258,6 +294,22 @@ def hook_cpu(files: list[Path]) -> dict[str, float]:
                                                                                     reverse=True)}
     out["per_request"] = round(sum(out[h] for h in ONCE_PER_REQUEST if h in out), 4)
     return out
+
+
+def _variant(text: str) -> tuple[str, dict[str, str]]:
+    """``NAME:KEY=VALUE[,KEY=VALUE]`` as (``kvroute_NAME``, its environment); only ``KVROUTE_*`` keys."""
+    from kvroute.plugin.settings import check_env
+    from kvroute.policies.errors import ConfigError
+
+    name, _, pairs = text.partition(":")
+    env = dict(pair.split("=", 1) for pair in pairs.split(",") if "=" in pair)
+    if not name.isidentifier() or not env or not all(k.startswith("KVROUTE_") for k in env):
+        raise argparse.ArgumentTypeError(f"expected NAME:KVROUTE_KEY=VALUE[,KVROUTE_KEY=VALUE], got {text!r}")
+    try:
+        check_env(env)  # a typo stops here, not as a proxy that never comes up
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return f"kvroute_{name}", env
 
 
 def _tree_path(tree: Path, stack: contextlib.ExitStack) -> Path:

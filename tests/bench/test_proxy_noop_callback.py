@@ -70,3 +70,19 @@ def test_hook_timers_time_every_coroutine_hook_and_report_the_mean_per_call(tmp_
     assert set(out) == {"async_filter_deployments", "per_request"}
     assert 0.5 <= out["async_filter_deployments"] < 50  # ms per call: 0.5 ms of busy thread CPU each
     assert out["per_request"] == out["async_filter_deployments"]
+
+
+def test_a_variant_names_a_kvroute_proxy_and_refuses_settings_that_do_not_exist():
+    """``proxy_cpu --variant``: ``NAME:KEY=VALUE[,KEY=VALUE]`` prices a part of kvroute by leaving it out; only real
+    ``KVROUTE_*`` settings pass (a typo would otherwise surface as a proxy that never starts)."""
+    import argparse
+
+    import proxy_cpu
+
+    assert proxy_cpu._variant("nobilling:KVROUTE_BILLING_DB=off") == ("kvroute_nobilling",
+                                                                       {"KVROUTE_BILLING_DB": "off"})
+    assert proxy_cpu._variant("two:KVROUTE_BILLING_DB=off,KVROUTE_METRICS_SCRAPE_INTERVAL_S=60")[1] == {
+        "KVROUTE_BILLING_DB": "off", "KVROUTE_METRICS_SCRAPE_INTERVAL_S": "60"}
+    for bad in ("nobilling", "no-billing:KVROUTE_BILLING_DB=off", "x:LITELLM_LOG=DEBUG", "x:KVROUTE_BILING_DB=off"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            proxy_cpu._variant(bad)
