@@ -23,7 +23,7 @@ from typing import Any
 
 from kvroute.billing.events import ROUTE_KINDS, STATUSES, UsageEvent, fits_as_is
 from kvroute.billing.money import to_decimal
-from kvroute.billing.usage import normalize_plain, normalize_usage
+from kvroute.billing.usage import PlainUsage, as_mapping, normalize_plain, normalize_usage
 from kvroute.policies.errors import InputError
 
 INT32_MAX = 2**31 - 1
@@ -49,7 +49,8 @@ class CallFacts:
     final: bool | None = None  # None: final for a success only
     attempt: int | None = None  # None: attempt 0, told apart by ``attempt_key``
     attempt_key: str | None = None
-    usage: Mapping[str, Any] | None = None  # the provider's usage as a plain mapping (None or empty: the counts)
+    usage: Mapping[str, Any] | None = None  # the provider's usage (None or empty: the counts); ``as_mapping``'s
+    # result is read as it is, any other mapping is made plain once
     usage_provider: str | None = None  # the LiteLLM provider whose usage shape ``usage`` has
     prompt_tokens: Any = 0  # counts of an attempt without usage
     completion_tokens: Any = 0
@@ -140,13 +141,13 @@ def event_from_facts(f: CallFacts) -> UsageEvent:
     kind = f.route_kind if f.route_kind in ROUTE_KINDS else "direct"
     raw_usage: Mapping[str, Any]
     if f.usage:
-        raw_usage = f.usage
-        # plain as stated (the producers build it with ``as_mapping``): not converted a second time
-        tokens = (normalize_plain(raw_usage, f.usage_provider) if type(raw_usage) is dict
-                  else normalize_usage(raw_usage, f.usage_provider))
+        # made plain once: the producers' ``as_mapping`` result as it is, any other mapping (one a caller built,
+        # nested pydantic details and all) converted here, so its tokens and its archived copy read the same
+        raw_usage = f.usage if type(f.usage) is PlainUsage else as_mapping(f.usage)
+        tokens = normalize_plain(raw_usage, f.usage_provider)
     else:
         raw_usage = {"prompt_tokens": f.prompt_tokens, "completion_tokens": f.completion_tokens}
-        tokens = normalize_plain(raw_usage)
+        tokens = normalize_usage(raw_usage)
     if f.outcome == "success":
         status = "success"
         if tokens.output == 0 and f.finish_reason in (None, "", "error"):

@@ -65,12 +65,19 @@ class TokenBuckets:
         return cls(**{k: data[k] for k in BUCKETS if data.get(k) is not None})
 
 
-def as_mapping(obj: Any) -> dict[str, Any]:
+class PlainUsage(dict):
+    """A usage ``as_mapping`` made plain (nested details are dicts, leaves scalars): only its type says so, so
+    ``normalize_plain`` and the journal read it without converting it again."""
+
+    __slots__ = ()
+
+
+def as_mapping(obj: Any) -> PlainUsage:
     """A usage object (dict, pydantic model, plain object) as a plain dict, recursively for nested details."""
     if obj is None:
-        return {}
+        return PlainUsage()
     if isinstance(obj, Mapping):
-        return {k: _plain(v) for k, v in obj.items()}
+        return PlainUsage({k: _plain(v) for k, v in obj.items()})
     dump = getattr(obj, "model_dump", None)
     if callable(dump):
         try:
@@ -79,10 +86,10 @@ def as_mapping(obj: Any) -> dict[str, Any]:
             dumped = None
         if isinstance(dumped, Mapping):
             extra = {k: v for k, v in vars(obj).items() if not k.startswith("_")} if hasattr(obj, "__dict__") else {}
-            return {k: _plain(v) for k, v in {**extra, **dumped}.items()}
+            return PlainUsage({k: _plain(v) for k, v in {**extra, **dumped}.items()})
     if hasattr(obj, "__dict__"):
-        return {k: _plain(v) for k, v in vars(obj).items() if not k.startswith("_")}
-    return {}
+        return PlainUsage({k: _plain(v) for k, v in vars(obj).items() if not k.startswith("_")})
+    return PlainUsage()
 
 
 def _plain(value: Any) -> Any:
@@ -177,8 +184,9 @@ def normalize_usage(usage: Any, provider: str | None = None, strict: bool = Fals
     return normalize_plain(as_mapping(usage), provider, strict)
 
 
-def normalize_plain(data: dict[str, Any], provider: str | None = None, strict: bool = False) -> TokenBuckets:
-    """``normalize_usage`` of a usage already made plain (``as_mapping``'s result: nested details as dicts)."""
+def normalize_plain(data: PlainUsage, provider: str | None = None, strict: bool = False) -> TokenBuckets:
+    """``normalize_usage`` of a usage ``as_mapping`` already made plain (a nested object there would read as
+    absent: callers with any other mapping use ``normalize_usage``)."""
     token = _STRICT.set(strict)
     try:
         return _normalize(data, provider)
