@@ -55,6 +55,9 @@ ONCE_PER_REQUEST = ("async_pre_call_hook", "async_filter_deployments", "async_pr
 PY_SPY_VENV = HERE.parent / ".kvroute" / "py-spy"
 _KVROUTE_FRAME = re.compile(r"\((plugin|policies|billing|sim)/")
 _IDLE = ("Condition.wait", "_worker (", "Runner.run (", "select (", "poll (")
+#: instant prefill and decode: the proxies are the work
+REPLICA = ReplicaOptions(capacity_tokens=65536, prefill_tokens_per_s=1e6, decode_ms=0.0, slots=64)
+PROXY_ENV = {"LITELLM_LOG": "ERROR", "PYTHONPATH": str(HERE)}
 
 
 def _body(i: int, prefixes: int, stream: bool) -> dict:
@@ -132,12 +135,16 @@ def measure(proxies: dict[str, ProxyProcess], args: argparse.Namespace,
     return cpu, failed
 
 
+def per_proxy(cpu: dict[str, list[float]]) -> dict:
+    """Each proxy's median CPU per request and its per-round figures, in ms."""
+    return {"cpu_ms_per_request": {v: round(statistics.median(c) * 1000, 3) for v, c in cpu.items()},
+            "rounds_ms": {v: [round(x * 1000, 2) for x in c] for v, c in cpu.items()}}
+
+
 def summarize(cpu: dict[str, list[float]], failed: int, args: argparse.Namespace) -> dict:
     """Medians over every round (of every start order) and the medians of the per-round ratios to ``plain``."""
     out: dict = {"rounds": len(cpu["plain"]), "requests_per_round": args.requests, "stream": args.stream,
-                 "concurrency": args.concurrency, "start_orders": args.orders, "failed": failed,
-                 "cpu_ms_per_request": {v: round(statistics.median(c) * 1000, 3) for v, c in cpu.items()},
-                 "rounds_ms": {v: [round(x * 1000, 2) for x in c] for v, c in cpu.items()}}
+                 "concurrency": args.concurrency, "start_orders": args.orders, "failed": failed, **per_proxy(cpu)}
     for v in cpu:
         if v != "plain":
             out[f"{v}_vs_plain"] = round(statistics.median(a / b for a, b in zip(cpu[v], cpu["plain"],
@@ -188,18 +195,19 @@ def main() -> None:
     p.add_argument("--identical", type=int, default=0, metavar="N",
                    help="only N identical plain proxies: CPU per request by start position (the start-order bias)")
     args = p.parse_args()
+    names = [name for name, _ in args.variant]
+    if len(set(names)) < len(names) or {"kvroute_timed", "kvroute_before"} & set(names):
+        p.error("each --variant needs a name of its own (not timed or before)")
     if args.identical:
         start_positions(args)
         return
-    opts = ReplicaOptions(capacity_tokens=65536, prefill_tokens_per_s=1e6, decode_ms=0.0, slots=64)
     cpu: dict[str, list[float]] = {}
     failed = 0
     result_profile = None
     with contextlib.ExitStack() as fleet_stack:
-        fleet = fleet_stack.enter_context(Fleet(4, engine="fake", options=opts, name_prefix="cpu"))
-        group = ModelGroup("llama", fleet.api_bases, engine="vllm")
+        group = _group(fleet_stack)
         settings = {"num_retries": 0}
-        env = {"LITELLM_LOG": "ERROR", "PYTHONPATH": str(HERE)}
+        env = PROXY_ENV
         configs = {"plain": build_proxy_config([group], kvroute=False, router_settings=settings),
                    "noop": build_proxy_config([group], kvroute=False, router_settings=settings,
                                               litellm_settings={"callbacks": ["proxy_noop_callback.noop_callback"]}),
@@ -261,23 +269,25 @@ def main() -> None:
 def start_positions(args: argparse.Namespace) -> None:
     """``--identical N``: N plain proxies of one config in interleaved rounds; the median CPU per request of each by
     the position it was started in (they differ only in that)."""
-    opts = ReplicaOptions(capacity_tokens=65536, prefill_tokens_per_s=1e6, decode_ms=0.0, slots=64)
     with contextlib.ExitStack() as stack:
-        fleet = stack.enter_context(Fleet(4, engine="fake", options=opts, name_prefix="cpu"))
-        config = build_proxy_config([ModelGroup("llama", fleet.api_bases, engine="vllm")], kvroute=False,
-                                    router_settings={"num_retries": 0})
-        env = {"LITELLM_LOG": "ERROR", "PYTHONPATH": str(HERE)}
-        proxies = {f"started_{i + 1}": stack.enter_context(ProxyProcess(config, env=env, inherit_kvroute_env=False))
+        config = build_proxy_config([_group(stack)], kvroute=False, router_settings={"num_retries": 0})
+        proxies = {f"started_{i + 1}": stack.enter_context(ProxyProcess(config, env=PROXY_ENV,
+                                                                        inherit_kvroute_env=False))
                    for i in range(args.identical)}
         cpu, failed = measure(proxies, args)
     out = {"rounds": args.rounds, "requests_per_round": args.requests, "stream": args.stream, "failed": failed,
-           "cpu_ms_per_request": {v: round(statistics.median(c) * 1000, 3) for v, c in cpu.items()},
-           "rounds_ms": {v: [round(x * 1000, 2) for x in c] for v, c in cpu.items()}}
+           **per_proxy(cpu)}
     if args.json:
         print(json.dumps(out))
         return
     print(f"{args.identical} identical plain proxies, CPU per request by start position (median of {args.rounds} "
           f"rounds × {args.requests}): " + ", ".join(f"{k} {v} ms" for k, v in out["cpu_ms_per_request"].items()))
+
+
+def _group(stack: contextlib.ExitStack) -> ModelGroup:
+    """The model group every proxy serves: 4 fake replicas (``REPLICA``) that live as long as ``stack``."""
+    fleet = stack.enter_context(Fleet(4, engine="fake", options=REPLICA, name_prefix="cpu"))
+    return ModelGroup("llama", fleet.api_bases, engine="vllm")
 
 
 def hook_cpu(files: list[Path]) -> dict[str, float]:
