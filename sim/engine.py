@@ -201,16 +201,16 @@ def simulate(workload: Workload, policy: Policy | str, fleet: FleetConfig,
             progress(routed, n)
 
     def mark_held(live: Live, ri: int) -> None:
-        """What the fleet held of this prompt at arrival: another replica's computed prefix (wasted-prefill
-        figure) and the floor (prefill of what no replica held or was completing, alone on this replica)."""
+        """What the fleet held of this prompt at arrival: another replica's cached prefix (wasted-prefill
+        figure) and the floor (prefill of what no replica held, alone on this replica)."""
         limit = (live.prompt - 1) // bt  # an engine never reuses a prompt's last token
         other = held_any = 0
         for j, rep in enumerate(replicas):
-            computed, coming = rep.held_blocks(live.keys, limit)
-            if j != ri and computed > other:
-                other = computed
-            if coming > held_any:
-                held_any = coming
+            held = rep.cached_blocks(live.keys, limit)
+            if j != ri and held > other:
+                other = held
+            if held > held_any:
+                held_any = held
         live.held_elsewhere = other * bt
         cached = held_any * bt
         live.floor_s = replicas[ri].cost.prefill_alone_s(cached, live.prompt - cached)

@@ -1,10 +1,10 @@
 """Per-policy figures from one run: hit rate, TTFT percentiles, throughput, queue, hotspot, cost per task.
 
 Two figures judge placement against the limit. *Wasted prefill*: prompt tokens a replica computed although
-another replica had them computed when the request arrived (exact engine caches). *The floor*: per request,
-the TTFT of prefilling only what no replica held (computed, or completing in the step running) at arrival,
-alone on an idle replica of the fleet's speed model, with no wait; no router beats it on that run, and
-``gap_to_floor_p90`` = TTFT p90 / floor p90 says how close a policy came.
+another replica's prefix cache held them when the request arrived (exact engine caches; a block enters a cache
+when the step computing it is scheduled, as in vLLM V1). *The floor*: per request, the TTFT of prefilling only
+what no replica's cache held at arrival, alone on an idle replica of the fleet's speed model, with no wait; no
+router beats it on that run, and ``gap_to_floor_p90`` = TTFT p90 / floor p90 says how close a policy came.
 """
 
 from __future__ import annotations

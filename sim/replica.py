@@ -8,8 +8,10 @@ frees its blocks tail-first, so a prompt's last blocks are evicted before its fi
 Scheduler, once per step: running decodes first (one token each; a decode that cannot get a block
 preempts the most recently admitted request, which is recomputed later), then running prefills, then
 waiting requests in FIFO order while the token budget, ``max_running`` and free blocks allow. A prefix
-hit is matched at admission and only against *computed* blocks: a sibling still being prefilled does not
-hit. Blocks enter the cache when the chunk that computes them finishes.
+hit is matched at admission against the cached blocks. A chunk's full blocks enter the cache when its step is
+scheduled, before it runs, as vLLM V1's ``KVCacheManager.allocate_slots`` commits them: a request admitted
+later in the same step reuses what an earlier one computes in it; a sibling's chunks not yet scheduled are
+no hit.
 
 Decoding requests are tracked in aggregate so a step costs O(1) however many sequences decode: a decode
 clock ``D`` (steps run so far) gives each decoder's generated count as ``gen_base + D``, a heap orders
@@ -112,40 +114,17 @@ class Replica:
     def kv_usage(self) -> float:
         return min(1.0, self.used_blocks() / self.capacity)
 
-    def cached_blocks(self, keys: list[int]) -> int:
-        """Leading blocks of ``keys`` whose KV is computed here (pinned or evictable)."""
+    def cached_blocks(self, keys: list[int], limit: int | None = None) -> int:
+        """Leading blocks of ``keys[:limit]`` in this replica's prefix cache (pinned or evictable): computed, or
+        being computed by the step running now."""
         pinned, ev = self.pinned, self.evictable
         n = 0
-        for k in keys:
+        for k in keys if limit is None else keys[:limit]:
             if k in pinned or k in ev:
                 n += 1
             else:
                 break
         return n
-
-    def held_blocks(self, keys: list[int], limit: int) -> tuple[int, int]:
-        """Leading blocks of ``keys[:limit]`` computed here, and computed or completing in the step running now."""
-        pinned, ev = self.pinned, self.evictable
-        n = 0
-        for k in keys[:limit]:
-            if k in pinned or k in ev:
-                n += 1
-            else:
-                break
-        step = self.step
-        if step is None or not step.chunks or n >= limit:
-            return n, n
-        bt = self.block_tokens
-        coming: set[int] = set()
-        for r, c in step.chunks:
-            coming.update(r.keys[r.computed // bt: (r.computed + c) // bt])
-        m = n
-        for k in keys[n:limit]:
-            if k in coming or k in pinned or k in ev:
-                m += 1
-            else:
-                break
-        return n, m
 
     def known_blocks(self, keys: list[int]) -> int:
         """Leading blocks of ``keys`` cached here or about to be computed by a request already here."""
@@ -316,8 +295,9 @@ class Replica:
         self.waiting.appendleft(victim)
         return victim
 
-    def _insert_computed(self, r: Live) -> None:
-        full = min(r.computed // self.block_tokens, len(r.keys))
+    def _commit(self, r: Live, tokens: int) -> None:
+        """Enter the full blocks of ``r``'s first ``tokens`` into the cache (the step computing them is scheduled)."""
+        full = min(tokens // self.block_tokens, len(r.keys))
         pinned, ev = self.pinned, self.evictable
         keys = r.keys
         while r.pins < full:
@@ -369,6 +349,7 @@ class Replica:
             chunks.append((r, c))
             attn += cost.chunk_attention(r.computed, c)
             budget -= c
+            self._commit(r, r.computed + c)
         while self.waiting and budget > 0 and len(self.admitted) < cost.max_running:
             r = self.waiting[0]
             if not self._try_admit(r, now):
@@ -380,6 +361,7 @@ class Replica:
             chunks.append((r, c))
             attn += cost.chunk_attention(r.computed, c)
             budget -= c
+            self._commit(r, r.computed + c)
         n = self.dec_n
         if not chunks and not n:
             self.step = None
@@ -448,7 +430,6 @@ class Replica:
         entering: list[Live] = []
         for r, c in step.chunks:
             r.computed += c
-            self._insert_computed(r)
             if r.computed >= r.target:
                 self.prefilling.pop(id(r), None)
                 if r.first_token_at < 0:

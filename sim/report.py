@@ -92,7 +92,7 @@ def print_table(comp: Comparison, console: Any = None) -> None:
     console.print(t)
     if comp.verdict is not None:
         console.print(f"[bold]Verdict:[/bold] {comp.verdict.summary}")
-    console.print("[dim]wasted prefill: prompt tokens computed on a replica while another had them computed at "
+    console.print("[dim]wasted prefill: prompt tokens computed on a replica while another's cache held them at "
                   "arrival; floor: per request, the prefill of what no replica held at arrival, alone, no wait "
                   "(no router beats it); p90 / floor = TTFT p90 over the floor's p90[/dim]")
     for note in comp.workload.notes:

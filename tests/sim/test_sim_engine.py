@@ -1,4 +1,4 @@
-"""The simulated engine against hand-computed small cases: timing, prefix reuse, in-flight siblings, LRU."""
+"""The simulated engine against hand-computed small cases: timing, prefix reuse, siblings in one step, LRU."""
 
 from __future__ import annotations
 
@@ -55,12 +55,15 @@ def test_full_prompt_hit_keeps_last_token_to_compute() -> None:
     assert res.requests[1].hit_tokens == 190  # (200 − 1) // 10 blocks: the last block is recomputed
 
 
-def test_siblings_in_the_same_step_do_not_hit() -> None:
+def test_siblings_in_the_same_step_share_the_prefix() -> None:
+    # vLLM V1 commits a chunk's full blocks to the prefix cache when it schedules the step (allocate_slots),
+    # so a sibling admitted later in the same step reuses them: 250 + 10 tokens in one step of 0.1 + 0.26 s
     kb = SegmentKeys(BT)
     keys = kb.keys([(1, 250)])
     together = run([SimRequest(250, 1, keys, 0.0), SimRequest(250, 1, keys, 0.0)], preset(chunk=1000))
-    assert [r.hit_tokens for r in together.requests] == [0, 0]
-    # one slot: the sibling waits for the first prefill to finish, then reuses it
+    assert [r.hit_tokens for r in together.requests] == [0, 240]
+    assert [r.first_token_at for r in together.requests] == pytest.approx([0.36, 0.36])
+    # one slot: the sibling waits for the first request to finish, then reuses its prefix all the same
     serial = run([SimRequest(250, 1, keys, 0.0), SimRequest(250, 1, keys, 0.0)], preset(chunk=1000, max_running=1))
     assert [r.hit_tokens for r in serial.requests] == [0, 240]
 
@@ -69,10 +72,15 @@ def test_chunk_visibility_mid_prefill() -> None:
     kb = SegmentKeys(BT)
     keys = kb.keys([(1, 250)])
     # B arrives while A's first chunk runs. At 0.2 A's second chunk takes the whole 100-token budget; at 0.4
-    # A's last 50 tokens leave 50 of budget, B is admitted and reuses A's 200 computed tokens, not the rest.
+    # A's last 50 tokens leave 50 of budget and B is admitted in the same step, after A's last chunk was
+    # scheduled: it reuses all 24 blocks it may (the prompt's last token is always computed).
     res = run([SimRequest(250, 1, keys, 0.0), SimRequest(250, 1, keys, 0.05)], preset(chunk=100))
-    assert res.requests[1].hit_tokens == 200
+    assert res.requests[1].hit_tokens == 240
     assert res.requests[1].admitted_at == pytest.approx(0.4)
+    # what nobody computed yet is no hit: C shares A's 250 tokens and extends them to 500
+    longer = kb.keys([(1, 250), (2, 250)])
+    res = run([SimRequest(250, 1, keys, 0.0), SimRequest(500, 1, longer, 0.05)], preset(chunk=100))
+    assert res.requests[1].hit_tokens == 250
 
 
 def test_lru_evicts_tail_blocks_first() -> None:

@@ -1,0 +1,64 @@
+"""``bench/sim_matrix.py --seeds``: the matrix's own run unchanged, more seeds of each workload, medians over them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import sim_matrix  # noqa: E402
+
+
+def _run(*args: str) -> list[dict]:
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "sim_matrix.py"), "--quick", "--json", *args],
+                         capture_output=True, text=True, timeout=300, check=True)
+    return [json.loads(x) for x in out.stdout.splitlines() if x.strip()]
+
+
+def test_seed_offsets_add_runs_and_leave_the_matrix_run_as_it_was() -> None:
+    one = _run("--only", "prefix-ratio", "--policies", "cache_aware,round_robin")
+    three = _run("--only", "prefix-ratio", "--policies", "cache_aware,round_robin", "--seeds", "3")
+    cells = [c for c in three if "cell" in c]
+    assert [c["seed_offset"] for c in cells] == [0, 1, 2]
+    assert cells[0]["policies"] == one[0]["policies"] and cells[0]["checks"] == one[0]["checks"]
+    p90s = {c["policies"]["round_robin"]["ttft_p90_s"] for c in cells}
+    assert len(p90s) == 3  # other seeds are other workloads
+    # the summary line counts the matrix's own cells only
+    assert three[-1]["summary"].endswith("of 1 cells")
+
+
+def test_a_trace_without_a_seed_runs_once() -> None:
+    assert "mooncake" in sim_matrix.SEEDLESS
+    bt = 16
+    assert sim_matrix.CELLS["mooncake"][1](bt, True, 3).requests == sim_matrix.CELLS["mooncake"][1](bt, True).requests
+    gsp = sim_matrix.CELLS["gsp"][1]
+    assert gsp(bt, True).requests == gsp(bt, True, 0).requests != gsp(bt, True, 1).requests
+
+
+def _cell(offset: int, p90: dict[str, float], wasted: dict[str, int], met: bool) -> dict:
+    checks = {"le_every_anchor_p90": met, "wasted_le_best_anchor": True}
+    return {"cell": "c", "seed_offset": offset, "checks": checks,
+            "policies": {p: {"ttft_p90_s": v, "wasted_prefill_tokens": wasted[p]} for p, v in p90.items()}}
+
+
+def test_over_seeds_reports_medians_the_best_anchor_by_median_and_how_often_targets_held() -> None:
+    waste = {"cache_aware": 10, "round_robin": 100, "llmd_2026": 5, "oracle_ttft": 0}
+    cells = [
+        _cell(0, {"cache_aware": 1.0, "round_robin": 2.0, "llmd_2026": 0.9, "oracle_ttft": 0.1}, waste, False),
+        _cell(1, {"cache_aware": 1.0, "round_robin": 1.5, "llmd_2026": 1.2, "oracle_ttft": 0.1}, waste, True),
+        _cell(2, {"cache_aware": 2.0, "round_robin": 1.0, "llmd_2026": 1.1, "oracle_ttft": 0.1}, waste, False),
+    ]
+    header, row = sim_matrix.over_seeds(cells)
+    fields = row.split()
+    # medians: kvroute 1.0; round robin 1.5, llmd_2026 1.1 (the best anchor; oracle_ttft is a reference)
+    assert fields[:3] == ["c", "3", "1.000"]
+    assert fields[3:5] == ["llmd_2026", "1.100"]
+    assert fields[5] == "0.909"
+    assert fields[6:8] == ["10", "5"]
+    assert fields[8] == "1/3"
+    assert fields[9] == "2"  # ranks 2, 1, 3 among kvroute and the anchors
+    assert sim_matrix.over_seeds(cells[:1]) == [header]  # one run: nothing to take a median of
