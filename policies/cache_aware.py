@@ -254,6 +254,7 @@ class CacheAware(Policy):
         capacity_of = getattr(index, "capacity_blocks", None) or getattr(getattr(index, "fallback", None),
                                                                            "capacity_blocks", None)
         factor = load.factor(candidates[0])  # fleet-wide (see LoadTracker.factor)
+        output = load.output_tokens()  # fleet-wide mean, for the KV a request holds by its end
         # every candidate's scorer inputs in one pass (the hot-spot bound reads which holders are working now)
         all_states, all_picks = load.scoring_inputs(candidates, now)
         state_of = dict(zip(candidates, all_states, strict=True))
@@ -321,7 +322,7 @@ class CacheAware(Policy):
                     if own_s is None:
                         own_s = own_by_match[m] = prefill_s(prompt - m, m)
                     c = Candidate(b, prompt, m, view_of(b, now), factor, st[_WORK], st[_QUEUED], st[_DECODE],
-                                  res, cap_blocks * bt, best_matched, own_s, best_own)
+                                  res, cap_blocks * bt, best_matched, own_s, best_own, output)
                     t = 0.0
                     for f, w in class_ttft:
                         t += w * f(c, speed)

@@ -79,6 +79,7 @@ class LoadTracker:
         self._log_factor_all: float | None = None
         self._decode_s: dict[str, float] = {}
         self._decode_all: float | None = None
+        self._output: float | None = None
         # backend -> busy seconds scaled to the epoch ``_busy_ref``: busy(now) = value * 0.5 ** ((now - ref) / half),
         # so a pick decays every backend's busy time with one pow (rebased before the scale could overflow)
         self._busy: dict[str, float] = {}
@@ -200,6 +201,16 @@ class LoadTracker:
         self._decode_s[backend] = seconds if old is None else old + a * (seconds - old)
         old_all = self._decode_all
         self._decode_all = seconds if old_all is None else old_all + a * (seconds - old_all)
+
+    def learn_output(self, tokens: int) -> None:
+        """A completed request generated ``tokens`` output tokens (moving average; non-positive ones are ignored)."""
+        if tokens > 0:
+            old = self._output
+            self._output = float(tokens) if old is None else old + self.learn_rate * (tokens - old)
+
+    def output_tokens(self) -> float:
+        """Learned mean output tokens of a completed request, fleet-wide (0 before any sample)."""
+        return 0.0 if self._output is None else self._output
 
     def factor(self, backend: str) -> float:
         """Learned observed/predicted TTFT ratio (1 before any sample).

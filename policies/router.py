@@ -248,6 +248,8 @@ class Router:
         rid = request.request_id or ""
         if outcome.kind == SUCCESS:
             self.on_complete(rid, cached_tokens=outcome.cached_tokens, backend=outcome.backend)
+            if outcome.output_tokens:
+                self.state.load.learn_output(outcome.output_tokens)
         elif outcome.kind == CANCELLED:
             self.on_cancel(rid)
         else:

@@ -9,7 +9,7 @@ are multiplied by the backend's learned factor (observed / predicted time to fir
 | ``queue_wait`` | prefill work queued ahead on the backend | router's outstanding work now, engine queue depth |
 | ``slot_wait`` | waiting for a free sequence slot | running requests over ``slots`` × learned decode time |
 | ``own_prefill`` | this request's uncached prefill, decode steps sharing it | tier-credited match, running decoders |
-| ``kv_pressure`` | admission delay when the new blocks do not fit the free KV | engine KV usage (scraped) |
+| ``kv_pressure`` | waiting for running requests to end when its KV will not fit | KV usage (scraped), learned output |
 | ``eviction`` | what the copy costs others: cache it evicts, recomputed later | index residency vs capacity |
 | ``duplicate_work`` | recomputing a prefix held elsewhere, for the queue behind (none if idle) | extra × (1 + queue) |
 """
@@ -41,6 +41,7 @@ class Candidate:
     best_matched: int = 0  # longest cached prefix any candidate holds (request-level)
     own_s: float = -1.0  # prefill_s(uncached, matched) when the caller computed it (else scorers do)
     best_own_s: float = 0.0  # the best holder's own prefill_s (request-level)
+    output_tokens: float = 0.0  # learned mean output tokens of a request (fleet-wide; 0: unknown)
     uncached: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -78,12 +79,26 @@ def own_prefill(c: Candidate, speed: EngineSpeed) -> float:
 
 
 def kv_pressure(c: Candidate, speed: EngineSpeed) -> float:
-    """Real seconds of admission delay when the new blocks do not fit the KV left free by running requests:
-    one request has to finish first (learned decode duration). Zero while they fit."""
+    """Real seconds of delay when the KV this request will hold does not fit what running requests leave free.
+
+    It holds its uncached prompt and, by its end, a mean output (learned); the running requests grow by half a
+    mean output each meanwhile (they are halfway through on average). What does not fit waits for, or is
+    preempted until, the earliest running requests finish: they end staggered over a learned decode duration,
+    one every ``decode_s / running`` seconds, each freeing ``used / running`` tokens, so the delay is that many
+    completions' share of one decode duration (a whole one when nothing runs). Zero while it fits."""
     if c.capacity_tokens <= 0 or c.view.kv_usage <= 0:
         return 0.0
-    free = (1.0 - c.view.kv_usage) * c.capacity_tokens
-    return c.decode_s if c.uncached > free else 0.0
+    used = c.view.kv_usage * c.capacity_tokens
+    running = max(c.view.running, c.view.inflight)
+    out = c.output_tokens
+    short = c.uncached + out + running * out / 2.0 - (c.capacity_tokens - used)
+    if short <= 0:
+        return 0.0
+    if running <= 0:
+        return c.decode_s
+    if short >= used:  # more than every running request frees
+        return c.decode_s
+    return min(running, math.ceil(short * running / used)) / running * c.decode_s
 
 
 def eviction(c: Candidate, speed: EngineSpeed) -> float:

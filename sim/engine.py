@@ -221,7 +221,8 @@ def simulate(workload: Workload, policy: Policy | str, fleet: FleetConfig,
         for r in done:
             request = routed_as[r.idx]
             assert request is not None
-            router.finish(request, RequestOutcome(SUCCESS, rep.name, now, cached_tokens=r.hit_tokens), policy=policy)
+            router.finish(request, RequestOutcome(SUCCESS, rep.name, now, cached_tokens=r.hit_tokens,
+                                                  output_tokens=r.output), policy=policy)
             release_successors(r.idx, now)
 
     sim_end = loop.run(arrive, step_done, ship_events if precise is not None else None)

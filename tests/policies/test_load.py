@@ -143,3 +143,14 @@ def test_busy_decays_with_one_epoch_and_rebases_without_overflow() -> None:
     assert math.isclose(t.busy("b", later), 4.0, rel_tol=1e-12)  # the old 1 s decayed to nothing
     assert math.isfinite(t.busy("a", later)) and t.busy("a", later) < 1e-300
     assert math.isclose(t.busy("b", later + h), 2.0, rel_tol=1e-12)
+
+
+def test_mean_output_is_learned_fleet_wide_and_ignores_non_positive_counts():
+    load = LoadTracker()
+    assert load.output_tokens() == 0.0
+    load.learn_output(1000)
+    load.learn_output(0)
+    load.learn_output(-5)
+    assert load.output_tokens() == 1000.0
+    load.learn_output(2000)
+    assert load.output_tokens() == pytest.approx(1000 + LoadTracker.learn_rate * 1000)

@@ -56,7 +56,26 @@ def test_slot_wait_only_when_every_slot_is_taken():
 
 def test_kv_pressure_when_new_blocks_do_not_fit_the_free_kv():
     assert kv_pressure(cand(kv=0.5, capacity_tokens=40_000, decode_s=3.0), SPEED) == 0.0  # 10k fit in 20k
+    # nothing running to finish: a whole decode duration
     assert kv_pressure(cand(kv=0.9, capacity_tokens=40_000, decode_s=3.0), SPEED) == pytest.approx(3.0)
+
+
+def test_kv_pressure_waits_for_the_earliest_of_the_running_requests():
+    # 36k used by 10 running (3.6k each, one ending every 0.3 s); 10k new against 4k free: 6k short, 2 endings
+    full = cand(kv=0.9, capacity_tokens=40_000, decode_s=3.0, running=10)
+    assert kv_pressure(full, SPEED) == pytest.approx(2 / 10 * 3.0)
+    # short by more than every running request frees: all of them, one whole decode duration
+    assert kv_pressure(cand(kv=0.9, capacity_tokens=40_000, decode_s=3.0, running=10, prompt=60_000),
+                       SPEED) == pytest.approx(3.0)
+
+
+def test_kv_pressure_counts_the_output_this_request_and_the_running_ones_will_add():
+    # 20k used by 10 running, 10k new fits the 20k free now; but with a mean output of 2k this request holds
+    # 12k by its end and the running ones add 10 × 1k more: 2k short, one ending (2k each) frees it
+    half = cand(kv=0.5, capacity_tokens=40_000, decode_s=3.0, running=10)
+    assert kv_pressure(half, SPEED) == 0.0
+    half.output_tokens = 2_000.0
+    assert kv_pressure(half, SPEED) == pytest.approx(1 / 10 * 3.0)
 
 
 def test_eviction_prices_only_what_does_not_fit_the_free_cache():
