@@ -94,9 +94,7 @@ def kv_pressure(c: Candidate, speed: EngineSpeed) -> float:
     short = c.uncached + out + running * out / 2.0 - (c.capacity_tokens - used)
     if short <= 0:
         return 0.0
-    if running <= 0:
-        return c.decode_s
-    if short >= used:  # more than every running request frees
+    if running <= 0 or short >= used:  # nothing runs to make room, or more than every running request frees
         return c.decode_s
     return min(running, math.ceil(short * running / used)) / running * c.decode_s
 
