@@ -13,7 +13,9 @@ by simulated KV events) are reported beside the anchors and are not anchors in t
 ``--json`` prints one JSON object per cell (one per line) instead of the tables; ``--jsonl PATH`` writes
 those lines to PATH as well as printing the tables. ``--seeds N`` also runs every generated and kv-cache-tester
 cell at N−1 more seeds of its workload and prints each policy's median over the N runs beside the checks of the
-matrix's own run: a cell whose ranking flips with the seed shows it there.
+matrix's own run: a cell whose ranking flips with the seed shows it there. ``--summary-of A.jsonl [B.jsonl ...]``
+prints the tables of saved runs, one run split over processes (``--only``) put back together in cell order, and
+with ``--jsonl OUT`` writes it there merged.
 """
 
 from __future__ import annotations
@@ -214,6 +216,34 @@ def over_seeds(cells: list[dict]) -> list[str]:
     return out
 
 
+def verdict(cells: list[dict]) -> dict:
+    """The matrix's own runs (seed offset 0): on how many cells kvroute is best or within 5 %, and what it misses."""
+    main = [c for c in cells if c.get("checks") and not c.get("seed_offset")]
+    misses = [f"{c['cell']} (p90 {k['ratio_to_best']}x {k['best_baseline']}; wasted {k['kvroute_wasted_tokens']:,} "
+              f"vs {k['best_anchor_wasted_tokens']:,} tokens)" for c in main if not _meets(k := c["checks"])]
+    wins = sum(c["checks"]["within_5pct"] for c in main)
+    return {"summary": f"kvroute best or within 5 % on {wins} of {len(main)} cells", "missed_targets": misses}
+
+
+def _ending(cells: list[dict]) -> None:
+    """The summary table, the medians over seeds (when a cell ran at several) and the verdict."""
+    v = verdict(cells)
+    print("\n" + "\n".join(summary([c for c in cells if not c.get("seed_offset")])))
+    if any(c.get("seed_offset") for c in cells):
+        print("\n" + "\n".join(over_seeds(cells)))
+    print(f"\n{v['summary']}")
+    if v["missed_targets"]:
+        print("missed targets: " + "; ".join(v["missed_targets"]))
+
+
+def merged(files: list[Path]) -> list[dict]:
+    """The cells of several ``--jsonl`` files (e.g. one run split over processes), in the matrix's cell order and
+    each cell's seed offsets in order."""
+    cells = [c for f in files for c in map(json.loads, f.read_text(encoding="utf-8").splitlines()) if "cell" in c]
+    order = list(CELLS)
+    return sorted(cells, key=lambda c: (order.index(c["cell"]), c.get("seed_offset", 0)))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="Smaller generated workloads (trace cells unchanged "
@@ -222,17 +252,20 @@ def main() -> int:
     ap.add_argument("--only", default="", help="Comma-separated cells (default: all).")
     ap.add_argument("--policies", default="", help="Comma-separated policies (default: all of them).")
     ap.add_argument("--jsonl", type=Path, default=None, help="Also write one JSON object per cell to this file.")
-    ap.add_argument("--summary-of", type=Path, default=None, help="Print the summary of a --jsonl file and exit.")
+    ap.add_argument("--summary-of", type=Path, nargs="+", default=None,
+                    help="Print the tables of --jsonl files (one run split over processes is put back together in "
+                         "cell order; with --jsonl, written there merged) and exit.")
     ap.add_argument("--seeds", type=int, default=1, help="Run each cell at this many seed offsets of its workload "
                                                          "(0 = the matrix's own run; trace cells without a seed "
                                                          "once) and print each policy's median over them.")
     a = ap.parse_args()
     if a.summary_of is not None:
-        lines = [json.loads(x) for x in a.summary_of.read_text(encoding="utf-8").splitlines() if x.strip()]
-        cells = [c for c in lines if "cell" in c]
-        print("\n".join(summary([c for c in cells if not c.get("seed_offset")])))
-        if any(c.get("seed_offset") for c in cells):
-            print("\n" + "\n".join(over_seeds(cells)))
+        cells = merged(a.summary_of)
+        if a.jsonl is not None:
+            a.jsonl.write_text("".join(json.dumps(c) + "\n" for c in [*cells, verdict(cells)]), encoding="utf-8")
+        for cell in cells:
+            _print(cell)
+        _ending(cells)
         return 0
     if a.seeds < 1:
         print("error: --seeds must be >= 1", file=sys.stderr)
@@ -243,8 +276,6 @@ def main() -> int:
         print(f"error: unknown cell(s) {', '.join(unknown)}; known: {', '.join(CELLS)}", file=sys.stderr)
         return 2
     policies = [p for p in a.policies.split(",") if p] or [*DEFAULT_LINEUP, *REFERENCES]
-    wins = total = 0
-    misses = []
     sink = a.jsonl.open("w", encoding="utf-8") if a.jsonl is not None else None
     cells = []
     for name, offset in [(n, k) for n in names for k in range(1 if n in SEEDLESS else a.seeds)]:
@@ -258,26 +289,13 @@ def main() -> int:
             sys.stdout.flush()
         else:
             _print(cell)
-        c = cell.get("checks")
-        if c and not offset:
-            total += 1
-            wins += c["within_5pct"]
-            if not _meets(c):
-                misses.append(f"{name} (p90 {c['ratio_to_best']}x {c['best_baseline']}; wasted "
-                              f"{c['kvroute_wasted_tokens']:,} vs {c['best_anchor_wasted_tokens']:,} tokens)")
-    line = f"kvroute best or within 5 % on {wins} of {total} cells"
     if sink is not None:
-        sink.write(json.dumps({"summary": line, "missed_targets": misses}) + "\n")
+        sink.write(json.dumps(verdict(cells)) + "\n")
         sink.close()
     if a.json_out:
-        sys.stdout.write(json.dumps({"summary": line, "missed_targets": misses}) + "\n")
+        sys.stdout.write(json.dumps(verdict(cells)) + "\n")
     else:
-        print("\n" + "\n".join(summary([c for c in cells if not c["seed_offset"]])))
-        if a.seeds > 1:
-            print("\n" + "\n".join(over_seeds(cells)))
-        print(f"\n{line}")
-        if misses:
-            print("missed targets: " + "; ".join(misses))
+        _ending(cells)
     return 0
 
 

@@ -62,3 +62,24 @@ def test_over_seeds_reports_medians_the_best_anchor_by_median_and_how_often_targ
     assert fields[8] == "1/3"
     assert fields[9] == "2"  # ranks 2, 1, 3 among kvroute and the anchors
     assert sim_matrix.over_seeds(cells[:1]) == [header]  # one run: nothing to take a median of
+
+
+def test_a_run_split_over_processes_is_put_back_together_in_cell_order(tmp_path) -> None:
+    def part(name: str, *cells: str) -> Path:
+        path = tmp_path / name
+        subprocess.run([sys.executable, str(ROOT / "bench" / "sim_matrix.py"), "--quick", "--json", "--only",
+                        ",".join(cells), "--policies", "cache_aware,round_robin", "--seeds", "2", "--jsonl",
+                        str(path)], capture_output=True, text=True, timeout=300, check=True)
+        return path
+
+    # the parts in the other order than the matrix's: unique comes after prefix-ratio there
+    a, b = part("a.jsonl", "unique"), part("b.jsonl", "prefix-ratio")
+    out = tmp_path / "all.jsonl"
+    shown = subprocess.run([sys.executable, str(ROOT / "bench" / "sim_matrix.py"), "--summary-of", str(a), str(b),
+                            "--jsonl", str(out)], capture_output=True, text=True, timeout=60, check=True).stdout
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [(c["cell"], c["seed_offset"]) for c in lines[:-1]] == [
+        ("prefix-ratio", 0), ("prefix-ratio", 1), ("unique", 0), ("unique", 1)]
+    assert lines[-1] == sim_matrix.verdict(lines[:-1])
+    assert lines[-1]["summary"].endswith("of 2 cells")
+    assert shown.index("== prefix-ratio") < shown.index("== unique") < shown.index("runs kvroute p90")
