@@ -9,6 +9,7 @@ router beats it on that run, and ``gap_to_floor_p90`` = TTFT p90 / floor p90 say
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
 from decimal import ROUND_HALF_UP, Decimal
@@ -28,6 +29,25 @@ def percentile(values: list[float], q: float) -> float:
     lo = int(pos)
     hi = min(lo + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def requests_short(sorted_values: list[float] | tuple[float, ...], q: float, target: float) -> int | None:
+    """The fewest of these values (ascending) that would have to come down to ``target`` for their
+    ``percentile(q)`` to be ≤ it (the largest go first): 0 when it already is; None when empty or not finite."""
+    xs = sorted_values
+    n = len(xs)
+    if not n or not math.isfinite(target):
+        return None
+    below = bisect.bisect_right(xs, target)  # values already ≤ target
+    pos = (n - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, n - 1)
+    for k in range(n - below + 1):  # the k largest lowered to target: they sort right after the values below it
+        def at(i: int, k: int = k) -> float:
+            return xs[i] if i < below else (target if i < below + k else xs[i - k])
+        if at(lo) + (at(hi) - at(lo)) * (pos - lo) <= target:
+            return k
+    return n - below
 
 
 @dataclass(slots=True)
@@ -61,6 +81,8 @@ class PolicyMetrics:
     floor_p90_s: float = math.nan
     reasons: dict[str, int] = field(default_factory=dict)
     stage_ttft_p90: list[tuple[str, float]] = field(default_factory=list)
+    #: every completed request's TTFT, ascending (for ``requests_short``; not in ``public``)
+    ttfts: tuple[float, ...] = field(default=(), repr=False)
 
     def public(self) -> dict[str, float]:
         """The issue's JSON fields for this policy."""
@@ -151,4 +173,5 @@ def summarize(result: RunResult, workload: Workload, fleet: FleetConfig) -> Poli
         floor_p90_s=percentile(floors, 90),
         reasons=dict(result.reasons),
         stage_ttft_p90=stage_p90,
+        ttfts=tuple(sorted(ttfts)),
     )

@@ -27,6 +27,9 @@ def test_seed_offsets_add_runs_and_leave_the_matrix_run_as_it_was() -> None:
     assert cells[0]["policies"] == one[0]["policies"] and cells[0]["checks"] == one[0]["checks"]
     p90s = {c["policies"]["round_robin"]["ttft_p90_s"] for c in cells}
     assert len(p90s) == 3  # other seeds are other workloads
+    for c in cells:  # kvroute's requests short of the best anchor's p90: none exactly where that target holds
+        short = c["checks"]["requests_short_of_best_p90"]
+        assert (short == 0) == c["checks"]["le_every_anchor_p90"] and short >= 0
     # the summary line counts the matrix's own cells only
     assert three[-1]["summary"].endswith("of 1 cells")
 
