@@ -96,7 +96,7 @@ def kv_pressure(c: Candidate, speed: EngineSpeed) -> float:
         return 0.0
     if running <= 0 or short >= used:  # nothing runs to make room, or more than every running request frees
         return c.decode_s
-    return min(running, math.ceil(short * running / used)) / running * c.decode_s
+    return math.ceil(short * running / used) / running * c.decode_s  # short < used: at most all of them
 
 
 def eviction(c: Candidate, speed: EngineSpeed) -> float:

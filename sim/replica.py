@@ -23,6 +23,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from itertools import islice
 
 from kvroute.sim.costmodel import CostModel
 
@@ -119,7 +120,7 @@ class Replica:
         being computed by the step running now."""
         pinned, ev = self.pinned, self.evictable
         n = 0
-        for k in keys if limit is None else keys[:limit]:
+        for k in keys if limit is None else islice(keys, limit):
             if k in pinned or k in ev:
                 n += 1
             else:
