@@ -37,8 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from peer_routers import KINDS, ensure_venv
 from peers_rivals import PEERS, RIVALS, SHUFFLE, FleetView, Rival, start_rivals
-from peers_waste import Served, wasted_prefill
+from peers_waste import Served, holdings, wasted_prefill
 from peers_workloads import WORKLOADS, RunResult, Size, Workload, build, replay, replica_capacity_tokens
+from replica_relay import ReplicaRelays, read_fingerprint
 
 from kvroute.plugin.dev.fleet import Fleet, ReplicaOptions
 
@@ -213,16 +214,37 @@ async def _warm_up(rival: Rival, model: str) -> None:
         r.raise_for_status()
 
 
+def _new_decisions(rival: Rival) -> list[dict]:
+    """kvroute's decision-log lines written since the last call (the file grows run after run)."""
+    path = rival.decision_log
+    if path is None or not path.exists():
+        return []
+    with path.open() as f:
+        f.seek(rival.decisions_read)
+        lines = f.readlines()
+        rival.decisions_read = f.tell()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
 def _one_run(rival: Rival, workload: Workload, model: str, kind: str, base_urls: list[str], salt: str) -> dict:
     before = engine_counters(kind, base_urls)
+    _new_decisions(rival)  # the warm-up's and earlier runs' picks are not this run's
     cpu0 = cpu_seconds(rival.pids)
     result = asyncio.run(replay(rival.base_url, rival.headers, model, workload, salt))
     cpu = cpu_seconds(rival.pids) - cpu0
-    if kind != "fake":  # llama.cpp's system_fingerprint is its build, the same on every replica: not an identity
-        for outcome in result.outcomes:
-            outcome.replica = None
     # fake engines cache 16-token blocks of 4 bytes a token; llama.cpp reuses any token prefix (~4 bytes a token)
-    return run_figures(result, before, engine_counters(kind, base_urls), cpu, 64 if kind == "fake" else 4)
+    figures = run_figures(result, before, engine_counters(kind, base_urls), cpu, 64 if kind == "fake" else 4)
+    log = {id(o): o.record() for o in result.outcomes}
+    served = _served(result)
+    if served is not None:  # what the fleet held of each prompt when it was sent (bench/peers_diff.py reads it)
+        ok = [o for o in result.outcomes if o.ok]
+        for o, h in zip(ok, holdings(served, 64 if kind == "fake" else 4), strict=True):
+            log[id(o)].update(dataclasses.asdict(h))
+    figures["requests_log"] = [log[id(o)] for o in sorted(result.outcomes, key=lambda o: o.start_s)]
+    decisions = _new_decisions(rival)
+    if decisions:
+        figures["decisions"] = decisions
+    return figures
 
 
 def run(args: argparse.Namespace, say) -> dict:
@@ -240,6 +262,7 @@ def run(args: argparse.Namespace, say) -> dict:
         except Exception as exc:
             say(f"{KINDS[key].pin}: NOT INSTALLED: {exc}")
     result: dict = {"fleet": args.fleet, "replicas": args.replicas, "repeats": args.repeats, "quick": args.quick,
+                    "fresh_fleet": args.fresh_fleet,
                     "size": dataclasses.asdict(size), "routers": {k: KINDS[k].pin for k in needed},
                     "capacity_tokens_per_replica": capacity,
                     "kvroute_precise": PRECISE_NOTE, "cpu_count": os.cpu_count(),
@@ -248,7 +271,14 @@ def run(args: argparse.Namespace, say) -> dict:
         fleet = stack.enter_context(Fleet(args.replicas, engine=args.fleet,
                                           options=_replica_options(args.fleet, capacity, args.quick),
                                           name_prefix="peers"))
-        view = FleetView(fleet.api_bases, fleet.model, "llamacpp" if args.fleet == "llamacpp" else "vllm",
+        api_bases = fleet.api_bases
+        relays = None
+        if args.fleet == "llamacpp":  # llama.cpp's replicas look alike: relays stamp each one's name on its answers
+            relays = stack.enter_context(ReplicaRelays([r.port for r in fleet.replicas],
+                                                       [r.name for r in fleet.replicas],
+                                                       read_fingerprint(fleet.base_urls[0], fleet.model)))
+            api_bases = [u + "/v1" for u in relays.base_urls]
+        view = FleetView(api_bases, fleet.model, "llamacpp" if args.fleet == "llamacpp" else "vllm",
                          capacity, 16 if args.fleet == "fake" else None)
         say(f"{args.replicas} {args.fleet} replicas up (cache ≈ {capacity} tokens each); starting {len(specs)} rivals")
         rivals = start_rivals(specs, view, binaries, stack)
@@ -269,8 +299,12 @@ def run(args: argparse.Namespace, say) -> dict:
             for repeat in range(args.repeats):
                 for rival in live:
                     # the same length for every rival: a longer salt shifts block boundaries and the cached share
-                    # with them (rival keys of 6 to 18 characters moved it by up to 0.06 points)
-                    salt = hashlib.sha256(f"{name}-{repeat}-{rival.spec.key}-{started_at}".encode()).hexdigest()[:16]
+                    # with them (rival keys of 6 to 18 characters moved it by up to 0.06 points). A fresh fleet
+                    # per run lets every rival of a repeat replay the same prompts on the same (empty) replicas.
+                    who = "" if args.fresh_fleet else rival.spec.key
+                    salt = hashlib.sha256(f"{name}-{repeat}-{who}-{started_at}".encode()).hexdigest()[:16]
+                    if args.fresh_fleet:
+                        _restart(fleet, relays)
                     runs[rival.spec.key].append(_one_run(rival, workload, fleet.model, args.fleet,
                                                          fleet.base_urls, salt))
                     say(f"{name} repeat {repeat + 1}/{args.repeats} {rival.spec.key}: "
@@ -288,6 +322,14 @@ def run(args: argparse.Namespace, say) -> dict:
     result["load_average_end"] = list(os.getloadavg())
     result["wall_s"] = round(time.time() - started_at, 1)
     return result
+
+
+def _restart(fleet: Fleet, relays: ReplicaRelays | None) -> None:
+    """Every replica stopped and started empty (the relays follow them to their new ports)."""
+    for i in range(len(fleet.replicas)):
+        replica = fleet.restart(i)
+        if relays is not None:
+            relays.retarget(i, replica.port)
 
 
 # ---------------------------------------------------------------------------------------------- output
@@ -344,6 +386,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--rival", action="append", help="only these rivals (repeatable), e.g. kvroute")
     p.add_argument("--quick", action="store_true", help="tiny workloads, one repeat: a CI smoke run")
+    p.add_argument("--fresh-fleet", action="store_true",
+                   help="restart every replica before each run, and give every rival of a repeat the same prompts: "
+                        "identical request sequences from identical fleet states (what bench/peers_diff.py compares)")
     p.add_argument("--json", action="store_true", help="print the result as JSON only")
     p.add_argument("--render", metavar="FILE", help="print the table of a result saved with --json, run nothing")
     p.add_argument("--save", action="store_true",

@@ -83,6 +83,8 @@ class Rival:
     headers: dict[str, str] = field(default_factory=dict)
     pids: list[int] = field(default_factory=list)
     error: str | None = None
+    decision_log: Path | None = None  # kvroute's: one JSON line per pick (``KVROUTE_DECISION_LOG``)
+    decisions_read: int = 0  # how far bench/peers.py has read it
     _stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack, repr=False)
 
     def close(self) -> None:
@@ -119,8 +121,11 @@ def _start(spec: RivalSpec, fleet: FleetView, binaries: Mapping[str, Path]) -> R
                 group = ModelGroup(fleet.model, fleet.api_bases, model=fleet.model, engine=fleet.engine,
                                    kv_capacity_tokens=fleet.capacity_tokens, block_size=fleet.block_size)
             config = build_proxy_config([group], kvroute=spec.kvroute, router_settings=spec.litellm)
-            proxy = rival._stack.enter_context(ProxyProcess(config, env={"LITELLM_LOG": "ERROR"},
-                                                            inherit_kvroute_env=False))
+            proxy = ProxyProcess(config, env={"LITELLM_LOG": "ERROR"}, inherit_kvroute_env=False)
+            if spec.kvroute:  # the per-decision diff (bench/peers_diff.py) reads what each pick saw
+                rival.decision_log = proxy.workdir / "decisions.jsonl"
+                proxy.extra_env["KVROUTE_DECISION_LOG"] = str(rival.decision_log)
+            proxy = rival._stack.enter_context(proxy)
             rival.base_url, rival.headers = proxy.base_url, proxy.headers
             rival.pids.append(proxy.process.pid)
     except Exception as exc:  # a rival that cannot start is reported, the others still run

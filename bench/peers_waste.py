@@ -63,28 +63,61 @@ def _block_keys(text: str, block_bytes: int) -> list[int]:
     return keys
 
 
+@dataclass(frozen=True)
+class Holding:
+    """What the fleet held of one request's prompt when it was sent, in tokens (at its own bytes per token):
+    another replica through requests finished by then (``other_finished``) or sent by then (``other_sent``, in
+    flight too), and its own replica through requests sent by then (``own_sent``). Where replicas are unknown,
+    "another" means any replica."""
+
+    other_finished: int
+    other_sent: int
+    own_sent: int
+
+
+def holdings(served: Sequence[Served], block_bytes: int = BLOCK_BYTES) -> list[Holding]:
+    """One ``Holding`` per request of ``served``, in the same order."""
+    exact = all(s.replica is not None for s in served)
+    by_end = sorted(served, key=lambda s: s.end_s)
+    by_start = sorted(served, key=lambda s: s.start_s)
+    finished: dict[int, set[str | None]] = {}  # block key → replicas that had answered a request holding it
+    sent: dict[int, set[str | None]] = {}  # block key → replicas that had been sent a request holding it
+    done = went = 0
+    out: dict[int, Holding] = {}
+    for s in by_start:
+        while done < len(by_end) and by_end[done].end_s <= s.start_s:
+            f = by_end[done]
+            for key in _block_keys(f.prompt + f.answer, block_bytes):
+                finished.setdefault(key, set()).add(f.replica)
+            done += 1
+        while went < len(by_start) and by_start[went].start_s < s.start_s:
+            f = by_start[went]
+            for key in _block_keys(f.prompt + f.answer, block_bytes):
+                sent.setdefault(key, set()).add(f.replica)
+            went += 1
+        depth = {"other_finished": 0, "other_sent": 0, "own_sent": 0}
+        live = set(depth)
+        for n, key in enumerate(_block_keys(s.prompt, block_bytes), 1):
+            fin, snt = finished.get(key, ()), sent.get(key, ())
+            held = {"other_finished": any(r != s.replica or not exact for r in fin),
+                    "other_sent": any(r != s.replica or not exact for r in snt),
+                    "own_sent": exact and s.replica in snt}
+            live = {k for k in live if held[k]}
+            if not live:
+                break
+            for k in live:
+                depth[k] = n
+        prompt_bytes = len(s.prompt.encode("utf-8", "surrogatepass")) or 1
+        out[id(s)] = Holding(**{k: int(v * block_bytes * s.prompt_tokens / prompt_bytes) for k, v in depth.items()})
+    return [out[id(s)] for s in served]
+
+
 def wasted_prefill(served: Sequence[Served], block_bytes: int = BLOCK_BYTES, in_flight: bool = False) -> Waste:
     """The run's wasted prefill as the module docstring defines it (requests in any order)."""
     exact = all(s.replica is not None for s in served)
-    finished = sorted(served, key=(lambda s: s.start_s) if in_flight else (lambda s: s.end_s))
-    holders: dict[int, set[str | None]] = {}  # block key → replicas that had been sent that prefix
-    done = 0
     total_prompt = total_wasted = 0
-    for s in sorted(served, key=lambda s: s.start_s):
-        while done < len(finished) and (finished[done].start_s < s.start_s if in_flight
-                                         else finished[done].end_s <= s.start_s):
-            f = finished[done]
-            for key in _block_keys(f.prompt + f.answer, block_bytes):
-                holders.setdefault(key, set()).add(f.replica)
-            done += 1
-        held_blocks = 0
-        for key in _block_keys(s.prompt, block_bytes):
-            owners = holders.get(key)
-            if not owners or (exact and owners == {s.replica}):
-                break
-            held_blocks += 1
-        prompt_bytes = len(s.prompt.encode("utf-8", "surrogatepass")) or 1
-        held_tokens = int(held_blocks * block_bytes * s.prompt_tokens / prompt_bytes)
+    for s, h in zip(served, holdings(served, block_bytes), strict=True):
+        held_tokens = h.other_sent if in_flight else h.other_finished
         total_wasted += max(0, min(held_tokens, s.prompt_tokens - 1) - s.cached_tokens)
         total_prompt += s.prompt_tokens
     return Waste(total_wasted, round(total_wasted / total_prompt, 4) if total_prompt else 0.0, exact)

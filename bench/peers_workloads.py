@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import httpx
+from replica_relay import replica_of
 
 from kvroute.plugin.dev import demo as _demo
 from kvroute.plugin.dev.fake_engine import render_chat
@@ -162,6 +163,17 @@ class Outcome:
     answer: str = ""
     start_s: float = 0.0  # since the run began
     end_s: float = 0.0
+    flow: str = ""  # the conversation's id and this request's turn in it: the same request in every rival's run
+    turn: int = 0
+    system_id: int = 0  # which shared system prompt the conversation starts with (-1: its own)
+    call_id: str = ""  # sent as x-litellm-call-id: LiteLLM (and kvroute's decision log) keeps it
+
+    def record(self) -> dict:
+        """What the harness keeps of this request (no prompt or answer text)."""
+        return {"flow": self.flow, "turn": self.turn, "system_id": self.system_id, "call_id": self.call_id,
+                "ok": self.ok, "replica": self.replica, "prompt_tokens": self.prompt_tokens,
+                "cached_tokens": self.cached_tokens, "ttft_s": None if self.ttft_s is None else round(self.ttft_s, 4),
+                "start_s": round(self.start_s, 4), "end_s": round(self.end_s, 4)}
 
 
 @dataclass
@@ -202,7 +214,7 @@ async def _stream_one(client: httpx.AsyncClient, body: dict, headers: Mapping[st
                 if "error" in chunk:
                     out.latency_s, out.error = time.perf_counter() - start, "stream error"
                     return out
-                out.replica = out.replica or chunk.get("system_fingerprint") or None
+                out.replica = out.replica or replica_of(chunk.get("system_fingerprint"))
                 usage = chunk.get("usage")
                 if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
                     out.prompt_tokens, out.cached_tokens = usage["prompt_tokens"], _usage_cached(usage, chunk)
@@ -242,13 +254,16 @@ async def replay(base_url: str, headers: Mapping[str, str], model: str, workload
                 messages: list[dict] = [{"role": "system", "content": f"[{salt}] {flow.system}"}]
                 key = f"{salt}-{flow.conv_id}"
                 session = {"x-litellm-session-id": key, "x-session-id": key}
-                for turn in flow.turns:
+                for n, turn in enumerate(flow.turns):
                     messages.append({"role": "user", "content": turn})
                     body = {"model": model, "messages": messages, "max_tokens": workload.max_tokens,
                             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
                     sent_at = time.perf_counter() - start
-                    outcome = await _stream_one(client, body, session)
+                    call_id = f"{key}-{n}"
+                    outcome = await _stream_one(client, body, {**session, "x-litellm-call-id": call_id})
                     outcome.start_s, outcome.end_s = sent_at, time.perf_counter() - start
+                    outcome.flow, outcome.turn, outcome.system_id, outcome.call_id = (flow.conv_id, n, flow.system_id,
+                                                                                      call_id)
                     outcome.prompt = render_chat(messages)
                     result.outcomes.append(outcome)
                     messages.append({"role": "assistant", "content": outcome.answer or "(no answer)"})

@@ -142,6 +142,7 @@ class KvrouteSettings(BaseSettings):
     metrics_host: str = "127.0.0.1"
     max_app_labels: int = Field(default=50, ge=1, le=10_000)
     status_path: str = "/kvroute/status"
+    decision_log: Path | None = None  # a JSONL file: one line per pick, what the router saw (off by default)
     block_bytes: int = Field(default=256, ge=16)
     kv_capacity_tokens: int = Field(default=500_000, ge=1)
     index_ttl_s: float | None = Field(default=None, gt=0)

@@ -33,6 +33,8 @@ class Decision:
     #: view): the longest other candidate's match minus the chosen backend's, floored at 0. None until known:
     #: the ``Router`` fills it in from the index for policies that match nothing themselves.
     wasted_prefill_tokens: int | None = None
+    #: what the router knew at the pick, per candidate (``Router.trace_inputs``); None unless the router traces
+    inputs: dict[str, object] | None = None
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -48,4 +50,5 @@ class Decision:
             "request_id": self.request_id,
             "wasted_prefill_tokens": self.wasted_prefill_tokens,
             **({"why": dict(self.why)} if self.why is not None else {}),
+            **({"inputs": dict(self.inputs)} if self.inputs is not None else {}),
         }

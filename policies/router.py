@@ -80,6 +80,8 @@ class Router:
         self._pending: OrderedDict[str, _Pending] = OrderedDict()
         self._provisional: dict[str, dict[int, int]] = {}  # backend -> key -> pending picks computing it
         self.errors = 0
+        #: fill ``Decision.inputs`` with what the pick saw (``trace_inputs``): off on the hot path by default
+        self.tracing = False
 
     @property
     def load(self) -> LoadTracker:
@@ -117,6 +119,7 @@ class Router:
         """Choose a backend among ``candidates`` and charge it; never raises."""
         now = self.clock()
         chosen = policy or self.policy_for(group if group is not None else request.model)
+        inputs = self.trace_inputs(request, candidates, now) if self.tracing else None
         try:
             if not candidates:
                 return Decision(None, chosen.name, "no_candidates", prompt_tokens=request.prompt_tokens,
@@ -137,7 +140,30 @@ class Router:
             decision.wasted_prefill_tokens = self._wasted_prefill(request, candidates, decision.backend, now)
         if record and decision.backend is not None:
             self._record(request, decision, now)
+        decision.inputs = inputs
         return decision
+
+    def trace_inputs(self, request: RoutingRequest, candidates: Sequence[str], now: float) -> dict[str, object]:
+        """What a pick sees, per candidate, before it records anything: matched tokens (the index's belief),
+        of them still being prefilled by another pending request, and the load (numbers only, no prompt text)."""
+        load = self.state.load
+        bt = request.block_tokens
+        try:
+            matches = self.index.match(request.keys, candidates, now) if request.keys else {}
+        except Exception:
+            matches = {}
+        per: dict[str, object] = {}
+        for b in candidates:
+            blocks = matches.get(b, 0)
+            view = load.view(b, now)
+            per[b] = {"matched": int(blocks * bt),
+                      "computed": int(self._confirmed_prefix(b, request.keys, blocks) * bt),
+                      "inflight": view.inflight, "queue_tokens": round(view.queue_tokens, 1),
+                      "running": view.running, "kv_usage": round(view.kv_usage, 4),
+                      "work_s": round(load.work_s(b, now), 6), "busy_s": round(load.busy(b, now), 6),
+                      "factor": round(load.backend_factor(b), 4)}
+        return {"t": round(now, 6), "prompt_tokens": request.prompt_tokens, "session": request.session_key is not None,
+                "candidates": per}
 
     def _wasted_prefill(self, request: RoutingRequest, candidates: Sequence[str], backend: str, now: float) -> int:
         """``Decision.wasted_prefill_tokens`` from the index, for policies that match nothing themselves:

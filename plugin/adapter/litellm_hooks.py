@@ -24,6 +24,7 @@ from litellm.integrations.custom_logger import CustomLogger
 
 from kvroute.plugin.adapter import outcomes, pick, status_view, tenancy, wiring
 from kvroute.plugin.adapter.billing_feed import BillingFeed, chunk_has_output
+from kvroute.plugin.adapter.decision_log import DecisionLog
 from kvroute.plugin.adapter.deployments import Backend, Deployments, litellm_cost_map
 from kvroute.plugin.adapter.metrics import Metrics
 from kvroute.plugin.adapter.peer_filters import PeerFilters
@@ -69,6 +70,7 @@ class KvrouteCallback(CustomLogger):
         self.scrapers: dict[str, Any] = {}
         self._last_expire = clock()
         self.recorder: Any = None
+        self.decision_log: DecisionLog | None = None
         self.billing_target: tuple[str, Path, Path] | None = None
         self._shared: Any = None
         self.mounted: list[str] = []

@@ -63,6 +63,8 @@ def pick(cb: KvrouteCallback, model: str, healthy: list, messages: Any, request_
         cb._attach(router, policy, backends)
         cb._attached[id(policy)] = len(backends)
     decision = router.pick(request, [b.id for b in backends], group=group, policy=policy)
+    if cb.decision_log is not None:
+        cb.decision_log.write(group, decision, kwargs.get("litellm_call_id"))
     cb.metrics.decision(group, decision.policy, decision.reason.split(":", 1)[0], decision.matched_tokens,
                         decision.wasted_prefill_tokens)
     if decision.why is not None:

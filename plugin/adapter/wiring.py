@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from kvroute.billing.attribution import AppRule
 from kvroute.plugin.adapter import hybrid
 from kvroute.plugin.adapter.billing_feed import BillingFeed, billing_target
+from kvroute.plugin.adapter.decision_log import DecisionLog
 from kvroute.plugin.adapter.hosted import provider_quote
 from kvroute.plugin.adapter.metrics import Metrics
 from kvroute.plugin.adapter.rules import RuleBook
@@ -58,6 +59,8 @@ def build(cb: KvrouteCallback) -> None:
         cb._shared.on_heartbeat = lambda shared: cb.metrics.shared_state(
             len(shared.secret_mismatch), shared.replication()["lag_s"])
     cb.rules = RuleBook.from_settings(s.rules)
+    if s.decision_log is not None and cb.decision_log is None:
+        cb.decision_log = DecisionLog(s.decision_log)
     if s.metrics_port is not None:
         try:
             cb._metrics.serve(s.metrics_port, s.metrics_host)
@@ -177,6 +180,7 @@ def router_for(cb: KvrouteCallback, group: str, backends: Sequence[Backend]) -> 
         max_request_age_s=s.max_request_age_s,
     )
     router = Router(config, clock=cb.clock, index=index, load=load, health=cb.health)
+    router.tracing = cb.decision_log is not None
     if gs.mode == "precise" and index is not None:
         start_precise(cb, group, gs.precise, index, router)
     else:

@@ -1,0 +1,154 @@
+"""Loopback relays that make anonymous replicas name themselves: one port per replica, bytes forwarded both ways,
+and every response's ``system_fingerprint`` replaced by that replica's name (padded to the same byte length, so
+``Content-Length`` and chunk sizes stay valid).
+
+llama.cpp stamps its build into ``system_fingerprint``, the same on every replica, so a client behind a router
+(SMG, vllm-router, LiteLLM, kvroute) cannot tell which replica answered. Put a ``ReplicaRelays`` between the
+routers and the replicas and each streamed chunk carries the replica's name instead, through every router that
+passes ``system_fingerprint`` on (all of those ``bench/peers.py`` runs do). ``retarget(i, port)`` points relay
+``i`` at a restarted replica while the routers keep the relay's address. Every relay runs on one event loop in a
+daemon thread; closing stops it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+
+import httpx
+
+HOST = "127.0.0.1"
+_CHUNK = 65536
+
+
+def read_fingerprint(base_url: str, model: str) -> str:
+    """The ``system_fingerprint`` a replica stamps on its answers (one tiny completion)."""
+    body = {"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(base_url + "/v1/chat/completions", json=body, timeout=60.0, trust_env=False)
+    r.raise_for_status()
+    fingerprint = r.json().get("system_fingerprint")
+    if not isinstance(fingerprint, str) or len(fingerprint) < 2:
+        raise RuntimeError(f"{base_url} stamps no system_fingerprint to replace")
+    return fingerprint
+
+
+def stamp(name: str, width: int) -> bytes:
+    """``name`` fitted to ``width`` bytes: padded with ``_`` (cut when longer)."""
+    return name.encode("ascii").ljust(width, b"_")[:width]
+
+
+def replica_of(fingerprint: str | None) -> str | None:
+    """The replica name in a stamped fingerprint (the padding removed)."""
+    return fingerprint.rstrip("_") or None if fingerprint else None
+
+
+class _Rewriter:
+    """Replaces ``old`` by ``new`` (same length) in a byte stream cut anywhere: a chunk's tail that could start
+    ``old`` waits for the next chunk, nothing else is held back."""
+
+    def __init__(self, old: bytes, new: bytes) -> None:
+        self.old, self.new = old, new
+        self.carry = b""
+
+    def feed(self, data: bytes) -> bytes:
+        buf = (self.carry + data).replace(self.old, self.new)
+        keep = 0
+        for n in range(min(len(self.old) - 1, len(buf)), 0, -1):
+            if self.old.startswith(buf[-n:]):
+                keep = n
+                break
+        self.carry = buf[len(buf) - keep:] if keep else b""
+        return buf[:len(buf) - keep] if keep else buf
+
+    def flush(self) -> bytes:
+        out, self.carry = self.carry, b""
+        return out
+
+
+class ReplicaRelays:
+    """``len(targets)`` relays on free loopback ports; ``ports[i]`` forwards to ``targets[i]`` and stamps
+    ``names[i]`` over ``fingerprint`` in what comes back."""
+
+    def __init__(self, targets: Sequence[int], names: Sequence[str], fingerprint: str) -> None:
+        if len(targets) != len(names):
+            raise ValueError("one name per target")
+        self.targets = list(targets)
+        self.old = fingerprint.encode("ascii")
+        self.stamps = [stamp(n, len(self.old)) for n in names]
+        self.names = list(names)
+        self.ports: list[int] = []
+        self._loop = asyncio.new_event_loop()
+        self._servers: list[asyncio.base_events.Server] = []
+        self._thread = threading.Thread(target=self._loop.run_forever, name="replica-relays", daemon=True)
+
+    def __enter__(self) -> ReplicaRelays:
+        self._thread.start()
+        self.ports = asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def base_urls(self) -> list[str]:
+        return [f"http://{HOST}:{p}" for p in self.ports]
+
+    def retarget(self, index: int, port: int) -> None:
+        """Send relay ``index``'s new connections to ``port`` (a restarted replica)."""
+        self.targets[index] = port
+
+    async def _start(self) -> list[int]:
+        ports = []
+        for i in range(len(self.targets)):
+            server = await asyncio.start_server(lambda r, w, i=i: self._serve(i, r, w), HOST, 0)
+            self._servers.append(server)
+            ports.append(server.sockets[0].getsockname()[1])
+        return ports
+
+    async def _serve(self, index: int, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        try:
+            up_r, up_w = await asyncio.open_connection(HOST, self.targets[index])
+        except OSError:
+            client_w.close()
+            return
+        rewriter = _Rewriter(self.old, self.stamps[index])
+        try:
+            await asyncio.gather(self._pipe(client_r, up_w, None), self._pipe(up_r, client_w, rewriter))
+        except asyncio.CancelledError:  # closing: the connection goes with the relay
+            pass
+        finally:
+            up_w.close()
+            client_w.close()
+
+    @staticmethod
+    async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, rewriter: _Rewriter | None) -> None:
+        try:
+            while data := await reader.read(_CHUNK):
+                writer.write(rewriter.feed(data) if rewriter else data)
+                await writer.drain()
+            if rewriter:
+                writer.write(rewriter.flush())
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            try:
+                if writer.can_write_eof():
+                    writer.write_eof()
+            except (ConnectionError, OSError, RuntimeError):
+                writer.close()
+
+    def close(self) -> None:
+        if not self._thread.is_alive():
+            return
+
+        async def stop() -> None:
+            for server in self._servers:
+                server.close()
+            for task in asyncio.all_tasks():
+                if task is not asyncio.current_task():
+                    task.cancel()
+
+        asyncio.run_coroutine_threadsafe(stop(), self._loop).result(timeout=10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
