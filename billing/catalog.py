@@ -94,7 +94,7 @@ class Catalog:
                  for b in conn.execute(select(PriceBookRow.__table__))]
         rates = [CostRate(c.backend_id, c.effective_from, c.currency, c.input_per_mtok, c.cache_read_per_mtok,
                           c.cache_write_5m_per_mtok, c.cache_write_1h_per_mtok, c.output_per_mtok,
-                          c.reasoning_per_mtok, c.per_request, c.source, c.cost_rate_id)
+                          c.reasoning_per_mtok, c.per_request, c.source, c.cost_rate_id, c.prefill_tok_s)
                  for c in conn.execute(select(CostRateRow.__table__))]
         backends = {b.backend_id: BackendIdentity(b.provider, b.route_kind)
                     for b in conn.execute(select(Backend.backend_id, Backend.provider, Backend.route_kind)
