@@ -45,6 +45,7 @@ class Catalog:
             items.sort(key=lambda r: r.effective_from)
         self._rate_starts = {k: [r.effective_from for r in v] for k, v in self._rates.items()}
         self.rules_by_id = {r.price_rule_id: (b, r) for b in books for r in b.rules}
+        self.rates_by_id = {r.cost_rate_id: r for r in rates if r.cost_rate_id is not None}
 
     def book_for(self, app_id: str, at: datetime) -> PriceBook | None:
         """The app's book in force at ``at`` (latest version that started by then), else the default book."""

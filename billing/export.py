@@ -67,15 +67,16 @@ def write_parquet(rows: Sequence[dict[str, Any]], columns: Sequence[str], path: 
 
 def render_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], title: str, file: Any = None,
                  width: int | None = None) -> None:
-    """A rich table on the terminal; money shown to 4 decimals (exact values via csv/json/parquet)."""
+    """A rich table on the terminal; money to three significant digits below 1 and to the cent above (exact
+    values via csv/json/parquet); an unpriced figure reads ``unpriced``."""
     from rich.console import Console
     from rich.table import Table
+
+    from kvroute.billing.reports.grouping import TEXT_COLUMNS
     table = Table(title=title, show_lines=False)
-    text_columns = {"app_id", "served_model", "provider", "backend_id", "route_kind", "pricing_rule", "status",
-                    "period", "currency"}
     for c in columns:
-        header = c.replace("_amount", "").replace("_tokens", "").replace("_", " ")
-        table.add_column(header, justify="left" if c in text_columns else "right", overflow="fold")
+        header = HEADERS.get(c) or c.replace("_amount", "").replace("_tokens", "").replace("_", " ")
+        table.add_column(header, justify="left" if c in TEXT_COLUMNS else "right", overflow="fold")
     for row in rows:
         style = "bold" if row.get("app_id") == "TOTAL" else None
         table.add_row(*[_cell(row.get(c), c) for c in columns], style=style)
@@ -84,11 +85,31 @@ def render_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], title: 
     Console(file=file or sys.stdout, width=width).print(table)
 
 
+#: Short table headers (csv / json keep the column names).
+HEADERS = {"requests_total": "requests", "error_rate": "errors", "cache_hit_ratio": "cached", "provider_cost": "cost",
+           "absorbed_cost": "absorbed", "cache_savings": "cache saved", "ttft_p50_ms": "ttft p50 ms",
+           "ttft_p90_ms": "ttft p90 ms", "currency": "cur", "margin_pct": "margin %", "served_model": "model",
+           "backend_id": "backend", "payout_share": "payout share", "app_id": "app"}
+#: Figures shown as ``unpriced`` when a row has none (no rate card priced them): never read as 0.
+UNPRICED_COLUMNS = ("cache_savings", "cache_write_premium", "cache_savings_net")
+
+
+def money_text(value: Decimal) -> str:
+    """An amount a person can read: to the cent from 1 up, else three significant digits (``0.000331``)."""
+    if value == 0:
+        return "0"
+    if abs(value) >= 1:
+        return f"{value:,.2f}"
+    return f"{value:.{min(10, 2 - value.adjusted())}f}"
+
+
 def _cell(value: Any, column: str = "") -> str:
+    if value is None:
+        return "unpriced" if column in UNPRICED_COLUMNS else ""
     if isinstance(value, Decimal) and column.endswith("_pct"):
         return f"{value:.2f} %"
     if isinstance(value, Decimal):
-        return f"{value:,.4f}"
+        return money_text(value)
     if isinstance(value, float):
-        return f"{value:.2%}" if value <= 1 else f"{value:.2f}"
-    return "" if value is None else str(value)
+        return f"{value:.2%}" if column.endswith(("_ratio", "_rate")) else f"{value:,.1f}"
+    return str(value)

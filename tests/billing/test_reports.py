@@ -86,9 +86,11 @@ def rows_add_up(row: dict[str, Any]) -> None:
     assert row["billed_amount"] == row["provider_cost"] + row["markup_amount"] + row["fee_amount"], row
     if "margin_amount" in row:
         assert row["margin_amount"] == row["billed_amount"] - row["provider_cost"] - row["absorbed_cost"] - fees
-    if row.get("status") in (None, "provisional") and "margin_amount" in row:
-        assert row["payout_amount"] == row["markup_amount"] + row["fee_amount"] - fees
-    else:
+    if "payout_share" in row:  # margin: each row's share; the payout of a whole app's month floored at 0
+        assert row["payout_share"] == row["markup_amount"] + row["fee_amount"] - fees
+        if row["payout_amount"] is not None and row["app_id"] != "TOTAL":
+            assert row["payout_amount"] == max(Decimal(0), row["payout_share"]), row
+    else:  # payouts, provisional or frozen
         assert row["payout_amount"] == max(Decimal(0), row["markup_amount"] + row["fee_amount"] - fees), row
 
 
@@ -190,7 +192,7 @@ def test_breakdown_per_end_user(month, db_url: str) -> None:  # type: ignore[no-
                       env={"COLUMNS": "200"})
     assert r.exit_code == 0 and "by end_user" in r.output and "u1" in r.output
     r = runner.invoke(report_app, ["usage", "--period", "2026-11", "--by", "planet", "--db", db_url])
-    assert r.exit_code == 2 and "--by: must be one of backend, end_user, app" in r.output
+    assert r.exit_code == 2 and "--by: must be one or two of app, day, model, backend" in r.output
 
 
 def run_reconciliation(url: str, n: int, seed: int) -> None:
