@@ -15,7 +15,8 @@ FORMATS = ("table", "csv", "json", "parquet")
 MONEY_HINTS = ("cost", "amount", "fee", "adjustments", "billed")
 
 
-def _text(value: Any) -> str:
+def text(value: Any) -> str:
+    """A value as csv / json write it: exact decimals without trailing zeros, None as empty."""
     if value is None:
         return ""
     if isinstance(value, Decimal):
@@ -28,16 +29,19 @@ def to_csv(rows: Sequence[dict[str, Any]], columns: Sequence[str], tick: Callabl
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(columns)
     for row in rows:
-        w.writerow([_text(row.get(c)) for c in columns])
+        w.writerow([text(row.get(c)) for c in columns])
         if tick:
             tick()
     return buf.getvalue()
 
 
-def to_json(rows: Sequence[dict[str, Any]], columns: Sequence[str], totals: Sequence[dict[str, Any]]) -> str:
+def to_json(rows: Sequence[dict[str, Any]], columns: Sequence[str], totals: Sequence[dict[str, Any]],
+            meta: dict[str, Any] | None = None) -> str:
+    """``{**meta, "rows": [...], "totals": [...]}``, money as exact decimal strings."""
     def plain(row: dict[str, Any]) -> dict[str, Any]:
-        return {c: (_text(row.get(c)) if isinstance(row.get(c), Decimal) else row.get(c)) for c in columns}
-    return json.dumps({"rows": [plain(r) for r in rows], "totals": [plain(t) for t in totals]}, indent=2)
+        return {c: (text(row.get(c)) if isinstance(row.get(c), Decimal) else row.get(c)) for c in columns}
+    return json.dumps({**(meta or {}), "rows": [plain(r) for r in rows], "totals": [plain(t) for t in totals]},
+                      indent=2)
 
 
 def write_parquet(rows: Sequence[dict[str, Any]], columns: Sequence[str], path: Path) -> None:
@@ -79,7 +83,7 @@ def render_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], title: 
         table.add_column(header, justify="left" if c in TEXT_COLUMNS else "right", overflow="fold")
     for row in rows:
         style = "bold" if row.get("app_id") == "TOTAL" else None
-        table.add_row(*[_cell(row.get(c), c) for c in columns], style=style)
+        table.add_row(*[cell_text(row.get(c), c) for c in columns], style=style)
     if width is None and file is None and not sys.stdout.isatty():
         width = 4096  # piped: the table's natural width, one row per line, nothing cut
     Console(file=file or sys.stdout, width=width).print(table)
@@ -103,7 +107,8 @@ def money_text(value: Decimal) -> str:
     return f"{value:.{min(10, 2 - value.adjusted())}f}"
 
 
-def _cell(value: Any, column: str = "") -> str:
+def cell_text(value: Any, column: str = "") -> str:
+    """A figure as the table (and the report page) shows it."""
     if value is None:
         return "unpriced" if column in UNPRICED_COLUMNS else ""
     if isinstance(value, Decimal) and column.endswith("_pct"):

@@ -143,3 +143,89 @@ _report_command("margin", "Usage plus billed, markup, fees, margin and payout pe
                           "provider cost + markup + fees.")
 _report_command("payouts", "Per-app payout = markup + fees − platform fee − payment fee, floored at 0: frozen at "
                            "period close (status pending until paid), provisional before.")
+
+
+@report_app.command("compare")
+def compare_cmd(before: str = typer.Option(..., "--before", help="Days before the change: YYYY-MM-DD..YYYY-MM-DD "
+                                           "(inclusive, UTC) or a month YYYY-MM."),
+                after: str = typer.Option(..., "--after", help="Days after the change, the same way."),
+                app: str | None = typer.Option(None, "--app", help="One app (default: the totals of all apps)."),
+                fmt: str = typer.Option("table", "--format", help="table | csv | json"),
+                db: str | None = typer.Option(None, help=DB_HELP)) -> None:
+    """Cached share, cache savings, TTFT p50/p90, errors, cost per request and per session: before and after a
+    routing change, side by side with the change."""
+    from kvroute.billing import export
+    from kvroute.billing.reports.compare import COLUMNS, compare
+    from kvroute.billing.reports.scope import Scope
+    if fmt not in ("table", "csv", "json"):
+        _fail("error: --format must be one of table, csv, json")
+    a = _checked(lambda: Scope.parse_range(before, "--before"))
+    b = _checked(lambda: Scope.parse_range(after, "--after"))
+    with _opened(db) as (conn, catalog):
+        result = compare(conn, catalog, a, b, app)
+    if fmt == "json":
+        typer.echo(export.to_json(result["rows"], COLUMNS, [], meta={k: v for k, v in result.items() if k != "rows"}))
+    elif fmt == "csv":
+        typer.echo(export.to_csv(result["rows"], COLUMNS), nl=False)
+    else:
+        empty = result["no_usage"]
+
+        def cell(side: str, r: dict[str, Any]) -> str:
+            return "–" if side in empty or (side == "change" and empty) else export.cell_text(r[side], r["figure"])
+        shown = [{**r, "before": cell("before", r), "after": cell("after", r), "change": cell("change", r),
+                  "change_pct": "" if r["change_pct"] is None else f"{r['change_pct']:+.1f} %"} for r in result["rows"]]
+        export.render_table(shown, COLUMNS, f"kvroute compare · {result['app']} · before {result['before']} · after "
+                            f"{result['after']} · {result['currency'] or 'no usage'}" + "".join(
+                                f" · no usage {side}" for side in empty))
+
+
+@report_app.command("statement")
+def statement_cmd(app: str = typer.Option(..., "--app", help="The app whose customer is billed."),
+                  period: str = typer.Option(..., "--period", help="The month YYYY-MM."),
+                  customer: str | None = typer.Option(None, "--customer", help="One end user of the app (the "
+                                                      "request's user) instead of all its customers."),
+                  currency: str | None = typer.Option(None, "--currency", help="Where the app bills in several."),
+                  fmt: str = typer.Option("json", "--format", help="json | csv | html"),
+                  out: Path | None = typer.Option(None, "--out", help="Write to a file instead of stdout."),
+                  db: str | None = typer.Option(None, help=DB_HELP)) -> None:
+    """A customer statement: number, period, customer, one line per model × token bucket (quantity, unit price,
+    amount), adjustments with the month they come from, total; nothing internal. A closed month's is the frozen
+    statement's."""
+    from kvroute.billing import export
+    from kvroute.billing.reports.statement import CSV_COLUMNS, build_statement, statement_rows
+    if fmt not in ("json", "csv", "html"):
+        _fail("error: --format must be one of json, csv, html")
+    with _opened(db) as (conn, catalog):
+        statement = build_statement(conn, catalog, app, period, customer, currency)
+    if fmt == "json":
+        import json
+        text = json.dumps(statement.as_dict(), indent=2) + "\n"
+    elif fmt == "csv":
+        text = export.to_csv(statement_rows(statement), CSV_COLUMNS)
+    else:
+        from kvroute.billing.reports.page import render_statement
+        text = render_statement(statement)
+    if out is None:
+        typer.echo(text, nl=False)
+    else:
+        out.write_text(text)
+        typer.echo(f"wrote statement {statement.number} ({statement.total} {statement.currency}) to {out}")
+
+
+@report_app.command("html")
+def html_cmd(out: Path = typer.Option(..., "--out", help="The HTML file to write."),
+             period: str | None = typer.Option(None, "--period", help="A month YYYY-MM: its days."),
+             start: str | None = typer.Option(None, "--from", help=FROM_HELP),
+             end: str | None = typer.Option(None, "--to", help=TO_HELP),
+             app: str | None = typer.Option(None, "--app", help="Only this app."),
+             db: str | None = typer.Option(None, help=DB_HELP)) -> None:
+    """One self-contained page (opens from disk, no network): per app daily spend, billed, margin, cache savings,
+    cached share, TTFT p50/p90 and error rate, with charts; the fleet's hit rate."""
+    from kvroute.billing.reports.page import page_data, render_page
+    from kvroute.billing.reports.scope import Scope
+    scope = _checked(lambda: Scope.month_days(period) if period is not None and start is None and end is None
+                     else Scope.parse(period, start, end))
+    with _opened(db) as (conn, catalog):
+        data = page_data(conn, catalog, scope, app)
+    out.write_text(render_page(data))
+    typer.echo(f"wrote {out} ({len(data['apps'])} app(s), {scope.label})")

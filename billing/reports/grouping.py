@@ -32,7 +32,8 @@ LEVELS: dict[str, tuple[str, ...]] = {
 }
 #: Columns whose values are text (left-aligned in a table).
 TEXT_COLUMNS = frozenset({"app_id", "day", "served_model", "provider", "backend_id", "route_kind", "end_user",
-                          "api_key_hash", "session_id", "tag", "pricing_rule", "status", "period", "currency"})
+                          "api_key_hash", "session_id", "tag", "pricing_rule", "status", "period", "currency",
+                          "figure"})
 
 
 class utc_day(FunctionElement):

@@ -251,7 +251,7 @@ def _finish(row: dict[str, Any], catalog: Catalog) -> None:
     row["cache_hit_ratio"] = round(row["cache_read_tokens"] / prompt, 4) if prompt else 0.0
     requests = row["requests_total"]
     row["error_rate"] = round(row["requests_failed"] / requests, 4) if requests else None
-    spend = row["provider_cost"] + row["absorbed_cost"]
+    spend = row["spend"] = row["provider_cost"] + row["absorbed_cost"]
     row["cost_per_request"] = fix(spend / requests) if requests else None
     described = []
     rules = sorted(row.pop("rules", ()))
