@@ -139,7 +139,13 @@ def _event_partials(conn: Connection, lines: Lines) -> dict[tuple, dict[str, Any
         own(case((_self_hosted(), zero), else_=E.provider_cost)).label("hosted_cost"),
     ).group_by(*lines.key_columns())
     n = lines.width()
-    return {tuple(r[:n]): {**dict(r._mapping), "adjustments": ZERO} for r in conn.execute(query)}
+    out = {}
+    for r in conn.execute(query):
+        row = {**dict(r._mapping), "adjustments": ZERO}
+        for c in (*COUNTS, *TOKENS):  # PostgreSQL sums bigints as numeric
+            row[c] = int(row[c])
+        out[tuple(r[:n])] = row
+    return out
 
 
 def _add_adjustments(conn: Connection, lines: Lines, partials: dict[tuple, dict[str, Any]]) -> None:
@@ -197,11 +203,12 @@ def _rules(conn: Connection, lines: Lines) -> dict[tuple, set[tuple[int, int]]]:
 
 
 def _with_fees(partials: dict[tuple, dict[str, Any]], catalog: Catalog) -> None:
-    """Platform and payment fee of each partial: its billed amount × the app's percentages of its month."""
+    """Platform and payment fee of each partial: its billed amount × the app's percentages of its month, exact
+    (never rounded here, so rows of any grouping add up to the same totals; frozen statements round)."""
     for row in partials.values():
         platform_pct, payment_pct = catalog.platform_fee_pct(row["app_id"], period_start(row["month"]))
-        row["platform_fee"] = fix(row["billed_amount"] * platform_pct)
-        row["payment_fee"] = fix(row["billed_amount"] * payment_pct)
+        row["platform_fee"] = row["billed_amount"] * platform_pct
+        row["payment_fee"] = row["billed_amount"] * payment_pct
 
 
 def build_rows(conn: Connection, catalog: Catalog, scope: Scope, grouping: Grouping, app: str | None = None,

@@ -44,17 +44,18 @@ def add(conn: Connection, catalog: Catalog, lines: Lines, rows: dict[tuple, dict
         *lines.key_columns(), E.cost_rate_id)
     for r in conn.execute(query):
         a = acc[row_key(tuple(r[:lines.width()]))]
+        reads, w5, w1 = int(r.reads), int(r.w5), int(r.w1)  # PostgreSQL sums bigints as numeric
         card = catalog.rates_by_id.get(r.rate_id) if r.rate_id is not None else None
         if card is None or card.currency != r.currency:
-            a["unpriced"] += r.reads + r.w5 + r.w1
+            a["unpriced"] += reads + w5 + w1
             continue
-        a["savings"] += r.reads * (card.input_per_mtok - card.cache_read_per_mtok) / MILLION
-        a["premium"] += (r.w5 * (card.cache_write_5m_per_mtok - card.input_per_mtok)
-                         + r.w1 * (card.cache_write_1h_per_mtok - card.input_per_mtok)) / MILLION
-        a["priced_read"] += r.reads
-        a["priced_write"] += r.w5 + r.w1
+        a["savings"] += reads * (card.input_per_mtok - card.cache_read_per_mtok) / MILLION
+        a["premium"] += (w5 * (card.cache_write_5m_per_mtok - card.input_per_mtok)
+                         + w1 * (card.cache_write_1h_per_mtok - card.input_per_mtok)) / MILLION
+        a["priced_read"] += reads
+        a["priced_write"] += w5 + w1
         if card.prefill_tok_s:
-            a["seconds"] = (a["seconds"] or ZERO) + Decimal(r.reads) / card.prefill_tok_s
+            a["seconds"] = (a["seconds"] or ZERO) + Decimal(reads) / card.prefill_tok_s
     for rk, row in rows.items():
         a = acc[rk]
         writes = row["cache_write_5m_tokens"] + row["cache_write_1h_tokens"]

@@ -86,10 +86,10 @@ class Scope:
             except InputError:
                 raise InputError(where, f"expected YYYY-MM-DD..YYYY-MM-DD or YYYY-MM, got {text!r}") from None
         a, b = text.split("..", 1)
-        try:
-            return cls.days(parse_day(a, where), parse_day(b, where))
-        except InputError as exc:
-            raise InputError(where, exc.message) from None
+        first, last = parse_day(a, where), parse_day(b, where)
+        if last < first:
+            raise InputError(where, f"{text} ends before it starts")
+        return cls.days(first, last)
 
     @property
     def is_month(self) -> bool:
