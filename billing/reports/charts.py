@@ -38,6 +38,13 @@ def _frame(days: Sequence[str], top: float, fmt: Callable[[float], str], label: 
     return out
 
 
+def _start(days: Sequence[str], series: dict[str, Sequence[float | None]], fmt: Callable[[float], str],
+           label: str) -> tuple[list[str], float, float, float]:
+    """(the SVG so far: frame, gridlines, ticks; the top of the scale; the plot's height; one day's width)."""
+    top = _scale(list(series.values()))
+    return _frame(days, top, fmt, label), top, HEIGHT - TOP - BOTTOM, (WIDTH - LEFT - RIGHT) / max(1, len(days))
+
+
 def _legend(names: Sequence[str]) -> str:
     items = "".join(f'<span class="key"><i style="background:{PALETTE[i % len(PALETTE)]}"></i>{escape(n)}</span>'
                     for i, n in enumerate(names))
@@ -47,10 +54,7 @@ def _legend(names: Sequence[str]) -> str:
 def bars(days: Sequence[str], series: dict[str, Sequence[float | None]], fmt: Callable[[float], str],
          label: str) -> str:
     """Grouped bars, one group per day, one bar per series."""
-    top = _scale(list(series.values()))
-    out = _frame(days, top, fmt, label)
-    plot_h = HEIGHT - TOP - BOTTOM
-    slot = (WIDTH - LEFT - RIGHT) / max(1, len(days))
+    out, top, plot_h, slot = _start(days, series, fmt, label)
     bar = slot * 0.8 / max(1, len(series))
     for s, (name, values) in enumerate(series.items()):
         for i, v in enumerate(values):
@@ -68,10 +72,7 @@ def bars(days: Sequence[str], series: dict[str, Sequence[float | None]], fmt: Ca
 def lines(days: Sequence[str], series: dict[str, Sequence[float | None]], fmt: Callable[[float], str],
           label: str) -> str:
     """One line per series over the days (a day without a value breaks the line)."""
-    top = _scale(list(series.values()))
-    out = _frame(days, top, fmt, label)
-    plot_h = HEIGHT - TOP - BOTTOM
-    slot = (WIDTH - LEFT - RIGHT) / max(1, len(days))
+    out, top, plot_h, slot = _start(days, series, fmt, label)
     for s, (name, values) in enumerate(series.items()):
         color = PALETTE[s % len(PALETTE)]
         points: list[str] = []
