@@ -43,12 +43,17 @@ def add(conn: Connection, lines: Lines, rows: dict[tuple, dict[str, Any]], row_k
     times: dict[tuple, dict[str, list[int]]] = defaultdict(lambda: {"ttft_ms": [], "duration_ms": []})
     query = lines.events(E.ttft_ms, E.duration_ms).where(
         E.is_final_attempt.is_(True), E.status == "success", or_(E.ttft_ms.is_not(None), E.duration_ms.is_not(None)))
+    keys: dict[tuple, dict[str, list[int]]] = {}
     for r in conn.execute(query):
-        found = times[row_key(tuple(r[:width]))]
-        if r.ttft_ms is not None:
-            found["ttft_ms"].append(r.ttft_ms)
-        if r.duration_ms is not None:
-            found["duration_ms"].append(r.duration_ms)
+        key = r[:width]
+        found = keys.get(key)
+        if found is None:
+            found = keys[key] = times[row_key(key)]
+        ttft, duration = r[width], r[width + 1]
+        if ttft is not None:
+            found["ttft_ms"].append(ttft)
+        if duration is not None:
+            found["duration_ms"].append(duration)
     spend: dict[tuple, dict[str, Decimal]] = defaultdict(lambda: defaultdict(Decimal))
     total = type_coerce(func.coalesce(func.sum(type_coerce(E.provider_cost, Money())), 0), Money())
     query = lines.events(E.session_id.label("session"), total.label("spend")).where(

@@ -131,7 +131,8 @@ def _event_partials(conn: Connection, lines: Lines) -> dict[tuple, dict[str, Any
           .label(c) for c in TOKENS],
         own(E.provider_cost - E.absorbed_cost).label("provider_cost"),
         own(E.absorbed_cost).label("absorbed_cost"),
-        *[own(case((cause == c, E.absorbed_cost), else_=zero)).label(causes.COLUMNS[c]) for c in causes.CAUSES],
+        *[own(case((E.absorbed_cost == zero, zero), (cause == c, E.absorbed_cost), else_=zero))  # cause: absorbed only
+          .label(causes.COLUMNS[c]) for c in causes.CAUSES],
         own(E.markup_amount + E.surcharge_amount).label("markup_amount"),
         own(E.fee_amount).label("fee_amount"),
         own(E.billed_amount).label("billed_amount"),
