@@ -152,8 +152,9 @@ def compare_cmd(before: str = typer.Option(..., "--before", help="Days before th
                 app: str | None = typer.Option(None, "--app", help="One app (default: the totals of all apps)."),
                 fmt: str = typer.Option("table", "--format", help="table | csv | json"),
                 db: str | None = typer.Option(None, help=DB_HELP)) -> None:
-    """Cached share, cache savings, TTFT p50/p90, errors, cost per request and per session: before and after a
-    routing change, side by side with the change."""
+    """Before and after a routing change: cached share, savings, TTFT, errors, cost per request and session.
+
+    Each side is ``report usage --from --to --by app`` for --app (else the totals of all apps), with the change."""
     from kvroute.billing import export
     from kvroute.billing.reports.compare import COLUMNS, compare
     from kvroute.billing.reports.scope import Scope
@@ -188,9 +189,10 @@ def statement_cmd(app: str = typer.Option(..., "--app", help="The app whose cust
                   fmt: str = typer.Option("json", "--format", help="json | csv | html"),
                   out: Path | None = typer.Option(None, "--out", help="Write to a file instead of stdout."),
                   db: str | None = typer.Option(None, help=DB_HELP)) -> None:
-    """A customer statement: number, period, customer, one line per model × token bucket (quantity, unit price,
-    amount), adjustments with the month they come from, total; nothing internal. A closed month's is the frozen
-    statement's."""
+    """A customer statement: lines per model × token bucket, adjustments, total; nothing internal.
+
+    Statement number, period, customer, quantity, unit price and amount per line, adjustments with the month they
+    come from. A closed month's number and total are its frozen statement's."""
     from kvroute.billing import export
     from kvroute.billing.reports.statement import CSV_COLUMNS, build_statement, statement_rows
     if fmt not in ("json", "csv", "html"):
@@ -219,8 +221,10 @@ def html_cmd(out: Path = typer.Option(..., "--out", help="The HTML file to write
              end: str | None = typer.Option(None, "--to", help=TO_HELP),
              app: str | None = typer.Option(None, "--app", help="Only this app."),
              db: str | None = typer.Option(None, help=DB_HELP)) -> None:
-    """One self-contained page (opens from disk, no network): per app daily spend, billed, margin, cache savings,
-    cached share, TTFT p50/p90 and error rate, with charts; the fleet's hit rate."""
+    """One self-contained HTML page per app and day, with charts; opens from disk, fetches nothing.
+
+    Per app: spend, billed, margin, cache savings, cached share, TTFT p50/p90, error rate, daily; the fleet's hit
+    rate. --period M stands for the days of M."""
     from kvroute.billing.reports.page import page_data, render_page
     from kvroute.billing.reports.scope import Scope
     scope = _checked(lambda: Scope.month_days(period) if period is not None and start is None and end is None
