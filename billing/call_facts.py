@@ -7,7 +7,7 @@ Whoever observed the attempt -- kvroute's own attempt record or LiteLLM's callba
 - provider cost: the provider's reported cost (``reported_cost``, else ``usage.cost``); a reported cost equal to
   LiteLLM's own (LiteLLM's stamp of its bill on a stream), or on a ``self_hosted`` row, counts as LiteLLM's and
   leaves ``raw_usage``; LiteLLM's cost loses LiteLLM's own margin; a LiteLLM cost of 0 for tokens is "unpriced";
-- column limits: every string a client or provider controls is fitted to its ledger column (``fit``): longer
+- column limits: every string a client or provider controls (tags too) is fitted to its ledger column (``fit``): longer
   values keep their first characters and end in ``~`` plus 12 hex digits of their sha256, so distinct long values
   stay distinct and the event is valid on SQLite and PostgreSQL alike; integers are clamped to the column's range.
 """
@@ -30,7 +30,9 @@ INT32_MAX = 2**31 - 1
 
 # ledger column widths (billing.models.UsageEventRow); kept here so building an event never imports SQLAlchemy
 LIMITS = {"request_id": 200, "app_id": 200, "end_user": 200, "api_key_hash": 128, "requested_model": 200,
-          "served_model": 200, "provider": 100, "backend_id": 200, "error_type": 100, "attempt_key": 200}
+          "served_model": 200, "provider": 100, "backend_id": 200, "error_type": 100, "attempt_key": 200,
+          "session_id": 200}
+TAG_LIMIT, MAX_TAGS = 100, 20  # ``events.TAG_LIMIT``/``MAX_TAGS``: a tag's characters, tags per event
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +70,8 @@ class CallFacts:
     first_token: datetime | float | None = None
     end_user: str | None = None
     api_key_hash: str | None = None
+    session_id: str | None = None  # the session the client named (header or metadata)
+    tags: tuple[str, ...] = ()  # the request's metadata tags
 
 
 def fit(value: Any, limit: int) -> str:
@@ -195,4 +199,13 @@ def event_from_facts(f: CallFacts) -> UsageEvent:
         sticky_hit=f.sticky_hit, fallback_depth=int32(f.fallback_depth) or 0,
         ttft_ms=int32(ttft), duration_ms=int32(duration), provider_cost=reported, litellm_cost=litellm_cost,
         raw_usage=dict(raw_usage), attempt_key=fit_opt(f.attempt_key, "attempt_key"),
+        session_id=fit_opt(f.session_id, "session_id"), tags=fit_tags(f.tags),
     )
+
+
+def fit_tags(tags: Any) -> tuple[str, ...]:
+    """At most ``MAX_TAGS`` of ``tags`` (the first in sorted order), each a non-empty string fitted to ``TAG_LIMIT``."""
+    if not tags:
+        return ()
+    fitted = sorted({fit(t, TAG_LIMIT) for t in tags if t not in (None, "")})
+    return tuple(fitted[:MAX_TAGS])

@@ -45,6 +45,7 @@ class Catalog:
             items.sort(key=lambda r: r.effective_from)
         self._rate_starts = {k: [r.effective_from for r in v] for k, v in self._rates.items()}
         self.rules_by_id = {r.price_rule_id: (b, r) for b in books for r in b.rules}
+        self.rates_by_id = {r.cost_rate_id: r for r in rates if r.cost_rate_id is not None}
 
     def book_for(self, app_id: str, at: datetime) -> PriceBook | None:
         """The app's book in force at ``at`` (latest version that started by then), else the default book."""
@@ -94,7 +95,7 @@ class Catalog:
                  for b in conn.execute(select(PriceBookRow.__table__))]
         rates = [CostRate(c.backend_id, c.effective_from, c.currency, c.input_per_mtok, c.cache_read_per_mtok,
                           c.cache_write_5m_per_mtok, c.cache_write_1h_per_mtok, c.output_per_mtok,
-                          c.reasoning_per_mtok, c.per_request, c.source, c.cost_rate_id)
+                          c.reasoning_per_mtok, c.per_request, c.source, c.cost_rate_id, c.prefill_tok_s)
                  for c in conn.execute(select(CostRateRow.__table__))]
         backends = {b.backend_id: BackendIdentity(b.provider, b.route_kind)
                     for b in conn.execute(select(Backend.backend_id, Backend.provider, Backend.route_kind)

@@ -1,4 +1,5 @@
-"""``kvroute billing ...`` and ``kvroute report ...`` commands (SQLAlchemy and friends load inside commands)."""
+"""``kvroute billing ...`` commands (and ``report_app``, the ``kvroute report ...`` commands of ``report_cli``);
+SQLAlchemy and friends load inside commands."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from typing import Any
 import typer
 
 billing_app = typer.Typer(no_args_is_help=True, help="Usage ledger: ingest events, load price books, close periods.")
-report_app = typer.Typer(no_args_is_help=True, help="Monthly usage, margin and payout reports.")
 
 DB_HELP = ("SQLAlchemy URL or SQLite path (default: the proxy's ledger, KVROUTE_BILLING_DB, else "
            "billing.db in KVROUTE_DATA_DIR, default .kvroute).")
@@ -210,101 +210,10 @@ def rerate_cmd(month: str = typer.Option(..., "--month", "--period", help="YYYY-
                    "booked for closed periods")
 
 
-def _report(kind: str, period: str, app: str | None, fmt: str, out: Path | None, db: str | None,
-            by: str = "backend") -> None:
-    from kvroute.billing import export, reports
-    from kvroute.billing.periods import check_period
-    from kvroute.policies.errors import InputError
-    if fmt not in export.FORMATS:
-        _fail(f"error: --format must be one of {', '.join(export.FORMATS)}")
-    if fmt == "parquet" and out is None:
-        _fail("error: --format parquet needs --out FILE")
-    try:
-        check_period(period)
-        reports.check_by(by)
-    except InputError as exc:
-        _fail(f"error: {exc}")
-    build, columns = {"usage": (reports.usage_report, reports.usage_columns(by)),
-                      "margin": (reports.margin_report, reports.margin_columns(by)),
-                      "payouts": (reports.payout_report, reports.PAYOUT_COLUMNS)}[kind]
-    ledger = _ledger(db, must_exist=True)
-    try:
-        with ledger.engine.connect() as conn:
-            rows = build(conn, ledger.catalog(refresh=True), period, app, by)
-    finally:
-        ledger.close()
-    total_rows = reports.totals(rows)
-    everything = rows + total_rows
-    unpriced = sum(t.get("unpriced_events", 0) for t in total_rows)
-    if unpriced:
-        typer.echo(f"warning: {unpriced} event(s) had no reported cost and no rate card: booked at cost 0 "
-                   f"(column unpriced_events; after load-prices, kvroute billing rerate --month {period})", err=True)
-    title = f"kvroute {kind} report {period}" + (f" · app {app}" if app else "") + (
-        f" · by {by}" if kind != "payouts" else "")
-    if fmt == "table" and out is None:
-        export.render_table(everything, reports.table_columns(kind, by), title)
-        return
-    import contextlib
-
-    from rich.console import Console
-    from rich.progress import Progress
-    show = out is not None and sys.stderr.isatty() and len(everything) > 2000
-    progress = Progress(transient=True, console=Console(stderr=True)) if show else None
-    task = progress.add_task(f"writing {kind} report", total=len(everything)) if progress else None
-
-    def tick() -> None:
-        if progress is not None and task is not None:
-            progress.advance(task)
-
-    with progress if progress is not None else contextlib.nullcontext():
-        if fmt == "csv":
-            text = export.to_csv(everything, columns, tick=tick)
-        elif fmt == "json":
-            text = export.to_json(rows, columns, total_rows)
-        elif fmt == "parquet":
-            export.write_parquet(everything, columns, out)  # type: ignore[arg-type]
-            typer.echo(f"wrote {len(everything)} rows to {out}")
-            return
-        else:
-            import io
-            buf = io.StringIO()
-            export.render_table(everything, columns, title, file=buf, width=240)
-            text = buf.getvalue()
-    if out is None:
-        typer.echo(text, nl=False)
-    else:
-        out.write_text(text)
-        typer.echo(f"wrote {len(everything)} rows to {out}")
-
-
-def _report_command(kind: str, doc: str) -> None:
-    def command(period: str = typer.Option(..., "--period", help="YYYY-MM"),
-                app: str | None = typer.Option(None, "--app", help="Only this app."),
-                fmt: str = typer.Option("table", "--format", help="table | csv | json | parquet"),
-                out: Path | None = typer.Option(None, "--out", help="Write to a file instead of stdout."),
-                db: str | None = typer.Option(None, help=DB_HELP),
-                by: str = typer.Option("backend", "--by", help="Rows per backend | end_user | app.")) -> None:
-        _report(kind, period, app, fmt, out, db, by)
-
-    def payouts(period: str = typer.Option(..., "--period", help="YYYY-MM"),
-                app: str | None = typer.Option(None, "--app", help="Only this app."),
-                fmt: str = typer.Option("table", "--format", help="table | csv | json | parquet"),
-                out: Path | None = typer.Option(None, "--out", help="Write to a file instead of stdout."),
-                db: str | None = typer.Option(None, help=DB_HELP)) -> None:
-        _report(kind, period, app, fmt, out, db, "app")
-    chosen = payouts if kind == "payouts" else command
-    chosen.__doc__ = doc
-    report_app.command(kind)(chosen)
-
-
-_report_command("usage", "Requests and tokens per app × served model × provider × backend (or --by end_user), "
-                         "late events and adjustments included.")
-_report_command("margin", "Provider cost, markup, fees, billed, margin and payout per app × backend (or --by "
-                          "end_user); billed = provider cost + markup + fees.")
-_report_command("payouts", "Per-app payout = markup + fees − platform fee − payment fee: frozen at period close, "
-                           "provisional before.")
-
-
 from kvroute.billing.deadletter_cli import dead_letter_app  # noqa: E402
 
 billing_app.add_typer(dead_letter_app, name="dead-letter")
+
+from kvroute.billing.report_cli import report_app  # noqa: E402
+
+__all__ = ["billing_app", "report_app"]

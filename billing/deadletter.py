@@ -102,7 +102,7 @@ class DeadLetter:
             inserted = 0
             for e in self.entries():
                 try:
-                    event = event_from_json(json.loads(e.line))
+                    event = event_from_json(json.loads(e.line), archive=True)
                     insert([event])
                     inserted += 1
                 except Exception as exc:

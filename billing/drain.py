@@ -287,7 +287,7 @@ class Drainer:
         data: Any = None
         try:
             data = as_documented(json.loads(raw))
-            return event_from_json(data)
+            return event_from_json(data, archive=True)
         except (ValueError, InputError, TypeError) as exc:  # kept in the documented form, for the operator
             line = json.dumps(data).encode() if isinstance(data, dict) else raw
             self._dead(line, f"invalid event: {exc}", source)

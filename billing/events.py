@@ -15,11 +15,16 @@ provider, backend_id   yes       who served it; ``route_kind``: ``marketplace|se
 status                 no        ``success|provider_failure|capacity|client_error|cancelled|zero_completion``
 usage                  yes*      buckets ``input_uncached, cache_read, cache_write_5m, cache_write_1h, output,
                                  reasoning`` -- or ``raw_usage``: a provider usage object, normalised on ingest
+                                 (a file line with token counts in both is refused; a ``raw_usage`` of just
+                                 ``cost`` may sit beside ``usage``; kvroute's own journal lines carry
+                                 ``raw_usage`` beside ``usage`` as the archived copy the buckets came from)
 provider_cost          no        cost the provider reported (decimal string or JSON number, read exactly); absent:
                                  ``raw_usage.cost`` (OpenRouter's ``usage.cost``) when given
 litellm_cost           no        LiteLLM's cost for the attempt *before* LiteLLM's own margin
 currency               no        ISO-4217, default ``USD``
 end_user, api_key_hash no        attribution details (never prompt text)
+session_id             no        the client's session (``x-session-id`` or request metadata), at most 200 characters
+tags                   no        the request's tags (strings of at most 100 characters, at most 20, sorted unique)
 http_status, error_type, streamed, sticky_hit, fallback_depth, ttft_ms, duration_ms, router_attempts: optional
 event_id               no        if given, must equal the deterministic id (sha256 of app|request|attempt)
 =====================  ========  ==========================================================================
@@ -55,11 +60,17 @@ INT32 = range(0, 2**31)
 FIELD_LIMITS: dict[str, int | range] = {
     "request_id": 200, "app_id": 200, "served_model": 200, "requested_model": 200, "provider": 100,
     "backend_id": 200, "end_user": 200, "api_key_hash": 128, "error_type": 100, "attempt_key": 1000,
+    "session_id": 200,
     "attempt": INT32, "http_status": range(0, 1000), "fallback_depth": INT32, "ttft_ms": INT32, "duration_ms": INT32,
 }
 
 STATUSES = ("success", "provider_failure", "capacity", "client_error", "cancelled", "zero_completion", "no_route")
 ROUTE_KINDS = ("marketplace", "self_hosted", "direct")
+#: The keys of a ``raw_usage`` that only carries the provider's cost (beside ``usage`` buckets: no ambiguity).
+COST_ONLY = frozenset({"cost", "cost_details"})
+#: Tags of one event: at most ``MAX_TAGS``, each at most ``TAG_LIMIT`` characters (the ``usage_event_tag`` column).
+MAX_TAGS = 20
+TAG_LIMIT = 100
 
 
 def event_id_for(app_id: str, request_id: str, attempt: int | str) -> str:
@@ -113,6 +124,8 @@ class UsageEvent:
     raw_usage: dict[str, Any] | None = None
     router_attempts: list[Any] | None = None
     attempt_key: str | None = None
+    session_id: str | None = None
+    tags: tuple[str, ...] = ()
     event_id: str = field(default="")
 
     def __post_init__(self) -> None:
@@ -130,6 +143,10 @@ class UsageEvent:
             object.__setattr__(self, "requested_model", self.served_model)
         if self.attempt_key == "":
             object.__setattr__(self, "attempt_key", None)
+        if self.session_id == "":
+            object.__setattr__(self, "session_id", None)
+        if self.tags and (not isinstance(self.tags, tuple) or list(self.tags) != sorted(set(self.tags))):
+            object.__setattr__(self, "tags", tuple(sorted(set(self.tags))))
         check_limits(self)
         expected = event_id_for(self.app_id, self.request_id,
                                 self.attempt if self.attempt_key is None else self.attempt_key)
@@ -154,10 +171,12 @@ class UsageEvent:
             "streamed": self.streamed, "sticky_hit": self.sticky_hit, "fallback_depth": self.fallback_depth,
         }
         for name in ("end_user", "api_key_hash", "http_status", "error_type", "ttft_ms", "duration_ms",
-                     "attempt_key"):
+                     "attempt_key", "session_id"):
             value = getattr(self, name)
             if value is not None and value != "":  # replay reads "" as invalid: absent and empty mean the same
                 out[name] = value
+        if self.tags:
+            out["tags"] = list(self.tags)
         for name in ("raw_usage", "router_attempts"):  # archive copies: JSON-safe (Decimal literals as numbers)
             value = getattr(self, name)
             if value is not None:
@@ -208,6 +227,8 @@ def check_limits(e: UsageEvent) -> None:
         if value is None or (type(value) is int and bounds.start <= value < bounds.stop):
             continue
         raise InputError(name, f"must be an integer in [{bounds.start}, {bounds.stop - 1}], got {value!r}")
+    if e.tags:
+        check_tags(e.tags)
     if not (type(e.currency) is str and len(e.currency) == 3 and e.currency.isascii() and e.currency.isalpha()):
         check_currency(e.currency)
     for name in ("provider_cost", "litellm_cost"):
@@ -215,6 +236,18 @@ def check_limits(e: UsageEvent) -> None:
         if amount is not None and not (isinstance(amount, Decimal) and amount.is_finite() and amount >= 0
                                        and amount <= MAX_AMOUNT):
             raise InputError(name, f"must be a decimal amount in [0, {MAX_AMOUNT}], got {amount!r}")
+
+
+def check_tags(tags: Any) -> None:
+    """Raise ``InputError`` (field ``tags``) unless ``tags`` are at most ``MAX_TAGS`` non-empty strings that fit."""
+    if len(tags) > MAX_TAGS:
+        raise InputError("tags", f"{len(tags)} tags; at most {MAX_TAGS} are stored")
+    for tag in tags:
+        if not isinstance(tag, str) or not tag:
+            raise InputError("tags", f"must be non-empty strings, got {tag!r}")
+        if len(tag) > TAG_LIMIT:
+            raise InputError("tags", f"a tag is {len(tag)} characters long; at most {TAG_LIMIT} are stored")
+        check_text(tag, "tags")
 
 
 def fit_text(name: str, value: str | None) -> str | None:
@@ -244,7 +277,8 @@ def check_text(value: str, where: str) -> None:
 _KNOWN = {"event_id", "request_id", "attempt", "final", "app_id", "occurred_at", "requested_model", "served_model",
           "provider", "backend_id", "route_kind", "status", "usage", "raw_usage", "usage_provider", "currency",
           "streamed", "sticky_hit", "fallback_depth", "end_user", "api_key_hash", "http_status", "error_type",
-          "ttft_ms", "duration_ms", "router_attempts", "provider_cost", "litellm_cost", "attempt_key"}
+          "ttft_ms", "duration_ms", "router_attempts", "provider_cost", "litellm_cost", "attempt_key", "session_id",
+          "tags"}
 
 
 def _str(data: Mapping[str, Any], key: str, required: bool = False) -> str | None:
@@ -290,8 +324,12 @@ def parse_time(value: object, key: str = "occurred_at") -> datetime:
         raise InputError(key, f"out of range: {value!r}") from None
 
 
-def event_from_json(data: object) -> UsageEvent:
-    """Validate one JSON object of the documented schema; ``InputError.where`` names the bad field."""
+def event_from_json(data: object, *, archive: bool = False) -> UsageEvent:
+    """Validate one JSON object of the documented schema; ``InputError.where`` names the bad field.
+
+    ``archive``: the line is kvroute's own (a journal or dead-letter line), whose ``raw_usage`` beside ``usage`` is
+    the archived copy the buckets came from; any other line giving both is refused: which one counts is not for the
+    ledger to guess."""
     if not isinstance(data, Mapping):
         raise InputError("(line)", f"expected a JSON object, got {type(data).__name__}")
     unknown = set(data) - _KNOWN
@@ -301,6 +339,10 @@ def event_from_json(data: object) -> UsageEvent:
     if raw is not None and not isinstance(raw, Mapping):
         raise InputError("raw_usage", f"must be the provider's usage object, got {type(raw).__name__}")
     tokens_from_raw = False
+    if raw is not None and data.get("usage") is not None and not archive and set(raw) - COST_ONLY:
+        raise InputError("raw_usage", "holds token counts beside usage: give either usage (token buckets) or "
+                                      "raw_usage (the provider's usage object), not both (raw_usage may carry just a "
+                                      "cost beside usage)")
     if "usage" in data and data["usage"] is not None:
         if not isinstance(data["usage"], Mapping):
             raise InputError("usage", "must be an object of token buckets")
@@ -340,8 +382,19 @@ def event_from_json(data: object) -> UsageEvent:
         ttft_ms=_optint(data, "ttft_ms"), duration_ms=_optint(data, "duration_ms"),
         provider_cost=costs["provider_cost"], litellm_cost=costs["litellm_cost"], currency=currency,
         raw_usage=dict(raw) if raw is not None else None, router_attempts=attempts,
-        attempt_key=_str(data, "attempt_key"), event_id=_str(data, "event_id") or "",
+        attempt_key=_str(data, "attempt_key"), session_id=_str(data, "session_id"), tags=_tags(data),
+        event_id=_str(data, "event_id") or "",
     )
+
+
+def _tags(data: Mapping[str, Any]) -> tuple[str, ...]:
+    value = data.get("tags")
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise InputError("tags", f"must be a list of strings, got {type(value).__name__}")
+    check_tags(value)
+    return tuple(sorted(set(value)))
 
 
 def json_safe(value: Any) -> Any:

@@ -15,7 +15,8 @@ FORMATS = ("table", "csv", "json", "parquet")
 MONEY_HINTS = ("cost", "amount", "fee", "adjustments", "billed")
 
 
-def _text(value: Any) -> str:
+def text(value: Any) -> str:
+    """A value as csv / json write it: exact decimals without trailing zeros, None as empty."""
     if value is None:
         return ""
     if isinstance(value, Decimal):
@@ -28,16 +29,19 @@ def to_csv(rows: Sequence[dict[str, Any]], columns: Sequence[str], tick: Callabl
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(columns)
     for row in rows:
-        w.writerow([_text(row.get(c)) for c in columns])
+        w.writerow([text(row.get(c)) for c in columns])
         if tick:
             tick()
     return buf.getvalue()
 
 
-def to_json(rows: Sequence[dict[str, Any]], columns: Sequence[str], totals: Sequence[dict[str, Any]]) -> str:
+def to_json(rows: Sequence[dict[str, Any]], columns: Sequence[str], totals: Sequence[dict[str, Any]],
+            meta: dict[str, Any] | None = None) -> str:
+    """``{**meta, "rows": [...], "totals": [...]}``, money as exact decimal strings."""
     def plain(row: dict[str, Any]) -> dict[str, Any]:
-        return {c: (_text(row.get(c)) if isinstance(row.get(c), Decimal) else row.get(c)) for c in columns}
-    return json.dumps({"rows": [plain(r) for r in rows], "totals": [plain(t) for t in totals]}, indent=2)
+        return {c: (text(row.get(c)) if isinstance(row.get(c), Decimal) else row.get(c)) for c in columns}
+    return json.dumps({**(meta or {}), "rows": [plain(r) for r in rows], "totals": [plain(t) for t in totals]},
+                      indent=2)
 
 
 def write_parquet(rows: Sequence[dict[str, Any]], columns: Sequence[str], path: Path) -> None:
@@ -67,28 +71,50 @@ def write_parquet(rows: Sequence[dict[str, Any]], columns: Sequence[str], path: 
 
 def render_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], title: str, file: Any = None,
                  width: int | None = None) -> None:
-    """A rich table on the terminal; money shown to 4 decimals (exact values via csv/json/parquet)."""
+    """A rich table on the terminal; money to three significant digits below 1 and to the cent above (exact
+    values via csv/json/parquet); an unpriced figure reads ``unpriced``."""
     from rich.console import Console
     from rich.table import Table
+
+    from kvroute.billing.reports.grouping import TEXT_COLUMNS
     table = Table(title=title, show_lines=False)
-    text_columns = {"app_id", "served_model", "provider", "backend_id", "route_kind", "pricing_rule", "status",
-                    "period", "currency"}
     for c in columns:
-        header = c.replace("_amount", "").replace("_tokens", "").replace("_", " ")
-        table.add_column(header, justify="left" if c in text_columns else "right", overflow="fold")
+        header = HEADERS.get(c) or c.replace("_amount", "").replace("_tokens", "").replace("_", " ")
+        table.add_column(header, justify="left" if c in TEXT_COLUMNS else "right", overflow="fold")
     for row in rows:
         style = "bold" if row.get("app_id") == "TOTAL" else None
-        table.add_row(*[_cell(row.get(c), c) for c in columns], style=style)
+        table.add_row(*[cell_text(row.get(c), c) for c in columns], style=style)
     if width is None and file is None and not sys.stdout.isatty():
         width = 4096  # piped: the table's natural width, one row per line, nothing cut
     Console(file=file or sys.stdout, width=width).print(table)
 
 
-def _cell(value: Any, column: str = "") -> str:
+#: Short table headers (csv / json keep the column names).
+HEADERS = {"requests_total": "requests", "error_rate": "errors", "cache_hit_ratio": "cached", "provider_cost": "cost",
+           "absorbed_cost": "absorbed", "cache_savings": "cache saved", "ttft_p50_ms": "ttft p50 ms",
+           "ttft_p90_ms": "ttft p90 ms", "currency": "cur", "margin_pct": "margin %", "served_model": "model",
+           "backend_id": "backend", "payout_share": "payout share", "app_id": "app"}
+#: Figures shown as ``unpriced`` when a row has none (no rate card priced them): never read as 0.
+UNPRICED_COLUMNS = ("cache_savings", "cache_write_premium", "cache_savings_net")
+
+
+def money_text(value: Decimal) -> str:
+    """An amount a person can read: to the cent from 1 up, else three significant digits (``0.000331``)."""
+    if value == 0:
+        return "0"
+    if abs(value) >= 1:
+        return f"{value:,.2f}"
+    return f"{value:.{min(10, 2 - value.adjusted())}f}"
+
+
+def cell_text(value: Any, column: str = "") -> str:
+    """A figure as the table (and the report page) shows it."""
+    if value is None:
+        return "unpriced" if column in UNPRICED_COLUMNS else ""
     if isinstance(value, Decimal) and column.endswith("_pct"):
         return f"{value:.2f} %"
     if isinstance(value, Decimal):
-        return f"{value:,.4f}"
+        return money_text(value)
     if isinstance(value, float):
-        return f"{value:.2%}" if value <= 1 else f"{value:.2f}"
-    return "" if value is None else str(value)
+        return f"{value:.2%}" if column.endswith(("_ratio", "_rate")) else f"{value:,.1f}"
+    return str(value)

@@ -20,7 +20,15 @@ from sqlalchemy.dialects import postgresql, sqlite
 from kvroute.billing.catalog import Catalog
 from kvroute.billing.db import open_engine
 from kvroute.billing.events import UsageEvent, json_safe, period_of
-from kvroute.billing.models import Backend, BillingPeriodRow, Money, Tz, UsageAdjustmentRow, UsageEventRow
+from kvroute.billing.models import (
+    Backend,
+    BillingPeriodRow,
+    Money,
+    Tz,
+    UsageAdjustmentRow,
+    UsageEventRow,
+    UsageEventTagRow,
+)
 from kvroute.billing.money import MAX_AMOUNT, fix
 from kvroute.billing.pricing import rate_event
 from kvroute.policies.errors import InputError
@@ -28,6 +36,7 @@ from kvroute.policies.errors import InputError
 EVENT: Table = UsageEventRow.__table__  # type: ignore[assignment]
 ADJUSTMENT: Table = UsageAdjustmentRow.__table__  # type: ignore[assignment]
 BACKEND: Table = Backend.__table__  # type: ignore[assignment]
+TAG: Table = UsageEventTagRow.__table__  # type: ignore[assignment]
 
 
 def next_period(period: str) -> str:
@@ -121,6 +130,9 @@ class Ledger:
             if late:
                 conn.execute(self._insert(ADJUSTMENT).on_conflict_do_nothing(index_elements=["adjustment_id"]),
                              [late_adjustment(r, now) for r in late])
+            tags = [{"event_id": e.event_id, "tag": t} for e in events for t in e.tags]
+            if tags:
+                conn.execute(self._insert(TAG).on_conflict_do_nothing(index_elements=["event_id", "tag"]), tags)
         return added
 
     def rate_events(self, events: Sequence[UsageEvent]) -> tuple[list[dict[str, Any] | None],
@@ -203,7 +215,7 @@ def event_row(e: UsageEvent, catalog: Catalog, now: datetime, period: str,
         "fee_amount": r.fee_amount, "billed_amount": r.billed_amount, "currency": r.currency,
         "raw_usage": None if e.raw_usage is None else json_safe(e.raw_usage),
         "router_attempts": None if e.router_attempts is None else json_safe(e.router_attempts),
-        "rerate_run_id": None,
+        "rerate_run_id": None, "session_id": e.session_id,
     }
 
 

@@ -112,6 +112,9 @@ class CostRateRow(Base):
     output_per_mtok: Mapped[Decimal] = mapped_column(Money())
     reasoning_per_mtok: Mapped[Decimal | None] = mapped_column(Money())
     per_request: Mapped[Decimal] = mapped_column(Money())
+    # a GPU card's measured prefill throughput (tokens/s per replica; an exact decimal in Money's storage, not money):
+    # what prefill seconds a cache read saved. NULL: not a GPU card, or loaded before 0005
+    prefill_tok_s: Mapped[Decimal | None] = mapped_column(Money())
     source: Mapped[str] = mapped_column(String(40))
     effective_from: Mapped[datetime] = mapped_column(Tz())
     effective_to: Mapped[datetime | None] = mapped_column(Tz())
@@ -209,6 +212,15 @@ class UsageEventRow(Base):
     raw_usage: Mapped[Any | None] = mapped_column(JSON)
     router_attempts: Mapped[Any | None] = mapped_column(JSON)
     rerate_run_id: Mapped[int | None] = mapped_column(Integer)  # the re-rate run that last re-priced it in place
+    session_id: Mapped[str | None] = mapped_column(String(200))  # the client's session (header or metadata)
+
+
+class UsageEventTagRow(Base):
+    """One tag of one event (request metadata ``tags``; never prompt text): ``--by tag`` groups on it."""
+
+    __tablename__ = "usage_event_tag"
+    event_id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    tag: Mapped[str] = mapped_column(String(100), primary_key=True)
 
 
 class UsageAdjustmentRow(Base):

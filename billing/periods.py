@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -29,16 +28,9 @@ from kvroute.billing.models import (
     UsageEventRow,
 )
 from kvroute.billing.money import ZERO, round_money
-from kvroute.billing.reports import finish_rows, group_rows, period_start
+from kvroute.billing.reports import Grouping, Scope, build_rows, period_start
+from kvroute.billing.reports.scope import check_period
 from kvroute.policies.errors import InputError
-
-PERIOD = re.compile(r"^\d{4}-(0[1-9]|1[0-2])$")
-
-
-def check_period(value: str) -> str:
-    if not isinstance(value, str) or not PERIOD.match(value):
-        raise InputError("--period", f"expected YYYY-MM, got {value!r}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -83,7 +75,8 @@ def close_period(ledger: Ledger, period: str, *, grace_hours: float = 72.0, app:
             BillingPeriodRow.period == period, BillingPeriodRow.status == "closed"))}
         if ALL_APPS in closed or (app is not None and app in closed):
             return CloseResult(period, "closed", grace_until, 0, ())
-        rows = [r for r in finish_rows(group_rows(conn, period, app), catalog) if r["app_id"] not in closed]
+        rows = [r for r in build_rows(conn, catalog, Scope.month(period), Grouping.parse("backend"), app)
+                if r["app_id"] not in closed]
         by_app: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
         for r in rows:
             by_app[(r["app_id"], r["currency"])].append(r)

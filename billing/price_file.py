@@ -224,17 +224,19 @@ def _rate(item: Mapping[str, Any], key: str, backend_id: str, currency: str) -> 
         cur = check_currency(item.get("currency", currency))
     except InputError as exc:
         raise ConfigError(f"{key}.currency", exc.message) from None
+    prefill_tok_s = None
     if any(f in item for f in GPU_FIELDS):
         for f, v in _gpu_prices(item, key, cur).items():
             values.setdefault(f, v)
         source = item.get("source", "self_hosted_amortized")
+        prefill_tok_s = _dec(item.get("prefill_tok_s", item.get("tokens_per_s")), f"{key}.prefill_tok_s")
     if source not in RATE_SOURCES:
         raise ConfigError(f"{key}.source", f"must be one of {', '.join(RATE_SOURCES)}")
     return CostRate(backend_id, _when(item["effective_from"], f"{key}.effective_from"), cur,
                     values.get("input_per_mtok", ZERO), values.get("cache_read_per_mtok", ZERO),
                     values.get("cache_write_5m_per_mtok", ZERO), values.get("cache_write_1h_per_mtok", ZERO),
                     values.get("output_per_mtok", ZERO), values.get("reasoning_per_mtok"),
-                    values.get("per_request", ZERO), source)
+                    values.get("per_request", ZERO), source, prefill_tok_s=prefill_tok_s)
 
 
 def _gpu_prices(item: Mapping[str, Any], key: str, currency: str) -> dict[str, Decimal]:

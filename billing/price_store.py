@@ -60,10 +60,13 @@ def store_prices(ledger: Ledger, pf: PriceFile) -> LoadSummary:
                     raise ConfigError(f"backends[{r.backend_id}].rates[{r.effective_from.date()}]",
                                       "a different rate card already starts at this time; add a new effective_from "
                                       "instead of editing history")
+                if old.prefill_tok_s is None and r.prefill_tok_s is not None:  # a card loaded before 0005: its
+                    conn.execute(update(CostRateRow).where(  # throughput is a fact to add, no price changes
+                        CostRateRow.cost_rate_id == old.cost_rate_id).values(prefill_tok_s=r.prefill_tok_s))
                 continue
             conn.execute(insert(CostRateRow).values(backend_id=r.backend_id, currency=r.currency, source=r.source,
                                                     effective_from=r.effective_from, effective_to=None,
-                                                    created_at=now, **values))
+                                                    prefill_tok_s=r.prefill_tok_s, created_at=now, **values))
             rates_added += 1
         existing_books = {(b.app_key, b.version): b for b in conn.execute(select(PriceBookRow.__table__))}
         for book in pf.books:

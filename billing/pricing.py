@@ -48,6 +48,8 @@ class CostRate:
     per_request: Decimal = ZERO
     source: str = "manual"
     cost_rate_id: int | None = None
+    #: a GPU card's measured prefill throughput (tokens per second per replica); None for any other card
+    prefill_tok_s: Decimal | None = None
 
     def cost(self, t: TokenBuckets) -> Decimal:
         """Σ tokens × rate / 1e6 + per-request cost; reasoning tokens use their own rate when set."""
@@ -134,7 +136,7 @@ class GpuRateCard:
         return CostRate(backend_id, effective_from, self.currency, input_per_mtok=self.input_per_mtok,
                         cache_read_per_mtok=self.cache_read_per_mtok, cache_write_5m_per_mtok=self.input_per_mtok,
                         cache_write_1h_per_mtok=self.input_per_mtok, output_per_mtok=self.output_per_mtok,
-                        source="self_hosted_amortized")
+                        source="self_hosted_amortized", prefill_tok_s=self.prefill_tok_s)
 
 
 def token_cost(rate: CostRate, *, input_uncached: int = 0, cache_read: int = 0, output: int = 0) -> Decimal:

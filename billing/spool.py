@@ -37,7 +37,8 @@ PASS_FILE = ".drainer.pass"  # touched by a reader that wants every journaled li
 
 
 _NATIVE = msgspec.json.Encoder()
-_OPTIONAL = ("end_user", "api_key_hash", "http_status", "error_type", "ttft_ms", "duration_ms", "attempt_key")
+_OPTIONAL = ("end_user", "api_key_hash", "http_status", "error_type", "ttft_ms", "duration_ms", "attempt_key",
+             "session_id")
 
 
 def encode_event(event: Any) -> bytes:

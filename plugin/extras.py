@@ -17,7 +17,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "proxy": ("litellm", "openai", "fastapi", "uvicorn", "starlette", "websockets", "orjson", "backoff",
               "apscheduler", "jwt", "cryptography", "semver", "multipart", "expression", "fastapi_sso", "mcp",
               "soundfile", "litellm_enterprise", "litellm_proxy_extras"),
-    "billing": ("sqlalchemy", "alembic", "psycopg", "polars"),
+    "billing": ("sqlalchemy", "alembic", "psycopg", "polars", "jinja2"),
     "sim": ("matplotlib",),
     "events": ("zmq", "tokenizers", "jinja2"),
     "redis": ("redis",),

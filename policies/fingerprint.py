@@ -270,18 +270,31 @@ def token_keys(token_ids: Sequence[int], block_size: int, seed: int, max_blocks:
     return chain_keys(packed.tobytes(), block_size * packed.itemsize, seed, max_blocks, step)
 
 
-def _session_value(kwargs: Mapping[str, Any], headers: Mapping[str, str] | None) -> str | None:
-    for meta_name in ("metadata", "litellm_metadata"):
-        meta = kwargs.get(meta_name)
-        if isinstance(meta, Mapping):
-            for key in SESSION_METADATA_KEYS:
-                if meta.get(key):
-                    return str(meta[key])
+def client_session(metadata: Mapping[str, Any] | None, headers: Mapping[str, str] | None) -> str | None:
+    """The session id a client names: request metadata (``SESSION_METADATA_KEYS``), else a header
+    (``SESSION_HEADERS``, any case); None when it names none. Session affinity reads these first."""
+    if isinstance(metadata, Mapping):
+        for key in SESSION_METADATA_KEYS:
+            if metadata.get(key):
+                return str(metadata[key])
     if headers:
         lowered = {str(k).lower(): v for k, v in headers.items()}
         for key in SESSION_HEADERS:
             if lowered.get(key):
                 return str(lowered[key])
+    return None
+
+
+def _session_value(kwargs: Mapping[str, Any], headers: Mapping[str, str] | None) -> str | None:
+    for meta_name in ("metadata", "litellm_metadata"):
+        meta = kwargs.get(meta_name)
+        if isinstance(meta, Mapping):
+            found = client_session(meta, None)
+            if found is not None:
+                return found
+    found = client_session(None, headers)
+    if found is not None:
+        return found
     for key in ("session_id", "conversation_id", "user"):
         if kwargs.get(key):
             return str(kwargs[key])

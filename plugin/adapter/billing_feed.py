@@ -171,6 +171,8 @@ class BillingFeed:
                 facts = read(state.app or self.events.UNATTRIBUTED)
                 if facts is None:
                     return False
+                if state.session_id is not None or state.tags:
+                    facts = replace(facts, session_id=state.session_id, tags=state.tags)
                 event = self.events.event_from_facts(facts)
             except InputError as exc:  # e.g. a provider usage that contradicts itself: keep it for an operator
                 self._dead_letter(facts, state, attempt, backend, outcome, final, exc)

@@ -25,6 +25,8 @@ from prometheus_client import (
 from prometheus_client.metrics_core import Metric
 
 OTHER = "other"
+#: The app of a request whose key names none: the ledger's word for it (``kvroute.billing.litellm_events``).
+UNATTRIBUTED = "unattributed"
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 BREAKER_STATES = ("closed", "half_open", "open")
 
@@ -32,14 +34,15 @@ BREAKER_STATES = ("closed", "half_open", "open")
 class LabelLimiter:
     """Keeps the first ``limit`` distinct values; later ones collapse into ``other``."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, missing: str = "unknown") -> None:
         self.limit = limit
+        self.missing = missing
         self._seen: set[str] = set()
         self._lock = threading.Lock()
 
     def __call__(self, value: str | None) -> str:
         if not value:
-            return "unknown"
+            return self.missing
         if value in self._seen:
             return value
         with self._lock:
@@ -84,7 +87,7 @@ class Metrics:
             self._exposed.register(KvrouteOnly(MultiProcessCollector(None, path=str(multiproc_dir))))
         else:
             self._exposed.register(KvrouteOnly(r))
-        self.app_label = LabelLimiter(max_app_labels)
+        self.app_label = LabelLimiter(max_app_labels, missing=UNATTRIBUTED)
         self.backend_label = LabelLimiter(1024)
         self.decisions = Counter("kvroute_decisions_total", "Routing decisions", ["group", "policy", "reason"],
                                  registry=r)
@@ -117,8 +120,6 @@ class Metrics:
                                          registry=r)
         self.app_cached_tokens = Counter("kvroute_app_cached_tokens_total", "Cached prompt tokens per app",
                                          ["app"], registry=r)
-        self.app_cost = Counter("kvroute_app_cost_total", "Upstream cost per app (LiteLLM response_cost)",
-                                ["app", "currency"], registry=r)
         self.app_ttft = Histogram("kvroute_app_ttft_seconds", "Time to first token per app", ["app"],
                                   buckets=TTFT_BUCKETS, registry=r)
         self.hybrid_decisions = Counter("kvroute_hybrid_decisions_total", "Hybrid decisions by side and reason",
@@ -164,21 +165,24 @@ class Metrics:
             self._child(self.wasted_prefill, group).inc(wasted_prefill_tokens)
 
     def completed(self, group: str, backend: str, app: str | None, prompt_tokens: int, cached_tokens: int | None,
-                  ttft_s: float | None, cost: float | Decimal | None, currency: str = "USD") -> None:
+                  ttft_s: float | None, app_tokens: tuple[int, int] | None = None) -> None:
+        """A success; ``app_tokens``: (prompt, cache-read) tokens as the ledger counts them (its token buckets),
+        else ``prompt_tokens``/``cached_tokens`` as the backend reported them. Money is the ledger's alone
+        (``kvroute report``): no metric prices a request."""
         b = self.backend_label(backend)
         a = self.app_label(app)
         self._child(self.outcomes, b, "success").inc()
         self._child(self.prompt_tokens, group).inc(max(0, prompt_tokens))
         self._child(self.app_requests, a, "success").inc()
-        self._child(self.app_prompt_tokens, a).inc(max(0, prompt_tokens))
+        app_prompt, app_cached = app_tokens if app_tokens is not None else (max(0, prompt_tokens), cached_tokens or 0)
+        self._child(self.app_prompt_tokens, a).inc(app_prompt)
         if cached_tokens:
             self._child(self.confirmed_cached, group).inc(cached_tokens)
-            self._child(self.app_cached_tokens, a).inc(cached_tokens)
+        if app_cached:
+            self._child(self.app_cached_tokens, a).inc(app_cached)
         if ttft_s is not None and ttft_s >= 0:
             self._child(self.ttft, b).observe(ttft_s)
             self._child(self.app_ttft, a).observe(ttft_s)
-        if cost:
-            self._child(self.app_cost, a, currency).inc(float(cost))
 
     def hybrid_decision(self, group: str, backend: str | None, side: str, reason: str,
                         predicted_ttft_s: float | None) -> None:

@@ -15,6 +15,7 @@ from kvroute.plugin.adapter.signals import (
     completion_tokens_of,
     deployment_id,
     duration_s,
+    ledger_tokens,
     prompt_tokens_of,
     ttft_of,
 )
@@ -85,10 +86,8 @@ def success(cb: KvrouteCallback, kwargs: Mapping[str, Any], response_obj: Any, s
         cb.health.record(backend_id, "success", now, ttft_s=ttft)
     if backend_id is None:
         return
-    cost = kwargs.get("response_cost", slo.get("response_cost"))
     app = ticket.app if ticket else cb._app(_metadata(kwargs), kwargs, found[0] if found else None)
-    cb.metrics.completed(group, backend_id, app, prompt_tokens, cached, ttft,
-                         cost if isinstance(cost, int | float) else None)
+    cb.metrics.completed(group, backend_id, app, prompt_tokens, cached, ttft, ledger_tokens(response_obj))
     if ticket is not None:
         cb.metrics.set_inflight([(backend_id, ticket.router.load.inflight(backend_id))])
 

@@ -36,6 +36,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from kvroute.billing.attribution import AppRule
+from kvroute.plugin.adapter.request_labels import LedgerLabels
 from kvroute.policies.lifecycle import CANCELLED, RequestOutcome
 
 if TYPE_CHECKING:
@@ -95,6 +96,8 @@ class RequestState:
     outcome_recorded: bool = False
     success_recorded: bool = False
     app: str | None = None  # the request's app, resolved once (None: nothing names one; booked ``unattributed``)
+    session_id: str | None = None  # the session the client names (header or metadata), for its ledger events
+    tags: tuple[str, ...] = ()  # the request's metadata tags, for its ledger events
     booked: bool = False  # a ledger event of the request was built
     failed: list[str] = field(default_factory=list)  # backends blamed for this request's failed attempts
     judged: list[BaseException] = field(default_factory=list)  # exceptions whose verdict was applied
@@ -156,12 +159,15 @@ class RequestIds:
     """Issues and verifies ledger request ids and counts attempts (bounded: the oldest requests are forgotten)."""
 
     def __init__(self, max_requests: int = MAX_REQUESTS,
-                 app_rule: Callable[[Mapping[str, Any]], str | None] | None = None) -> None:
+                 app_rule: Callable[[Mapping[str, Any]], str | None] | None = None,
+                 labels: Callable[[Mapping[str, Any]], tuple[str | None, tuple[str, ...]]] | None = None) -> None:
         self._key = secrets.token_bytes(32)
         self.max_requests = max_requests
         #: metadata -> the request's app (``billing.attribution.AppRule``: the plugin sets its claim keys and whether
         #: callers are the operator's code); by default a client's claim counts only where its key trusts it
         self.app_rule: Callable[[Mapping[str, Any]], str | None] = app_rule or AppRule()
+        #: metadata -> (session id, tags) the request's ledger events carry (the plugin sets its tag keys)
+        self.labels: Callable[[Mapping[str, Any]], tuple[str | None, tuple[str, ...]]] = labels or LedgerLabels()
         self.requests: OrderedDict[str, RequestState] = OrderedDict()
         self.open: OrderedDict[str, Attempt] = OrderedDict()  # routed attempts awaiting an outcome, by ticket id
 
@@ -191,7 +197,9 @@ class RequestIds:
             meta[SIG_KEY] = self._sign(rid)
         state = self.requests.get(rid)
         if state is None:
-            state = self.requests[rid] = RequestState(rid, meta[SIG_KEY], app=self.app_rule(meta))
+            session_id, tags = self.labels(meta)
+            state = self.requests[rid] = RequestState(rid, meta[SIG_KEY], app=self.app_rule(meta),
+                                                      session_id=session_id, tags=tags)
             while len(self.requests) > self.max_requests:
                 _, old = self.requests.popitem(last=False)
                 for attempt in old.attempts:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvroute.plugin.settings import RuleSettings
 from kvroute.policies import Policy, build_policy
@@ -55,38 +54,3 @@ class RuleBook:
 
     def __len__(self) -> int:
         return len(self.rules)
-
-
-def request_tags(metadata: Mapping[str, Any] | None, tag_keys: Sequence[str],
-                 request_tags_list: Sequence[Any] | None = None) -> dict[str, str]:
-    """Flat ``{key: value}`` tags from request metadata (scalars only) and LiteLLM ``tags`` lists.
-
-    A list tag ``"workload:batch"`` becomes ``{"workload": "batch"}``; a bare ``"batch"`` becomes
-    ``{"batch": "true"}``. Metadata keys named in ``tag_keys`` are read, plus nested ``requester_metadata``.
-    """
-    out: dict[str, str] = {}
-    sources: list[Mapping[str, Any]] = []
-    if isinstance(metadata, Mapping):
-        sources.append(metadata)
-        nested = metadata.get("requester_metadata")
-        if isinstance(nested, Mapping):
-            sources.append(nested)
-    raw_lists: list[Any] = list(request_tags_list or [])
-    for src in sources:
-        for key in tag_keys:
-            value = src.get(key)
-            if value is None:
-                continue
-            if isinstance(value, list | tuple):
-                raw_lists.extend(value)
-            elif isinstance(value, str | int | float | bool):
-                out.setdefault(key, str(value))
-    for item in raw_lists:
-        if not isinstance(item, str):
-            continue
-        if ":" in item:
-            k, v = item.split(":", 1)
-            out.setdefault(k.strip(), v.strip())
-        else:
-            out.setdefault(item.strip(), "true")
-    return out

@@ -107,6 +107,20 @@ def _int(value: Any) -> int | None:
     return n if n >= 0 else None
 
 
+def ledger_tokens(response: Any) -> tuple[int, int] | None:
+    """(prompt, cache-read) tokens of a response as the ledger counts them (``billing.usage``'s buckets, so a
+    dashboard's cached share is the report's); None without a readable usage."""
+    usage = _get(response, "usage")
+    if usage is None:
+        return None
+    from kvroute.billing.usage import normalize_usage
+    try:
+        tokens = normalize_usage(usage)
+    except Exception:  # a usage that contradicts itself: the ledger dead-letters it, the metric skips it
+        return None
+    return tokens.prompt_total, tokens.cache_read
+
+
 def cached_tokens_of(response: Any) -> int | None:
     """Cached prompt tokens the backend reported, or None when it reported nothing."""
     usage = _get(response, "usage")

@@ -14,6 +14,7 @@ from kvroute.plugin.adapter.billing_feed import BillingFeed, billing_target
 from kvroute.plugin.adapter.decision_log import DecisionLog
 from kvroute.plugin.adapter.hosted import provider_quote
 from kvroute.plugin.adapter.metrics import Metrics
+from kvroute.plugin.adapter.request_labels import LedgerLabels
 from kvroute.plugin.adapter.rules import RuleBook
 from kvroute.plugin.adapter.signals import HealthAdapter, breaker_config
 from kvroute.plugin.adapter.startup_log import log_startup
@@ -70,6 +71,7 @@ def build(cb: KvrouteCallback) -> None:
     # one app rule for the ledger, metrics and rules: in the proxy a client's claim counts only where its key
     # trusts it; in the SDK the caller is the operator's own code
     cb.ids.app_rule = AppRule(tuple(s.app_metadata_keys), operator_calls=not in_proxy)
+    cb.ids.labels = LedgerLabels(tuple(s.tag_metadata_keys))
     start_billing(cb, s, in_proxy=in_proxy)
     if cb._mount:
         mount_on_proxy(cb)

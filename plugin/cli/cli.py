@@ -95,7 +95,7 @@ def _mount() -> None:
     from kvroute.billing.cli import billing_app, report_app
 
     app.add_typer(billing_app, name="billing", help="Usage ledger: ingest events, load price books, close periods.")
-    app.add_typer(report_app, name="report", help="Monthly usage, margin and payout reports.")
+    app.add_typer(report_app, name="report", help="Usage, margin, payouts, statements and a page, per app.")
 
 
 _mount()

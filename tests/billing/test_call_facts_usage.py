@@ -38,3 +38,13 @@ def test_the_producers_plain_usage_is_read_as_it_is_and_gives_the_same_event():
     assert from_plain.tokens == from_model_dict.tokens
     assert (from_plain.tokens.cache_read, from_plain.tokens.input_uncached) == (60, 40)
     assert json.loads(from_plain.to_bytes())["raw_usage"] == json.loads(from_model_dict.to_bytes())["raw_usage"]
+
+
+def test_any_session_and_tags_a_client_sends_make_a_valid_event():
+    """Client strings are fitted, never refused: NUL, a lone surrogate, 300 characters, 30 tags, blanks."""
+    tags = ("a\x00b", "\ud800", "", None, "t" * 300, *(f"tag{i:02d}" for i in range(30)))
+    e = event_from_facts(CallFacts(request_id="r1", app_id="app", served_model="m", session_id="s" * 300,
+                                   tags=tags))
+    assert len(e.session_id) == 200 and len(e.tags) == 20 and all(0 < len(t) <= 100 for t in e.tags)
+    assert list(e.tags) == sorted(set(e.tags)) and "a\ufffdb" in e.tags
+    e.to_line().encode()  # valid UTF-8: the journal and both databases take it

@@ -237,7 +237,7 @@ LIMITS: dict[str, int | range] = {
     "request_id": 200, "app_id": 200, "served_model": 200, "requested_model": 200, "provider": 100,
     "backend_id": 200, "end_user": 200, "api_key_hash": 128, "error_type": 100, "attempt_key": 1000,
     "attempt": range(2**31), "http_status": range(1000), "fallback_depth": range(2**31), "ttft_ms": range(2**31),
-    "duration_ms": range(2**31),
+    "duration_ms": range(2**31), "session_id": 200,
 }
 
 
@@ -381,4 +381,39 @@ def test_the_request_path_is_lenient_where_ingest_is_strict() -> None:
     assert fitted is not None and len(fitted) == 200 and fitted != fit_text("end_user", "u" * 499)
     assert fit_text("end_user", "a\x00b") == "a\ufffdb" and fit_text("end_user", None) is None
     line_with_archive = {**line(1), "raw_usage": {"cost": "n/a", "prompt_tokens": "x"}}
-    assert event_from_json(line_with_archive).provider_cost is None  # buckets given: raw_usage is an archive
+    assert event_from_json(line_with_archive, archive=True).provider_cost is None  # a journal line's archive copy
+
+
+def test_usage_and_raw_usage_with_token_counts_on_one_line_is_an_error_naming_the_line(db: str,
+                                                                                      tmp_path: Path) -> None:
+    """Before: a line with both silently took ``usage`` (the raw object's own counts were dropped)."""
+    raw = {"prompt_tokens": 4000, "completion_tokens": 400, "prompt_tokens_details": {"cached_tokens": 3000}}
+    path = write(tmp_path / "both.jsonl", [line(1), line(2, raw_usage=raw), line(3, raw_usage={"cost": "0.1"})])
+    r = ingest(db, path)
+    assert r.exit_code == 2 and "line 2: raw_usage: holds token counts beside usage" in r.output, r.output
+    assert "line 1:" not in r.output and "line 3:" not in r.output and stored(db) == {}
+
+
+def test_session_and_tags_are_stored_and_checked(db: str, tmp_path: Path) -> None:
+    """The session id and tags a line names reach the ledger (tags sorted and unique, one row each)."""
+    from kvroute.billing.models import UsageEventTagRow
+    path = write(tmp_path / "s.jsonl", [line(1, session_id="s-1", tags=["team:a", "batch", "team:a"]), line(2),
+                                        line(3, tags="batch"), line(4, tags=["x" * 101]),
+                                        line(5, tags=[f"t{i}" for i in range(21)])])
+    r = ingest(db, path)
+    assert r.exit_code == 2
+    assert "line 3: tags: must be a list of strings" in r.output
+    assert "line 4: tags: a tag is 101 characters long; at most 100 are stored" in r.output
+    assert "line 5: tags: 21 tags; at most 20 are stored" in r.output
+    r = ingest(db, path, "--skip-invalid")
+    assert r.exit_code == 0, r.output
+    rows = stored(db)
+    assert rows["r-1"].session_id == "s-1" and rows["r-2"].session_id is None
+    ledger = Ledger.open(db)
+    try:
+        with ledger.engine.connect() as conn:
+            tags = sorted(conn.execute(select(UsageEventTagRow.event_id, UsageEventTagRow.tag)).all())
+    finally:
+        ledger.close()
+    assert tags == [(rows["r-1"].event_id, "batch"), (rows["r-1"].event_id, "team:a")]
+    assert ingest(db, path, "--skip-invalid").exit_code == 0  # again: nothing new, no duplicate tag

@@ -447,13 +447,16 @@ def test_the_journal_line_reads_back_as_the_same_event() -> None:
                                 raw_usage={"prompt_tokens": 9, "completion_tokens": 2, "cost": 0.5,
                                            "prompt_tokens_details": {"cached_tokens": None}}),
                event(3, end_user="é", attempt_key="outcome", raw_usage={"prompt_tokens": 1, "completion_tokens": 1,
-                                                                         "note": "\ud800"})]  # msgspec refuses it
+                                                                         "note": "\ud800"}),  # msgspec refuses it
+               event(4, session_id="sess-1", tags=("team:a", "batch")), event(5, session_id="")]
     for e in samples:
         line = encode_event(e)
         assert line.endswith(b"\n") and line.count(b"\n") == 1
-        back = event_from_json(as_documented(json.loads(line)))
-        assert back == event_from_json(json.loads(e.to_bytes())), e  # as the documented line reads back
+        back = event_from_json(as_documented(json.loads(line)), archive=True)
+        assert back == event_from_json(json.loads(e.to_bytes()), archive=True), e  # as the documented line reads back
         assert back.event_id == e.event_id and back.tokens == e.tokens and back.provider_cost == e.provider_cost
+        assert (back.session_id, back.tags) == (e.session_id, e.tags)
+    assert samples[3].tags == ("batch", "team:a") and samples[4].session_id is None
     assert b'"tokens"' in encode_event(samples[0]) and b'"usage"' in encode_event(samples[2])
 
 

@@ -86,9 +86,11 @@ def rows_add_up(row: dict[str, Any]) -> None:
     assert row["billed_amount"] == row["provider_cost"] + row["markup_amount"] + row["fee_amount"], row
     if "margin_amount" in row:
         assert row["margin_amount"] == row["billed_amount"] - row["provider_cost"] - row["absorbed_cost"] - fees
-    if row.get("status") in (None, "provisional") and "margin_amount" in row:
-        assert row["payout_amount"] == row["markup_amount"] + row["fee_amount"] - fees
-    else:
+    if "payout_share" in row:  # margin: each row's share; the payout of a whole app's month floored at 0
+        assert row["payout_share"] == row["markup_amount"] + row["fee_amount"] - fees
+        if row["payout_amount"] is not None and row["app_id"] != "TOTAL":
+            assert row["payout_amount"] == max(Decimal(0), row["payout_share"]), row
+    else:  # payouts, provisional or frozen
         assert row["payout_amount"] == max(Decimal(0), row["markup_amount"] + row["fee_amount"] - fees), row
 
 
@@ -165,7 +167,10 @@ def test_the_billing_guide_states_the_formulas() -> None:
     section = section[:section.index("\n## ", 3)] if "\n## " in section[3:] else section
     flat = re.sub(r"\s+", " ", section)
     for formula in ("billed_amount = provider_cost + markup_amount + fee_amount",
-                    "payout_amount = markup_amount + fee_amount − platform_fee − payment_fee",
+                    "payout_share = markup_amount + fee_amount − platform_fee − payment_fee",
+                    "payout_amount = max(0, payout_share)",
+                    "spend = provider_cost + absorbed_cost = self_hosted_cost + hosted_cost",
+                    "cache_savings = cache_read × (input_per_mtok − cache_read_per_mtok) / 1e6",
                     "margin_amount = billed_amount − provider_cost − absorbed_cost − platform_fee − payment_fee",
                     "payment_fee = billed_amount × payment_fee_pct"):
         assert formula in flat, formula
@@ -190,7 +195,7 @@ def test_breakdown_per_end_user(month, db_url: str) -> None:  # type: ignore[no-
                       env={"COLUMNS": "200"})
     assert r.exit_code == 0 and "by end_user" in r.output and "u1" in r.output
     r = runner.invoke(report_app, ["usage", "--period", "2026-11", "--by", "planet", "--db", db_url])
-    assert r.exit_code == 2 and "--by: must be one of backend, end_user, app" in r.output
+    assert r.exit_code == 2 and "--by: must be one or two of app, day, model, backend" in r.output
 
 
 def run_reconciliation(url: str, n: int, seed: int) -> None:
@@ -279,3 +284,34 @@ def test_late_event_of_a_closed_month_beyond_the_grace(month) -> None:  # type: 
         oct_rows = usage_report(conn, ledger.catalog(), "2026-10")
     assert sum(r["requests_total"] for r in oct_rows) == 6 and sum(r["late_requests"] for r in oct_rows) == 0
     assert all(e.occurred_at < datetime(2026, 11, 1, tzinfo=UTC) - timedelta(days=1) for e in late)
+
+
+def test_one_payout_figure_in_every_report(db_url: str) -> None:
+    """Before: ``report margin --by app`` showed an app's payout as −1.16 (TOTAL 146.47) while ``report payouts``
+    floored it at 0 (TOTAL 147.64). Now each app's month is floored at 0 wherever a payout is shown, and rows finer
+    than an app carry their unfloored ``payout_share``."""
+    prices = copy.deepcopy(PRICES)
+    prices["price_books"].append({"app": "thin", "version": 1, "effective_from": "2026-01-01",
+                                  "platform_fee_pct": "5%", "rules": [{"name": "at-cost"}]})
+    ledger = Ledger.open(db_url, clock=Clock(datetime(2026, 10, 20, tzinfo=UTC)))
+    try:
+        store_prices(ledger, parse_price_data(prices))
+        ledger.insert_events([event(i, app_id="thin", provider_cost=Decimal("0.5")) for i in range(3)]
+                             + [event(10 + i, provider_cost=Decimal("0.1")) for i in range(3)])
+        with ledger.engine.connect() as conn:
+            apps = {r["app_id"]: r for r in margin_report(conn, ledger.catalog(), "2026-10", by="app")}
+            backends = margin_report(conn, ledger.catalog(), "2026-10", by="backend")
+            payouts = {p["app_id"]: p for p in payout_report(conn, ledger.catalog(), "2026-10")}
+        runner = CliRunner()
+        totals_of = {kind: json.loads(runner.invoke(report_app, [kind, "--period", "2026-10", "--format", "json",
+                                                                 "--db", db_url, *extra]).stdout)["totals"][0]
+                     for kind, extra in (("margin", ["--by", "backend"]), ("payouts", []))}
+    finally:
+        ledger.close()
+    assert apps["thin"]["payout_share"] == Decimal("-0.075") and apps["thin"]["payout_amount"] == 0
+    assert payouts["thin"]["payout_amount"] == 0
+    assert apps["acme"]["payout_amount"] == payouts["acme"]["payout_amount"] > 0
+    assert all(r["payout_amount"] is None for r in backends)  # not whole apps: only their shares
+    assert sum(r["payout_share"] for r in backends) == apps["thin"]["payout_share"] + apps["acme"]["payout_share"]
+    assert Decimal(totals_of["margin"]["payout_amount"]) == Decimal(totals_of["payouts"]["payout_amount"]) \
+        == payouts["acme"]["payout_amount"]

@@ -203,3 +203,34 @@ def test_a_router_level_final_outcome_after_a_hop() -> None:
                               provider="litellm-router", route_kind="direct", served_model="hosted",
                               requested_model="hosted", http_status=429, error_type="_NoRoute")
     assert e.event_id == _event_id("acme", state.request_id, "outcome")
+
+
+def test_every_row_of_a_request_carries_its_session_and_tags() -> None:
+    """The session the client names (``x-session-id``, any case, or metadata) and the metadata tags reach every
+    ledger row of the request, fitted to their columns; ``user`` is the end user, never a session."""
+    feed, ids, rec = _feed()
+    meta = {**KEY, "headers": {"X-Session-Id": "sess-42"}, "tags": ["team:a", "batch", "x" * 150],
+            "workload": "agent"}
+    state, attempt = _sent(feed, ids, meta, "h-0", "openai/gpt-x")
+    feed.attempt_failed({"model": "gpt-x", "metadata": meta, "model_info": {"id": "h-0"}}, _Exc("boom", 500),
+                        found=(state, attempt))
+    _sent(feed, ids, meta, "r-0", "openai/llama-8b")
+    feed.pre_response({"model": "llama", "metadata": meta, "user": "cust-1"},
+                      _Resp("r-0", {"prompt_tokens": 10, "completion_tokens": 3}))
+    assert len(rec.events) == 2
+    long_tag = next(t for e in rec.events for t in e.tags if t.startswith("xxx"))
+    for e in rec.events:
+        assert e.session_id == "sess-42"
+        assert e.tags == tuple(sorted(("batch", "team:a", "workload:agent", long_tag)))
+    assert len(long_tag) == 100 and long_tag.startswith("x" * 87 + "~")
+    feed2, ids2, rec2 = _feed()
+    meta2 = {**KEY, "conversation_id": "conv-1", "headers": {"x-session-id": "ignored: metadata first"}}
+    _sent(feed2, ids2, meta2, "r-0", "openai/llama-8b")
+    feed2.pre_response({"model": "llama", "metadata": meta2, "user": "cust-1"},
+                       _Resp("r-0", {"prompt_tokens": 1, "completion_tokens": 1}))
+    feed3, ids3, rec3 = _feed()
+    meta3 = dict(KEY)
+    _sent(feed3, ids3, meta3, "r-0", "openai/llama-8b")
+    feed3.pre_response({"model": "llama", "metadata": meta3, "user": "cust-1"},
+                       _Resp("r-0", {"prompt_tokens": 1, "completion_tokens": 1}))
+    assert [(e.session_id, e.tags) for e in rec2.events + rec3.events] == [("conv-1", ()), (None, ())]

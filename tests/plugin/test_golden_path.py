@@ -110,14 +110,14 @@ def expected_money(app: str, backend: str, uncached: int, cached: int, output: i
 # --- the stack and the traffic --------------------------------------------------------------------------------------
 def chat(proxy: ProxyProcess, app: str, group: str, stream: bool, i: int) -> dict:
     """One request with the app's key; what the engine reported back (tokens) and who served it."""
-    body = {"model": group, "stream": stream, "max_tokens": 6 + i % 3,
+    body = {"model": group, "stream": stream, "max_tokens": 6 + i % 3, "metadata": {"tags": ["golden", f"i:{i}"]},
             "messages": [{"role": "system", "content": "You answer questions about the golden path. " * 30},
                          {"role": "user", "content": f"{app} question {i} on {group}"}]}
     if stream:
         body["stream_options"] = {"include_usage": True}
     with httpx.Client(trust_env=False, timeout=120) as client:
         resp = client.post(proxy.base_url + "/v1/chat/completions", json=body,
-                           headers={"Authorization": f"Bearer {KEYS[app]}"})
+                           headers={"Authorization": f"Bearer {KEYS[app]}", "X-Session-Id": f"{app}-conv-{i}"})
         assert resp.status_code == 200, resp.text[:300]
         if stream:
             chunks = [json.loads(line[6:]) for line in resp.text.splitlines()
@@ -127,7 +127,8 @@ def chat(proxy: ProxyProcess, app: str, group: str, stream: bool, i: int) -> dic
             usage = resp.json()["usage"]
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     return {"app": app, "backend": resp.headers["x-litellm-model-id"], "uncached": usage["prompt_tokens"] - cached,
-            "cached": cached, "output": usage["completion_tokens"], "stream": stream}
+            "cached": cached, "output": usage["completion_tokens"], "stream": stream, "session": f"{app}-conv-{i}",
+            "i": i}
 
 
 def set_fault(base_url: str, mode: str | None) -> None:
@@ -170,10 +171,14 @@ def golden(tmp_path_factory):
                     break
                 time.sleep(0.5)
             margin = json.loads(kvroute(["report", "margin", "--period", period, "--format", "json"], workdir))
+            sessions = json.loads(kvroute(["report", "usage", "--period", period, "--by", "session", "--format",
+                                           "json"], workdir))
+            tags = json.loads(kvroute(["report", "usage", "--period", period, "--by", "tag", "--format", "json"],
+                                      workdir))
             metrics = httpx.get(proxy.base_url + "/kvroute/metrics", headers=proxy.headers, timeout=10,
                                 trust_env=False).text
             yield {"proxy": proxy, "sent": sent, "fallback": fallback, "usage": usage, "margin": margin,
-                   "loaded": loaded, "metrics": metrics, "recorder": recorder,
+                   "loaded": loaded, "metrics": metrics, "recorder": recorder, "sessions": sessions, "tags": tags,
                    "refused": refused}
 
 
@@ -233,6 +238,23 @@ def test_usage_report_splits_self_hosted_and_hosted_by_the_same_route_kind(golde
         self_hosted = identity(row["backend_id"])[1] == "self_hosted"
         assert (Decimal(str(row["self_hosted_cost"])), Decimal(str(row["hosted_cost"]))) == (
             (cost, Decimal(0)) if self_hosted else (Decimal(0), cost)), row
+
+
+def test_the_session_header_and_metadata_tags_reach_the_ledger(golden):
+    """``x-session-id`` and the request's metadata ``tags`` are on every row of the request, through the proxy."""
+    want_sessions: dict[tuple[str, str], int] = defaultdict(int)
+    want_tags: dict[tuple[str, str], int] = defaultdict(int)
+    for r in golden["sent"] + golden["fallback"]:
+        want_sessions[(r["app"], r["session"])] += 1
+        for tag in ("golden", f"i:{r['i']}"):
+            want_tags[(r["app"], tag)] += 1
+    got = {(r["app_id"], r["session_id"]): r["requests_total"] for r in golden["sessions"]["rows"]}
+    assert {k: v for k, v in got.items() if v} == want_sessions
+    got = {(r["app_id"], r["tag"]): r["requests_total"] for r in golden["tags"]["rows"]}
+    assert {k: v for k, v in got.items() if v} == want_tags
+    assert all(r["sessions"] == 1 for r in golden["sessions"]["rows"] if r["session_id"] != "(none)")
+    assert 'kvroute_app_requests_total{app="unattributed",outcome="success"} 1.0' in golden["metrics"]
+    assert "kvroute_app_cost" not in golden["metrics"]
 
 
 def test_an_unlisted_key_is_refused_and_no_key_is_logged(golden):

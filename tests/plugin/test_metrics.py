@@ -16,7 +16,8 @@ from kvroute.plugin.adapter.metrics import OTHER, LabelLimiter, Metrics
 def test_recorders_update_series():
     m = Metrics(CollectorRegistry(), max_app_labels=2)
     m.decision("llama", "cache_aware", "prefix_match", 512)
-    m.completed("llama", "r0", "app1", 1000, 768, 0.05, 0.0012)
+    m.completed("llama", "r0", "app1", 1000, 768, 0.05, (1200, 768))
+    m.completed("llama", "r0", None, 10, None, None)
     m.failed("r1", "provider_failure", app="app1")
     m.breaker("r1", "open", "closed")
     m.error("filter")
@@ -26,7 +27,11 @@ def test_recorders_update_series():
     assert v("kvroute_predicted_cached_tokens_total", {"group": "llama"}) == 512
     assert v("kvroute_confirmed_cached_tokens_total", {"group": "llama"}) == 768
     assert v("kvroute_ttft_seconds_count", {"backend": "r0"}) == 1
-    assert v("kvroute_app_cost_total", {"app": "app1", "currency": "USD"}) == 0.0012
+    assert v("kvroute_app_prompt_tokens_total", {"app": "app1"}) == 1200  # the ledger's count (cache writes in)
+    assert v("kvroute_app_cached_tokens_total", {"app": "app1"}) == 768
+    assert v("kvroute_app_requests_total", {"app": "unattributed", "outcome": "success"}) == 1  # the ledger's word
+    assert v("kvroute_app_prompt_tokens_total", {"app": "unattributed"}) == 10
+    assert "kvroute_app_cost" not in {f.name for f in m.registry.collect()}  # money is the ledger's alone
     assert v("kvroute_app_requests_total", {"app": "app1", "outcome": "provider_failure"}) == 1
     assert v("kvroute_breaker_state", {"backend": "r1", "state": "open"}) == 1
     assert v("kvroute_breaker_state", {"backend": "r1", "state": "closed"}) == 0
@@ -61,7 +66,7 @@ def test_grafana_dashboard_uses_only_existing_series():
     from pathlib import Path
 
     m = Metrics(CollectorRegistry())
-    m.completed("g", "b", "a", 1, 1, 0.1, 0.1)
+    m.completed("g", "b", "a", 1, 1, 0.1, (1, 1))
     m.hybrid_decision("g", "b", "hosted", "overflow_latency", 0.2)
     m.hybrid_state("g", 0.5, True, Decimal("1.5"), "USD")
     names = {s.name for metric in m.registry.collect() for s in metric.samples}
@@ -125,3 +130,17 @@ def test_multiprocess_mode_sums_every_worker(tmp_path):
                                                 ("reason", "prefix_match")))] == 9
     assert samples[("kvroute_predicted_cached_tokens_total", (("group", "llama"),))] == 90
     assert "litellm_other" not in out
+
+
+def test_app_token_metrics_count_as_the_ledger_does():
+    """The per-app prompt and cached counters read the response through the ledger's own normaliser, so a
+    dashboard's cached share is the report's ``cache_hit_ratio`` for the same requests."""
+    from kvroute.billing.usage import normalize_usage
+    from kvroute.plugin.adapter.signals import ledger_tokens
+    usage = {"prompt_tokens": 103050, "completion_tokens": 7, "cache_read_input_tokens": 100000,
+             "cache_creation_input_tokens": 3000,
+             "prompt_tokens_details": {"cached_tokens": 100000, "cache_write_tokens": 3000}}
+    tokens = normalize_usage(usage)
+    assert ledger_tokens({"usage": usage}) == (tokens.prompt_total, tokens.cache_read) == (103050, 100000)
+    assert ledger_tokens({"usage": {"prompt_tokens": 5, "prompt_tokens_details": {"cached_tokens": 9}}}) is None
+    assert ledger_tokens({}) is None

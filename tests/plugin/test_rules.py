@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvroute.plugin.adapter.rules import RuleBook, request_tags
+from kvroute.plugin.adapter.request_labels import request_tags
+from kvroute.plugin.adapter.rules import RuleBook
 from kvroute.plugin.settings import RuleSettings
 from kvroute.policies.errors import ConfigError
 
