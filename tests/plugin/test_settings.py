@@ -66,7 +66,7 @@ def test_env_overrides_yaml(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize(("text", "key"), [
     ("kvroute: {groups: {llama: {policy: nope}}}", "kvroute.groups.llama.policy"),
-    ("kvroute: {groups: {llama: {policy: cache_aware, knobs: {bogus: 1}}}}", "kvroute.groups.llama.policy.bogus"),
+    ("kvroute: {groups: {llama: {policy: cache_aware, knobs: {bogus: 1}}}}", "kvroute.groups.llama.knobs.bogus"),
     ("kvroute: {groups: {llama: {polcy: x}}}", "kvroute.groups.llama.polcy"),
     ("kvroute: {rules: [{policy: least_load, match: {workload: x}}]}", "kvroute.rules.0.match.workload"),
     ("kvroute: {rules: [{policy: zzz}]}", "kvroute.rules.0.policy"),
@@ -119,8 +119,8 @@ def test_invalid_yaml_and_missing_file(tmp_path, monkeypatch):
     ("kvroute: {breaker: {consecutive_fails: 3}}", "kvroute.breaker.consecutive_fails"),
     ("kvroute: {hash_secret: short}", "kvroute.hash_secret"),
     ("kvroute: {endpoint_auth: none}", "kvroute.endpoint_auth"),
-    ("kvroute: {rules: [{policy: least_load, knobs: {nope: 1}}]}", "kvroute.rules.0.policy.nope"),
-    ("kvroute: {default_knobs: {nope: 1}}", "kvroute.default_policy.nope"),
+    ("kvroute: {rules: [{policy: least_load, knobs: {nope: 1}}]}", "kvroute.rules.0.knobs.nope"),
+    ("kvroute: {default_knobs: {nope: 1}}", "kvroute.default_knobs.nope"),
 ])
 def test_strict_config_names_the_key(tmp_path, text, key):
     with pytest.raises(ConfigError) as err:
