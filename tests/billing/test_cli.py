@@ -109,6 +109,20 @@ def test_reports_in_every_format(tmp_path: Path, loaded: str) -> None:
     assert r.exit_code == 2 and "expected YYYY-MM" in r.output
 
 
+def test_an_empty_period_says_so_in_one_line(loaded: str) -> None:
+    r = runner.invoke(report_app, ["margin", "--period", "2025-01", "--db", loaded])
+    assert r.exit_code == 0 and r.output == "kvroute margin report 2025-01: no usage booked in this period\n"
+    r = runner.invoke(report_app, ["usage", "--period", "2026-10", "--app", "nobody", "--format", "json", "--db",
+                                   loaded])
+    assert r.exit_code == 0 and "no usage booked in this period for app nobody" in r.output
+
+
+def test_a_missing_price_file_is_named_once(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.yaml"
+    r = runner.invoke(billing_app, ["load-prices", str(missing), "--check"])
+    assert r.exit_code == 2 and r.output == f"{missing}: cannot read price file: No such file or directory\n"
+
+
 def test_close_period_command(loaded: str) -> None:
     r = runner.invoke(billing_app, ["close-period", "--period", "2026-10", "--db", loaded, "--force"])
     assert r.exit_code == 0, r.output

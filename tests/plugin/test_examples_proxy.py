@@ -156,6 +156,12 @@ def test_status_prints_table_csv_and_json(stack):
     assert set(json.loads(as_json.stdout)["backends"]) == set(rows)
     table = subprocess.run(base, capture_output=True, text=True, timeout=60)
     assert "…" not in table.stdout and all(name in table.stdout for name in rows)
+    env = {k: v for k, v in os.environ.items() if k != "LITELLM_MASTER_KEY"}
+    keyless = subprocess.run([*KVROUTE, "status", "--proxy", proxy.base_url], capture_output=True, text=True,
+                             timeout=60, env=env)
+    assert keyless.returncode == 2 and keyless.stderr == (
+        f"error: {proxy.base_url}/kvroute/status answered 401: no key was sent: pass --api-key or set "
+        "LITELLM_MASTER_KEY (the master key or an admin key)\n"), keyless.stderr
 
 
 def test_check_live_reaches_replicas_metrics_redis_and_billing_db(stack, redis_url, tmp_path):
