@@ -57,7 +57,8 @@ Isolation = Literal["none", "team", "key", "app"]
 
 class GroupSettings(BaseModel):
     """Per model group: policy and knobs, approximate or precise index, hosted or self-hosted, and whose
-    prefixes may be shared (``isolation``: none, or one key space per team / API key / app of the key)."""
+    prefixes may be shared (``isolation``: none, or one key space per team / API key / app of the key; unset,
+    the settings' ``default_isolation``)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -131,6 +132,8 @@ class KvrouteSettings(BaseSettings):
     redis_url: str | None = None
     redis_namespace: str = Field(default="kvroute", min_length=1, pattern=r"^\S+$")
     apps: dict[str, AppSettings] = Field(default_factory=dict)  # key -> app without LiteLLM's database
+    # every group's isolation unless it sets its own; unset: per app when ``apps`` names more than one, else none
+    isolation: Isolation | None = None
     _app_keys: dict[str, str] = PrivateAttr(default_factory=dict)
     _default_group: GroupSettings | None = PrivateAttr(default=None)
     billing: bool = False
@@ -247,6 +250,28 @@ class KvrouteSettings(BaseSettings):
         self._app_keys = key_map(self.apps)
         return self
 
+    @model_validator(mode="after")
+    def _default_isolation(self) -> KvrouteSettings:
+        """A group that does not set ``isolation`` gets ``default_isolation``."""
+        default = self.default_isolation
+        self.groups = {name: gs if "isolation" in gs.model_fields_set else gs.model_copy(update={"isolation": default})
+                       for name, gs in self.groups.items()}
+        return self
+
+    @property
+    def default_isolation(self) -> Isolation:
+        """``isolation`` if set; else ``app`` when ``apps`` names several apps (one app must not learn from
+        cached tokens or timing what another sent), else ``none`` (one organisation shares its prefixes)."""
+        if self.isolation is not None:
+            return self.isolation
+        return "app" if len(self.apps) > 1 else "none"
+
+    def isolation_reason(self) -> str:
+        """Why ``default_isolation`` is what it is, for the startup line."""
+        if self.isolation is not None:
+            return "set by kvroute.isolation"
+        return f"default: {len(self.apps)} apps" if len(self.apps) > 1 else "default: one organisation"
+
     @property
     def app_keys(self) -> dict[str, str]:
         """key hash (``sha256:<hex>``) -> app, from ``apps``."""
@@ -263,7 +288,7 @@ class KvrouteSettings(BaseSettings):
         if found is not None:
             return found
         if self._default_group is None:
-            self._default_group = GroupSettings()
+            self._default_group = GroupSettings(isolation=self.default_isolation)
         return self._default_group
 
     def ledger_location(self) -> LedgerLocation:

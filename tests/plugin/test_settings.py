@@ -171,3 +171,19 @@ def test_multiproc_dir_must_exist(monkeypatch, tmp_path):
     assert "not a directory" in err.value.message
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     assert load_settings().prometheus_multiproc_dir == tmp_path
+
+
+APPS = {"acme": {"keys": ["sha256:" + "a" * 64]}, "beta": {"keys": ["sha256:" + "b" * 64]}}
+
+
+@pytest.mark.parametrize(("over", "llama", "other", "default"), [
+    ({}, "none", "none", "none"),                                               # one organisation: shared
+    ({"apps": {"acme": APPS["acme"]}}, "none", "none", "none"),                  # one app: nothing to split
+    ({"apps": APPS}, "app", "app", "app"),                                       # several apps: one space each
+    ({"apps": APPS, "groups": {"llama": {"isolation": "none"}}}, "none", "app", "app"),  # a group opts out
+    ({"apps": APPS, "isolation": "none"}, "none", "none", "none"),               # or every group
+    ({"isolation": "team", "groups": {"llama": {"policy": "least_load"}}}, "team", "team", "team"),
+])
+def test_isolation_is_per_app_by_default_when_the_config_names_several_apps(over, llama, other, default):
+    s = load_settings(**over)
+    assert (s.group("llama").isolation, s.group("other").isolation, s.default_isolation) == (llama, other, default)
