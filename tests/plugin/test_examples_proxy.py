@@ -214,6 +214,10 @@ def test_sdk_example_runs_as_written_against_fake_replicas():
         assert out.returncode == 0, out.stderr[-2000:]
         turns = [ln for ln in out.stdout.splitlines() if ln.startswith("chat ")]
         assert len(turns) == 12 and all("replica-" in ln for ln in turns)
+        config = yaml.safe_load((EXAMPLES / "config.yaml").read_text())
+        names = {d["model_info"]["id"] for d in config["model_list"] if d["model_name"] == "llama"}
+        assert {ln.split(": ", 1)[1].split()[0] for ln in turns} <= names  # replica-1..3, as the proxy config
+        assert out.stdout.startswith("billing off: the SDK records usage only when asked"), out.stdout[:200]
         cached = [int(ln.split(" cached ", 1)[1].split("/", 1)[0]) for ln in turns]
         assert sum(cached[3:]) > 0  # later turns reuse the shared system prompt on the replica that holds it
         assert recorder.requests == [], recorder.requests
