@@ -234,6 +234,12 @@ def _report(kind: str, period: str, app: str | None, fmt: str, out: Path | None,
                       "margin": (reports.margin_report, reports.margin_columns(by)),
                       "payouts": (reports.payout_report, reports.PAYOUT_COLUMNS)}[kind]
     ledger = _ledger(db, must_exist=True)
+    if db is None:  # the proxy's own ledger: what its drainer holds from the journal goes in first
+        from kvroute.billing.drain import catch_up
+        from kvroute.billing.location import location_from
+        from kvroute.billing.settings import BillingSettings
+
+        catch_up(location_from(BillingSettings()).journal)
     try:
         with ledger.engine.connect() as conn:
             rows = build(conn, ledger.catalog(refresh=True), period, app, by)

@@ -5,10 +5,11 @@
 # Each file pins one version per package for every platform and Python >= 3.11 (--universal), with the sha256 of
 # every file the index serves for that version. uv keeps the versions an existing file pins: to move one, change
 # its pin in pyproject.toml or an .in file, or pass --upgrade-package NAME (extra arguments go to every compile).
-# lock.txt is what the tests run (every extra + dev); proxy.txt and core.txt are subsets of it at the same
-# versions, with the build backend that `pip install --no-deps --no-build-isolation` of kvroute needs; dev.txt
-# is the test tools over the core (beside proxy.txt in .ci/run's wheel check); tools.txt makes and audits the
-# lock; bench/*.txt are the venvs of the peer routers (bench/peer_routers.py) and of py-spy.
+# lock.txt is what the tests run (every extra + dev); proxy.txt (the proxy and billing extras: a proxy, its
+# ledger and reports) and core.txt are subsets of it at the same versions, with the build backend that
+# `pip install --no-deps --no-build-isolation` of kvroute needs; dev.txt is the test tools over the core (beside
+# proxy.txt in .ci/run's wheel check); tools.txt makes and audits the lock; bench/*.txt are the venvs of the
+# peer routers (bench/peer_routers.py) and of py-spy.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 UV=${UV:-uv}
@@ -28,7 +29,7 @@ compile() {
   awk "$split_extras" "$out" > "$out.tmp" && mv "$out.tmp" "$out"
 }
 compile requirements/lock.txt pyproject.toml --extra all --extra dev "$@"
-compile requirements/proxy.txt pyproject.toml requirements/build.in --extra proxy -c requirements/lock.txt "$@"
+compile requirements/proxy.txt pyproject.toml requirements/build.in --extra proxy --extra billing -c requirements/lock.txt "$@"
 compile requirements/core.txt pyproject.toml requirements/build.in -c requirements/lock.txt "$@"
 compile requirements/dev.txt pyproject.toml requirements/build.in --extra dev -c requirements/lock.txt "$@"
 compile requirements/tools.txt requirements/tools.in "$@"
