@@ -2,8 +2,9 @@
 
 Three projects, pinned: SGLang's router ``sglang-router==0.3.2`` (kept for continuity), its successor SMG
 ``smg==1.13.0`` (the Shepherd Model Gateway) and vLLM's fork ``vllm-router==0.1.17``. ``ensure_venv(kind)``
-creates ``.kvroute/<project>-<version>`` once (``python -m venv`` + ``pip install <pin>``) and reuses it while its
-marker file names that pin. ``PeerRouter(kind, binary, worker_urls, policy, extra_args)`` launches the router on
+creates ``.kvroute/<project>-<version>`` once (``python -m venv`` + ``pip install --require-hashes -r
+requirements/bench/<project>.txt``: the pin and its dependencies, every file's sha256 checked) and reuses it while
+its marker file names that pin. ``PeerRouter(kind, binary, worker_urls, policy, extra_args)`` launches the router on
 free 127.0.0.1 ports (HTTP and Prometheus) with the policy's CLI defaults, waits until ``GET /workers`` lists
 every worker healthy (all three answer that route alike), and always stops it.
 
@@ -39,6 +40,7 @@ from kvroute.plugin.dev.child_processes import (
 from kvroute.plugin.dev.proxy_process import free_port
 
 VENVS = Path(__file__).resolve().parent.parent / ".kvroute"
+LOCKS = Path(__file__).resolve().parent.parent / "requirements" / "bench"  # bash requirements/compile.sh
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,11 @@ class RouterKind:
     @property
     def default_venv(self) -> Path:
         return VENVS / self.pin.replace("==", "-")
+
+    @property
+    def requirements(self) -> Path:
+        """The hashed requirements file that pins this router and its dependencies."""
+        return LOCKS / f"{self.key}.txt"
 
 
 SGLANG_ROUTER = RouterKind("sglang-router", "sglang-router==0.3.2", "sglang-router", ("launch",))
@@ -74,7 +81,7 @@ def ensure_venv(kind: RouterKind, path: Path | None = None, python: str | None =
     path.parent.mkdir(parents=True, exist_ok=True)
     steps = ([python or sys.executable, "-m", "venv", str(path)],
              [str(path / "bin" / "python"), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-              kind.pin])
+              "--require-hashes", "-r", str(kind.requirements)])
     for cmd in steps:
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:

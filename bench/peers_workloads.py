@@ -18,7 +18,7 @@ import asyncio
 import json
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import httpx
@@ -233,11 +233,13 @@ async def _stream_one(client: httpx.AsyncClient, body: dict, headers: Mapping[st
 
 
 async def replay(base_url: str, headers: Mapping[str, str], model: str, workload: Workload, salt: str,
-                 timeout_s: float = 120.0) -> RunResult:
+                 timeout_s: float = 120.0,
+                 flow_headers: Callable[[Conversation], Mapping[str, str]] | None = None) -> RunResult:
     """Send every flow of ``workload`` to ``base_url`` (streaming, usage included); every prompt starts with
     ``salt``. Each conversation carries its session key in ``x-litellm-session-id`` (LiteLLM's session affinity and
     kvroute read it) and, the same value, in ``x-session-id`` (vllm-router's sticky and hash policies read it
-    first; SMG's sticky sessions are pointed at it with ``--routing-key-headers``)."""
+    first; SMG's sticky sessions are pointed at it with ``--routing-key-headers``); ``flow_headers`` adds a
+    flow's own (e.g. its app's API key)."""
     result = RunResult()
     limit = workload.concurrency or len(workload.flows) or 1
     gate = asyncio.Semaphore(limit)
@@ -253,7 +255,8 @@ async def replay(base_url: str, headers: Mapping[str, str], model: str, workload
             async with gate:
                 messages: list[dict] = [{"role": "system", "content": f"[{salt}] {flow.system}"}]
                 key = f"{salt}-{flow.conv_id}"
-                session = {"x-litellm-session-id": key, "x-session-id": key}
+                session = {"x-litellm-session-id": key, "x-session-id": key,
+                           **(flow_headers(flow) if flow_headers else {})}
                 for n, turn in enumerate(flow.turns):
                     messages.append({"role": "user", "content": turn})
                     body = {"model": model, "messages": messages, "max_tokens": workload.max_tokens,

@@ -90,7 +90,8 @@ def _py_spy() -> Path:
     binary = PY_SPY_VENV / "bin" / "py-spy"
     if not binary.exists():
         subprocess.run([sys.executable, "-m", "venv", str(PY_SPY_VENV)], check=True)
-        subprocess.run([str(PY_SPY_VENV / "bin" / "pip"), "install", "-q", "py-spy"], check=True)
+        subprocess.run([str(PY_SPY_VENV / "bin" / "pip"), "install", "-q", "--require-hashes", "-r",
+                        str(HERE.parent / "requirements" / "bench" / "py-spy.txt")], check=True)
     return binary
 
 

@@ -111,6 +111,12 @@ def _ingest_progress(show: bool) -> Iterator[Any]:
         yield tick
 
 
+def _in_file(file: Path, exc: Exception) -> str:
+    """``<file>: <problem>``, naming the file once (an unreadable file's error already starts with it)."""
+    text = str(exc)
+    return text if text.startswith(f"{file}: ") else f"{file}: {text}"
+
+
 @billing_app.command("load-prices")
 def load_prices(file: Path = typer.Argument(..., help="YAML or TOML price file (backends, rates, price books)."),
                 db: str | None = typer.Option(None, help=DB_HELP),
@@ -122,7 +128,7 @@ def load_prices(file: Path = typer.Argument(..., help="YAML or TOML price file (
     try:
         pf = read_price_file(file)
     except ConfigError as exc:
-        _fail(f"{file}: {exc}")
+        _fail(_in_file(file, exc))
     if check:
         typer.echo(f"{file}: ok ({len(pf.backends)} backends, {len(pf.rates)} rate cards, {len(pf.books)} books)")
         return
@@ -130,7 +136,7 @@ def load_prices(file: Path = typer.Argument(..., help="YAML or TOML price file (
     try:
         summary = store_prices(ledger, pf)
     except ConfigError as exc:
-        _fail(f"{file}: {exc}")
+        _fail(_in_file(file, exc))
     finally:
         ledger.close()
     updated = f" ({summary.backends_updated} redeclared)" if summary.backends_updated else ""

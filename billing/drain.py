@@ -84,6 +84,26 @@ def request_pass(journal_dir: Path) -> None:
         pass
 
 
+def catch_up(journal_dir: Path, timeout_s: float = 10.0) -> bool:
+    """Ask a running drainer to store what the journal holds now and wait until it has (False when none runs or
+    the time is up: a report then reads what the ledger already has)."""
+    if not drainer_running(journal_dir):
+        return False
+    written = {}
+    for path in segment_paths(journal_dir):
+        with contextlib.suppress(FileNotFoundError):  # a segment the drainer finished and deleted meanwhile
+            written[path.name] = path.stat().st_size
+    request_pass(journal_dir)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        offsets = read_stats(journal_dir).get("offsets") or {}
+        if all(not (journal_dir / name).exists() or (isinstance(offsets.get(name), int) and offsets[name] >= size)
+               for name, size in written.items()):
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def drainer_running(journal_dir: Path) -> bool:
     """Whether a drainer holds the folder's lock."""
     try:

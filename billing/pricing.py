@@ -12,7 +12,8 @@ retried zero completion needs both).
 Currencies are never mixed: the amounts an event is rated with (its reported cost in the event's ``currency``,
 or the rate card in the card's currency) must be in the price book's currency, else ``rate_event`` raises
 ``InputError`` (no conversion). A backend with neither a reported cost nor a rate card is rated at cost 0
-with ``cost_source="unknown"``; reports flag such events as unpriced.
+with ``cost_source="unknown"``; reports flag such events as unpriced. A ``no_route`` event called no backend:
+there is nothing to price (cost 0, ``cost_source="not_called"``, never unpriced).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from kvroute.billing.events import UsageEvent
 from kvroute.billing.money import MILLION, ZERO, check_currency, fix, to_decimal
 from kvroute.billing.usage import TokenBuckets
 from kvroute.policies.errors import InputError
+
+NOT_CALLED = "not_called"  #: the cost source of an event that reached no backend
 
 #: Surcharge buckets of a price rule and the token buckets each one applies to.
 SURCHARGE_BUCKETS = {"input": ("input_uncached",), "cache_read": ("cache_read",),
@@ -239,7 +242,9 @@ def rate_event(e: UsageEvent, cost_rate: CostRate | None, book: PriceBook | None
                                          f"but app {e.app_id!r} is billed in {target}; amounts are never converted")
         computed = None  # a figure in another currency is not kept beside the reported cost
     amortized = computed is not None and cost_rate is not None and cost_rate.source == "self_hosted_amortized"
-    if e.provider_cost is not None:
+    if e.status == "no_route":  # LiteLLM refused it before any upstream call: nothing to price, nothing missing
+        cost, source = ZERO, NOT_CALLED
+    elif e.provider_cost is not None:
         cost, source = fix(e.provider_cost), "provider_reported"
     elif amortized:  # our own GPU's cost beats the per-token price typed into model_list
         cost, source = computed, "self_hosted_amortized"

@@ -27,6 +27,12 @@ def _opened(db: str | None) -> Iterator[tuple[Any, Any]]:
     """(connection, catalog) of the ledger; a user's mistake (``InputError``) ends the command with its line."""
     from kvroute.policies.errors import InputError
     ledger = _ledger(db, must_exist=True)
+    if db is None:  # the proxy's own ledger: what its drainer holds from the journal goes in first
+        from kvroute.billing.drain import catch_up
+        from kvroute.billing.location import location_from
+        from kvroute.billing.settings import BillingSettings
+
+        catch_up(location_from(BillingSettings()).journal)
     try:
         with ledger.engine.connect() as conn:
             yield conn, ledger.catalog(refresh=True)

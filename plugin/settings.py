@@ -14,7 +14,8 @@ import contextlib
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from types import UnionType
+from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -34,7 +35,7 @@ from kvroute.billing.settings import DEFAULT_DATA_DIR
 from kvroute.plugin.state.redis_url import FROM_LITELLM, from_litellm
 from kvroute.plugin.state.redis_url import check as check_redis_url
 from kvroute.policies.errors import ConfigError
-from kvroute.policies.registry import DEFAULT_POLICY, build_config
+from kvroute.policies.registry import DEFAULT_POLICY, build_config, did_you_mean
 
 if TYPE_CHECKING:
     from kvroute.billing.location import LedgerLocation
@@ -46,9 +47,9 @@ def _load_optional_policies() -> None:
         import kvroute.policies.marketplace  # noqa: F401
 
 
-def _check_policy(name: str, knobs: Mapping[str, Any], where: str) -> None:
+def _check_policy(name: str, knobs: Mapping[str, Any], where: str, knobs_where: str | None = None) -> None:
     _load_optional_policies()
-    build_config(name, knobs, where)
+    build_config(name, knobs, where, knobs_where)
 
 
 Isolation = Literal["none", "team", "key", "app"]
@@ -56,7 +57,8 @@ Isolation = Literal["none", "team", "key", "app"]
 
 class GroupSettings(BaseModel):
     """Per model group: policy and knobs, approximate or precise index, hosted or self-hosted, and whose
-    prefixes may be shared (``isolation``: none, or one key space per team / API key / app of the key)."""
+    prefixes may be shared (``isolation``: none, or one key space per team / API key / app of the key; unset,
+    the settings' ``default_isolation``)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -130,6 +132,8 @@ class KvrouteSettings(BaseSettings):
     redis_url: str | None = None
     redis_namespace: str = Field(default="kvroute", min_length=1, pattern=r"^\S+$")
     apps: dict[str, AppSettings] = Field(default_factory=dict)  # key -> app without LiteLLM's database
+    # every group's isolation unless it sets its own; unset: per app when ``apps`` names more than one, else none
+    isolation: Isolation | None = None
     _app_keys: dict[str, str] = PrivateAttr(default_factory=dict)
     _default_group: GroupSettings | None = PrivateAttr(default=None)
     billing: bool = False
@@ -207,7 +211,7 @@ class KvrouteSettings(BaseSettings):
     def check_policies(self) -> KvrouteSettings:
         """Every named policy exists and its knobs are valid, every group's block fits its mode, the breaker
         knobs are known; raises ``ConfigError`` naming the key."""
-        _check_policy(self.default_policy, self.default_knobs, "kvroute.default_policy")
+        _check_policy(self.default_policy, self.default_knobs, "kvroute.default_policy", "kvroute.default_knobs")
         for group, gs in self.groups.items():
             where = f"kvroute.groups.{group}"
             if gs.hybrid is not None:
@@ -218,7 +222,7 @@ class KvrouteSettings(BaseSettings):
                                                        "leave kind at auto")
                 _check_policy("hybrid", gs.hybrid, f"{where}.hybrid")
             elif gs.policy is not None:
-                _check_policy(gs.policy, gs.knobs, f"{where}.policy")
+                _check_policy(gs.policy, gs.knobs, f"{where}.policy", f"{where}.knobs")
             elif gs.knobs:
                 raise ConfigError(f"{where}.knobs", "knobs given without a policy (name the policy they are for)")
             if gs.mode == "precise":
@@ -226,7 +230,7 @@ class KvrouteSettings(BaseSettings):
             elif gs.precise:
                 raise ConfigError(f"{where}.precise", "only read with mode: precise")
         for i, rule in enumerate(self.rules):
-            _check_policy(rule.policy, rule.knobs, f"kvroute.rules.{i}.policy")
+            _check_policy(rule.policy, rule.knobs, f"kvroute.rules.{i}.policy", f"kvroute.rules.{i}.knobs")
         from kvroute.plugin.adapter.signals import breaker_config
 
         breaker_config(self.breaker)
@@ -247,6 +251,28 @@ class KvrouteSettings(BaseSettings):
         self._app_keys = key_map(self.apps)
         return self
 
+    @model_validator(mode="after")
+    def _default_isolation(self) -> KvrouteSettings:
+        """A group that does not set ``isolation`` gets ``default_isolation``."""
+        default = self.default_isolation
+        self.groups = {name: gs if "isolation" in gs.model_fields_set else gs.model_copy(update={"isolation": default})
+                       for name, gs in self.groups.items()}
+        return self
+
+    @property
+    def default_isolation(self) -> Isolation:
+        """``isolation`` if set; else ``app`` when ``apps`` names several apps (one app must not learn from
+        cached tokens or timing what another sent), else ``none`` (one organisation shares its prefixes)."""
+        if self.isolation is not None:
+            return self.isolation
+        return "app" if len(self.apps) > 1 else "none"
+
+    def isolation_reason(self) -> str:
+        """Why ``default_isolation`` is what it is, for the startup line."""
+        if self.isolation is not None:
+            return "set by kvroute.isolation"
+        return f"default: {len(self.apps)} apps" if len(self.apps) > 1 else "default: one organisation"
+
     @property
     def app_keys(self) -> dict[str, str]:
         """key hash (``sha256:<hex>``) -> app, from ``apps``."""
@@ -263,7 +289,7 @@ class KvrouteSettings(BaseSettings):
         if found is not None:
             return found
         if self._default_group is None:
-            self._default_group = GroupSettings()
+            self._default_group = GroupSettings(isolation=self.default_isolation)
         return self._default_group
 
     def ledger_location(self) -> LedgerLocation:
@@ -343,12 +369,19 @@ _OTHER_ENV_PREFIXES = ("KVROUTE_TEST_",)
 
 def check_env(environ: Mapping[str, str]) -> None:
     """Every ``KVROUTE_*`` variable names a setting (here or billing's ``KVROUTE_BILLING_*``): a typo stops
-    startup instead of being ignored."""
+    startup instead of being ignored (the first ``env_problems`` is raised)."""
+    for problem in env_problems(environ):
+        raise problem
+
+
+def env_problems(environ: Mapping[str, str]) -> list[ConfigError]:
+    """One ``ConfigError`` per ``KVROUTE_*`` variable that names no setting, with the one it may have meant."""
     from kvroute.billing.settings import BillingSettings
 
     fields = set(KvrouteSettings.model_fields) - {"prometheus_multiproc_dir"}
     billing = {"KVROUTE_BILLING_" + name.upper() for name, f in BillingSettings.model_fields.items()
                if f.validation_alias is None}  # data_dir is KVROUTE_DATA_DIR, this class's own field
+    problems = []
     for name in sorted(environ):
         if not name.startswith("KVROUTE_") or name in _OTHER_ENV or name in billing:
             continue
@@ -357,11 +390,41 @@ def check_env(environ: Mapping[str, str]) -> None:
         field = name[len("KVROUTE_"):].lower()
         top = field.split("__", 1)[0]
         if top not in fields or ("__" in field and top not in _NESTED_ENV):
-            raise ConfigError(name, "unknown kvroute setting")
+            known = {"KVROUTE_" + f.upper() for f in fields} | set(_OTHER_ENV) | billing
+            problems.append(ConfigError(name, "unknown kvroute setting" + did_you_mean(name, known)))
+    return problems
 
 
 def _key_of(loc: tuple[Any, ...]) -> str:
     return ".".join(["kvroute", *(str(p) for p in loc)]) if loc else "kvroute"
+
+
+def _keys_at(loc: tuple[Any, ...]) -> list[str]:
+    """The keys the ``kvroute:`` block accepts beside the one at ``loc`` (a path of field names, group names and
+    rule indexes), read from the settings models; [] where the path leaves them."""
+    shape: Any = KvrouteSettings
+    for part in loc[:-1]:
+        while get_origin(shape) in (Union, UnionType):  # X | None: the model or container it names
+            shape = next(a for a in get_args(shape) if a is not type(None))
+        if isinstance(shape, type) and issubclass(shape, BaseModel):
+            field = shape.model_fields.get(str(part))
+            if field is None:
+                return []
+            shape = field.annotation
+        elif get_origin(shape) in (dict, list):
+            shape = get_args(shape)[-1]
+        else:
+            return []
+    return list(shape.model_fields) if isinstance(shape, type) and issubclass(shape, BaseModel) else []
+
+
+def validation_problem(err: Mapping[str, Any]) -> ConfigError:
+    """One of pydantic's errors for the ``kvroute:`` block in kvroute's words, naming its key; an unknown key
+    says which it may have meant."""
+    loc = tuple(p for p in err.get("loc", ()) if p != "__root__")
+    if err.get("type") == "extra_forbidden" and loc:
+        return ConfigError(_key_of(loc), "unknown key" + did_you_mean(str(loc[-1]), _keys_at(loc)))
+    return ConfigError(_key_of(loc), str(err.get("msg", "invalid")).removeprefix("Value error, "))
 
 
 def _read_yaml(path: Path) -> Mapping[str, Any]:
@@ -421,7 +484,5 @@ def load_settings(proxy_config: str | Path | None = None, **overrides: Any) -> K
             proxy = _read_yaml(Path(litellm_config)) if litellm_config else {}
             settings = settings.model_copy(update={"redis_url": from_litellm(proxy, os.environ)})
     except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = tuple(p for p in err.get("loc", ()) if p != "__root__")
-        raise ConfigError(_key_of(loc), str(err.get("msg", "invalid")).removeprefix("Value error, ")) from exc
+        raise validation_problem(exc.errors()[0]) from exc
     return settings.check_policies()

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import difflib
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from kvroute.policies.base import Policy
@@ -40,25 +41,37 @@ def policy_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def build_config(name: str, knobs: Mapping[str, Any] | None = None, where: str = "policy") -> Any:
-    """Validated config dataclass for ``name``; unknown or bad knobs raise ``ConfigError`` naming them."""
+def did_you_mean(word: str, known: Iterable[str]) -> str:
+    """`` (did you mean X?)`` for the closest of ``known`` to a mistyped ``word``, else ``" (known: ...)"``."""
+    known = sorted(known)
+    close = difflib.get_close_matches(word, known, n=1, cutoff=0.75)
+    if close:
+        return f" (did you mean {close[0]}?)"
+    return f" (known: {', '.join(known) or 'none'})"
+
+
+def build_config(name: str, knobs: Mapping[str, Any] | None = None, where: str = "policy",
+                 knobs_where: str | None = None) -> Any:
+    """Validated config dataclass for ``name``; an unknown policy raises ``ConfigError`` naming ``where``, an
+    unknown or bad knob one naming ``<knobs_where>.<knob>`` (``knobs_where`` defaults to ``where``)."""
     if name not in _REGISTRY:
-        raise ConfigError(where, f"unknown policy {name!r}; known: {', '.join(policy_names())}")
+        raise ConfigError(where, f"unknown policy {name!r}" + did_you_mean(name, policy_names()))
     _, config_cls = _REGISTRY[name]
     knobs = dict(knobs or {})
+    knobs_where = knobs_where or where
     fields = {f.name: f for f in dataclasses.fields(config_cls)}
     for key in knobs:
         if key not in fields:
-            known = ", ".join(sorted(fields)) or "none"
-            raise ConfigError(f"{where}.{key}", f"unknown knob for {name} (known: {known})")
+            raise ConfigError(f"{knobs_where}.{key}", f"unknown knob for {name}" + did_you_mean(str(key), fields))
     try:
         return config_cls(**knobs)
     except (TypeError, ValueError) as exc:
         bad = next((k for k in knobs if k in str(exc)), None)
-        raise ConfigError(f"{where}.{bad}" if bad else where, str(exc)) from exc
+        raise ConfigError(f"{knobs_where}.{bad}" if bad else knobs_where, str(exc)) from exc
 
 
-def build_policy(name: str, knobs: Mapping[str, Any] | None = None, where: str = "policy") -> Policy:
-    config = build_config(name, knobs, where)
+def build_policy(name: str, knobs: Mapping[str, Any] | None = None, where: str = "policy",
+                 knobs_where: str | None = None) -> Policy:
+    config = build_config(name, knobs, where, knobs_where)
     policy_cls, _ = _REGISTRY[name]
     return policy_cls(config)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run the whole kvroute test suite on this machine.
-# Creates .venv with the pinned dependencies, starts a throw-away PostgreSQL and Redis on 127.0.0.1
+# Creates .venv with the locked, hash-checked dependencies, starts a throw-away PostgreSQL and Redis on 127.0.0.1
 # (when their binaries exist and no KVROUTE_TEST_PG_URL / KVROUTE_TEST_REDIS_URL is given), runs pytest,
 # and stops what it started. Extra arguments go to pytest.
 set -euo pipefail
@@ -9,8 +9,8 @@ export LITELLM_LOCAL_MODEL_COST_MAP=True
 PYTHON=${PYTHON:-python3}
 
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-.venv/bin/python -m pip install -q --disable-pip-version-check -r requirements/lock.txt
-.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
+.venv/bin/python -m pip install -q --disable-pip-version-check --require-hashes -r requirements/lock.txt
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 
 work=$(mktemp -d /tmp/kvroute-test.XXXXXX)
 chmod 755 "$work"

@@ -50,7 +50,7 @@ def test_example_config_is_valid_once_its_variables_are_set():
 
 def test_unset_variables_are_each_reported():
     out = check(EXAMPLE)
-    assert out.returncode == 1
+    assert out.returncode == 2
     found = problems(out, EXAMPLE)
     assert "model_list.0.litellm_params.api_base: os.environ/EXAMPLE_REPLICA_1_API_BASE is not set" in found
     assert "model_list.2.model_info.metrics_url: os.environ/EXAMPLE_REPLICA_3_METRICS_URL is not set" in found
@@ -72,13 +72,13 @@ def test_every_problem_is_listed_one_per_line(tmp_path):
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(cfg))
     out = check(path, KVROUTE_REDIS_ULR="redis://127.0.0.1/0", **example_env())
-    assert out.returncode == 1
+    assert out.returncode == 2
     found = problems(out, path)
     expected = [
-        "KVROUTE_REDIS_ULR: unknown setting; did you mean KVROUTE_REDIS_URL?",
+        "KVROUTE_REDIS_ULR: unknown kvroute setting (did you mean KVROUTE_REDIS_URL?)",
         "kvroute.groups.lama.mode: Input should be 'approx' or 'precise'",
-        "kvroute.metrics_port: Value error, must be a TCP port (0-65535)",
-        "kvroute.groups.llama.policy: unknown policy 'cache_awre'",
+        "kvroute.metrics_port: must be a TCP port (0-65535)",
+        "kvroute.groups.llama.policy: unknown policy 'cache_awre' (did you mean cache_aware?)",
         "model_list.0.model_info.engine: unknown engine 'vllmx'; known: vllm, sglang, llamacpp",
         "model_list.1.model_info.id: every deployment kvroute routes needs an id",
         "model_list.2.model_info.block_size: must be > 0, got 0",
@@ -94,14 +94,36 @@ def test_every_problem_is_listed_one_per_line(tmp_path):
     assert f"{len(expected)} problem(s) in {path}" in out.stderr
 
 
+@pytest.mark.parametrize(("edit", "line"), [
+    (lambda k: k.update(default_polcy="cache_aware"),
+     "kvroute.default_polcy: unknown key (did you mean default_policy?)"),
+    (lambda k: k["groups"]["llama"].update(isolaton="app"),
+     "kvroute.groups.llama.isolaton: unknown key (did you mean isolation?)"),
+    (lambda k: k["groups"]["llama"]["knobs"].update(min_prefx_tokens=1),
+     "kvroute.groups.llama.knobs.min_prefx_tokens: unknown knob for cache_aware (did you mean min_prefix_tokens?)"),
+    (lambda k: k["rules"][0].update(knobs={"max_scord": 1}),
+     "kvroute.rules.0.knobs.max_scord: unknown knob for least_load (known: none)"),
+    (lambda k: k["breaker"].update(base_cooldown=1),
+     "kvroute.breaker.base_cooldown: unknown breaker setting (did you mean base_cooldown_s?)"),
+])
+def test_a_typo_is_named_at_its_own_path_with_the_key_it_may_mean(tmp_path, edit, line):
+    cfg = yaml.safe_load(EXAMPLE.read_text())
+    edit(cfg["kvroute"])
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out = check(path, **example_env())
+    assert out.returncode == 2
+    assert problems(out, path) == [line]
+
+
 def test_unreadable_and_missing_files(tmp_path):
     missing = tmp_path / "nope.yaml"
     out = check(missing)
-    assert out.returncode == 1 and problems(out, missing) == ["no such file"]
+    assert out.returncode == 2 and problems(out, missing) == ["no such file"]
     broken = tmp_path / "broken.yaml"
     broken.write_text("model_list: [\n")
     out = check(broken)
-    assert out.returncode == 1 and problems(out, broken)[0].startswith("cannot read it as YAML")
+    assert out.returncode == 2 and problems(out, broken)[0].startswith("cannot read it as YAML")
 
 
 @pytest.mark.slow
@@ -110,7 +132,7 @@ def test_live_says_what_does_not_answer(tmp_path):
     out = check(EXAMPLE, "--live", "--timeout", "1", **example_env(f"http://127.0.0.1:{port}"),
                 KVROUTE_REDIS_URL=f"redis://127.0.0.1:{port}/0", KVROUTE_HASH_SECRET="live-check-secret-0123456789",
                 KVROUTE_BILLING_DB=f"postgresql+psycopg://kvroute@127.0.0.1:{port}/x")
-    assert out.returncode == 1
+    assert out.returncode == 2
     lines = out.stdout.splitlines()
     assert f"FAIL replica-1 api_base: http://127.0.0.1:{port}/v1/models does not answer (ConnectError)" in lines
     assert f"FAIL replica-1 metrics_url: http://127.0.0.1:{port}/metrics does not answer (ConnectError)" in lines
@@ -122,11 +144,11 @@ def test_live_says_what_does_not_answer(tmp_path):
 
 def test_redis_without_a_hash_secret_is_a_problem_and_a_bad_url_one_line():
     out = check(EXAMPLE, **example_env(), KVROUTE_REDIS_URL="redis://127.0.0.1:6379/0")
-    assert out.returncode == 1
+    assert out.returncode == 2
     assert any(p.startswith("kvroute.hash_secret: required with redis_url") for p in problems(out, EXAMPLE))
     ok = check(EXAMPLE, **example_env(), KVROUTE_REDIS_URL="rediss://:pw@127.0.0.1:6380/0",
                KVROUTE_HASH_SECRET="a-long-enough-secret-0123")
     assert ok.returncode == 0, ok.stdout + ok.stderr
     bad = check(EXAMPLE, **example_env(), KVROUTE_REDIS_URL="redis+sentinel://127.0.0.1:26379/m")
     line = next(ln for ln in bad.stdout.splitlines() if "kvroute.redis_url:" in ln)
-    assert bad.returncode == 1 and "Redis Sentinel is not supported" in line
+    assert bad.returncode == 2 and "Redis Sentinel is not supported" in line

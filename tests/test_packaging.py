@@ -63,15 +63,32 @@ def _pyproject() -> dict:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
-def _lock() -> dict[str, str]:
+REQUIREMENTS = ROOT / "requirements"
+HASHED = sorted(REQUIREMENTS.rglob("*.txt"))  # every file pip installs from: the lock, its subsets, tools, bench
+
+
+def _entries(path: Path) -> list[tuple[str, str, list[str]]]:
+    """A hashed requirements file as (requirement, version, hashes) per entry (``\\`` continuations joined)."""
+    from packaging.requirements import Requirement
+
+    logical = path.read_text().replace("\\\n", " ")
+    out = []
+    for line in logical.splitlines():
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        hashes = [w.removeprefix("--hash=") for w in words if w.startswith("--hash=")]
+        req = Requirement(" ".join(w for w in words if not w.startswith("--")))
+        (spec,) = req.specifier
+        out.append((str(req), spec.version, hashes))
+    return out
+
+
+def _lock(path: Path = REQUIREMENTS / "lock.txt") -> dict[str, str]:
+    from packaging.requirements import Requirement
     from packaging.utils import canonicalize_name
 
-    pins = {}
-    for line in (ROOT / "requirements" / "lock.txt").read_text().splitlines():
-        if "==" in line and not line.startswith("#"):
-            name, version = line.split("==", 1)
-            pins[canonicalize_name(name)] = version.strip()
-    return pins
+    return {canonicalize_name(Requirement(req).name): version for req, version, _ in _entries(path)}
 
 
 def _requirements(extra: str | None = None) -> list:
@@ -144,10 +161,45 @@ def test_core_dependencies_stay_small():
     assert not names & {"litellm", "openai", "sqlalchemy", "pyzmq", "redis", "fastapi", "numpy", "matplotlib"}
 
 
+@pytest.mark.parametrize("path", HASHED, ids=lambda p: p.relative_to(REQUIREMENTS).as_posix())
+def test_every_locked_file_is_pinned_and_hashed(path):
+    """pip's --require-hashes needs ``==`` and a sha256 on every entry; a package asked for with an extra
+    (``httpx[http2]``) is pinned under that name and under its own."""
+    from packaging.requirements import Requirement
+
+    entries = _entries(path)
+    assert entries, path
+    for req, version, hashes in entries:
+        assert f"=={version}" in req, req
+        assert hashes and all(h.startswith("sha256:") and len(h) == 71 for h in hashes), req
+    names = {Requirement(req).name.lower() for req, _, _ in entries}
+    for req, _, _ in entries:
+        parsed = Requirement(req)
+        if parsed.extras:
+            assert parsed.name.lower() in names, f"{path.name}: {req} has no plain pin beside it"
+
+
+def test_the_subsets_pin_the_lock_files_versions():
+    lock = _lock()
+    for name in ("proxy.txt", "core.txt", "dev.txt"):
+        differ = {k: (v, lock.get(k)) for k, v in _lock(REQUIREMENTS / name).items() if lock.get(k) != v}
+        assert not differ, f"{name} differs from lock.txt: {differ}"
+
+
+def test_every_install_in_the_docs_and_ci_requires_hashes():
+    """Every pip install of a requirements file checks hashes; kvroute itself goes in with --no-deps."""
+    import re
+
+    for source in ("README.md", "docs/proxy.md", ".ci/run", "tests/run.sh"):
+        for line in (ROOT / source).read_text().splitlines():
+            for install in re.findall(r"pip\S* install [^&;|#]*", line):
+                assert "--require-hashes -r " in install or "--no-deps" in install, f"{source}: {line.strip()}"
+
+
 def test_every_requirements_file_that_is_named_exists():
     import re
 
-    for source in ("pyproject.toml", "README.md", ".ci/run", "tests/run.sh"):
+    for source in ("pyproject.toml", "README.md", ".ci/run", "tests/run.sh", "docs/proxy.md", "bench/peer_routers.py"):
         for path in re.findall(r"requirements/[\w./-]+\.txt", (ROOT / source).read_text()):
             assert (ROOT / path).is_file(), f"{source} names {path}, which does not exist"
 

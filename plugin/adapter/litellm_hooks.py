@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 import time
 from collections import OrderedDict
@@ -390,6 +391,7 @@ class KvrouteCallback(CustomLogger):
 
 
 _instance: KvrouteCallback | None = None
+CONFIG_ERROR_EXIT = 2  # what every kvroute command exits with for a problem the user can fix
 
 
 def get_callback() -> KvrouteCallback:
@@ -401,6 +403,8 @@ def get_callback() -> KvrouteCallback:
             instance._setup()  # validate config (ConfigError names the key) and mount routes at startup
         except ConfigError as exc:
             print(f"kvroute: configuration error: {exc}", file=sys.stderr, flush=True)
+            if "litellm.proxy.proxy_server" in sys.modules:  # the proxy's start-up: stop on that line, no
+                os._exit(CONFIG_ERROR_EXIT)                   # server traceback under it (the SDK gets the raise)
             raise
         _instance = instance
     return _instance

@@ -41,7 +41,8 @@ class RuleBook:
     def from_settings(cls, rules: Sequence[RuleSettings]) -> RuleBook:
         built = []
         for i, rs in enumerate(rules):
-            policy = build_policy(rs.policy, rs.knobs, where=f"kvroute.rules.{i}.policy")
+            policy = build_policy(rs.policy, rs.knobs, where=f"kvroute.rules.{i}.policy",
+                                  knobs_where=f"kvroute.rules.{i}.knobs")
             built.append(Rule(name=rs.name or f"rule{i}", policy=policy, group=rs.match.group, app=rs.match.app,
                               tags=dict(rs.match.tags)))
         return cls(built)

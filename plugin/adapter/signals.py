@@ -17,6 +17,7 @@ from typing import Any
 from kvroute.plugin.adapter.metrics import Metrics
 from kvroute.policies.errors import ConfigError
 from kvroute.policies.health import BreakerConfig, HealthBoard, Transition
+from kvroute.policies.registry import did_you_mean
 
 
 def request_metadata(kwargs: Mapping[str, Any], create: bool = False) -> dict[str, Any] | None:
@@ -158,7 +159,7 @@ def breaker_config(knobs: Mapping[str, Any], where: str = "kvroute.breaker") -> 
     names = {f.name for f in dataclasses.fields(BreakerConfig)}
     for key in knobs:
         if key not in names:
-            raise ConfigError(f"{where}.{key}", "unknown breaker setting")
+            raise ConfigError(f"{where}.{key}", "unknown breaker setting" + did_you_mean(str(key), names))
     try:
         return BreakerConfig(**dict(knobs))
     except (TypeError, ValueError) as exc:

@@ -63,8 +63,16 @@ def startup_line(callback: Any) -> str:
     if s.metrics_port is not None:
         metrics += f", {s.metrics_host}:{s.metrics_port}"
     rules = f"{len(s.rules)} rule(s)"
-    return (f"kvroute ready: groups {groups}; default policy {s.default_policy}; {rules}; billing {billing}; "
-            f"redis {redis}; routes {metrics}")
+    return (f"kvroute ready: groups {groups}; default policy {s.default_policy}; {rules}; "
+            f"{isolation(s, names)}; billing {billing}; redis {redis}; routes {metrics}")
+
+
+def isolation(settings: Any, names: list[str]) -> str:
+    """Whose prefixes may meet in a cache: ``isolation app (default: 2 apps)``, or per group where they differ."""
+    chosen = {n: settings.group(n).isolation for n in names}
+    default = settings.default_isolation
+    others = ", ".join(f"{n} {v}" for n, v in sorted(chosen.items()) if v != default)
+    return f"isolation {default} ({settings.isolation_reason()}" + (f"; {others})" if others else ")")
 
 
 def log_startup(callback: Any) -> None:

@@ -8,7 +8,6 @@ replica's ``api_base`` and ``metrics_url``, Redis and the billing database and s
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +19,15 @@ from pydantic import ValidationError
 
 from kvroute.plugin.adapter.deployments import Backend, classify
 from kvroute.plugin.extras import missing_modules
-from kvroute.plugin.settings import ENV_REF, KvrouteSettings, kvroute_environment, load_settings, resolve_env_refs
+from kvroute.plugin.settings import (
+    ENV_REF,
+    KvrouteSettings,
+    env_problems,
+    kvroute_environment,
+    load_settings,
+    resolve_env_refs,
+    validation_problem,
+)
 from kvroute.policies.errors import ConfigError
 
 CALLBACK = "kvroute.plugin.kvroute_callback"
@@ -76,16 +83,12 @@ def _url_problem(value: Any) -> str | None:
 
 def _check_env(report: CheckReport) -> None:
     fields = {name.upper() for name in KvrouteSettings.model_fields}
-    for name in sorted(kvroute_environment()):
-        if name.startswith(OTHER_ENV):
-            continue
+    environ = kvroute_environment()
+    for name in sorted(environ):
         key = name[len("KVROUTE_"):].split("__", 1)[0]
-        if key in fields:
+        if key in fields and not name.startswith(OTHER_ENV):
             report.notes.append(f"{name} overrides kvroute.{key.lower()}")
-        else:
-            close = difflib.get_close_matches(key, fields, n=1)
-            hint = f"; did you mean KVROUTE_{close[0]}?" if close else ""
-            report.problems.append(f"{name}: unknown setting{hint}")
+    report.problems.extend(str(problem) for problem in env_problems(environ))
 
 
 def _check_block(report: CheckReport, block: Mapping[str, Any]) -> None:
@@ -95,14 +98,14 @@ def _check_block(report: CheckReport, block: Mapping[str, Any]) -> None:
         KvrouteSettings(**pruned)
     except ValidationError as exc:
         for err in exc.errors():
-            loc = tuple(err.get("loc", ()))
-            report.problems.append(f"{'.'.join(['kvroute', *map(str, loc)])}: {err.get('msg', 'invalid')}")
-            _prune(pruned, loc)
+            report.problems.append(str(validation_problem(err)))
+            _prune(pruned, tuple(err.get("loc", ())))
     else:
         try:
             report.settings = load_settings(report.path)
         except ConfigError as exc:
-            report.problems.append(str(exc))
+            if str(exc) not in report.problems:  # a KVROUTE_* typo: already listed by _check_env
+                report.problems.append(str(exc))
         return
     try:  # the rest of the block, without the bad entries, so their neighbours are checked too
         report.settings = KvrouteSettings(**pruned)

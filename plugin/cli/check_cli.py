@@ -1,4 +1,5 @@
-"""``kvroute check CONFIG [--live]``: every problem of a proxy config, one per line; exit 1 when there is one."""
+"""``kvroute check CONFIG [--live]``: every problem of a proxy config, one per line; exit 2 (a problem you can fix,
+as every command) when there is one or a live probe fails."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ def check_command(
 ) -> None:
     """Validate the kvroute block, model_info, the callbacks line and KVROUTE_* overrides (offline)."""
     from kvroute.plugin.cli.check import check_config, probe
+    from kvroute.plugin.cli.cli import USAGE_ERROR as FIXABLE
 
     report = check_config(config)
     for note in report.notes:
@@ -23,7 +25,7 @@ def check_command(
         typer.echo(f"{config}: {problem}")
     if not report.ok:
         typer.echo(f"{len(report.problems)} problem(s) in {config}", err=True)
-        raise typer.Exit(1)
+        raise typer.Exit(FIXABLE)
     hosted = sum(1 for b in report.backends if not b.self_hosted)
     groups = sorted({b.group for b in report.backends})
     typer.echo(f"{config}: ok ({len(groups)} groups: {', '.join(groups)}; {len(report.backends) - hosted} "
@@ -36,4 +38,4 @@ def check_command(
     failed = sum(1 for p in probes if not p.ok)
     if failed:
         typer.echo(f"{failed} of {len(probes)} live checks failed", err=True)
-        raise typer.Exit(1)
+        raise typer.Exit(FIXABLE)

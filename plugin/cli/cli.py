@@ -86,6 +86,10 @@ def _mount() -> None:
 
     app.command("check", help="Validate a LiteLLM proxy config for kvroute (offline; --live reaches the services).")(
         check_command)
+    from kvroute.plugin.cli.wait import wait_command
+
+    app.command("wait", help="Wait until URLs (or a proxy config's deployments) answer, e.g. a proxy just started.")(
+        wait_command)
     from kvroute.plugin.cli.events_cli import events_app
 
     app.add_typer(events_app, name="events", help="Engine KV-cache event streams (precise mode).")

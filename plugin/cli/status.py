@@ -78,8 +78,12 @@ def fetch_status(proxy: str, path: str = "/kvroute/status", api_key: str | None 
         resp = httpx.get(url, headers=headers, timeout=timeout)
     except httpx.HTTPError as exc:
         raise RuntimeError(f"cannot reach {url}: {exc}") from exc
+    if resp.status_code in (401, 403):
+        hint = ("no key was sent: pass --api-key or set LITELLM_MASTER_KEY (the master key or an admin key)"
+                if not api_key else "this key may not read it: use the master key or a proxy_admin key")
+        raise RuntimeError(f"{url} answered {resp.status_code}: {hint}")
     if resp.status_code != 200:
-        raise RuntimeError(f"{url} answered {resp.status_code}: {resp.text[:200]}")
+        raise RuntimeError(f"{url} answered {resp.status_code}: {' '.join(resp.text[:200].split())}")
     try:
         return resp.json()
     except ValueError as exc:

@@ -143,3 +143,11 @@ def test_quick_run_starts_every_rival_and_reports_every_figure(tmp_path):
         assert "cached_share_vs_kvroute" in row and "router_cpu_ms_per_req_vs_litellm-shuffle" in row
     assert set(w["targets"]) == {f"{t} {p}" for p in PEERS for t in ("cached_share", "ttft_p90")} | {"proxy_cpu"}
     assert result["engine_token_calls"].get("/v1/chat/completions/render", 0) > 0  # vllm-router's cache_aware
+
+
+def test_every_peer_router_installs_from_a_hashed_file_that_pins_it():
+    from peer_routers import KINDS
+
+    for kind in KINDS.values():
+        text = kind.requirements.read_text()
+        assert f"\n{kind.pin} \\\n    --hash=sha256:" in text, f"{kind.requirements} lacks {kind.pin} with hashes"

@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 from kvroute.billing.cli import billing_app, report_app
 from kvroute.billing.reports import MARGIN_COLUMNS, PAYOUT_COLUMNS, USAGE_COLUMNS
+from kvroute.billing.usage import TokenBuckets
 
 runner = CliRunner()
 OLD_OK = ("--late-days", "3650")  # the fixtures are dated October 2026; the window is relative to the real clock
@@ -107,6 +108,35 @@ def test_reports_in_every_format(tmp_path: Path, loaded: str) -> None:
     assert r.exit_code == 0 and "kvroute margin report 2026-10" in r.output and "TOTAL" in r.output
     r = runner.invoke(report_app, ["usage", "--period", "2026-13", "--db", loaded])
     assert r.exit_code == 2 and "expected YYYY-MM" in r.output
+
+
+def test_an_empty_period_says_so_in_one_line(loaded: str) -> None:
+    r = runner.invoke(report_app, ["margin", "--period", "2025-01", "--db", loaded])
+    assert r.exit_code == 0 and r.output == "kvroute margin report 2025-01: no usage booked in this period\n"
+    r = runner.invoke(report_app, ["usage", "--period", "2026-10", "--app", "nobody", "--format", "json", "--db",
+                                   loaded])
+    assert r.exit_code == 0 and "no usage booked in this period for app nobody" in r.output
+
+
+def test_a_request_refused_before_any_call_is_not_an_unpriced_event(tmp_path: Path, loaded: str) -> None:
+    """What LiteLLM rejects before an upstream call (``no_route`` on ``router``) warns of nothing to re-rate."""
+    refused = event(500, status="no_route", is_final=True, backend_id="router", provider="litellm-router",
+                    route_kind="direct", tokens=TokenBuckets(0, 0, 0, 0, 0, 0))
+    path = tmp_path / "refused.jsonl"
+    path.write_text(refused.to_line() + "\n")
+    r = runner.invoke(billing_app, ["ingest", str(path), "--db", loaded, *OLD_OK])
+    assert r.exit_code == 0 and "unpriced" not in r.output, r.output
+    r = runner.invoke(report_app, ["margin", "--period", "2026-10", "--format", "json", "--db", loaded])
+    assert r.exit_code == 0 and "warning" not in r.output, r.output
+    rows = json.loads(r.output[r.output.index("{"):])["rows"]
+    router = next(row for row in rows if row["backend_id"] == "router")
+    assert router["requests_total"] == 1 and router["unpriced_events"] == 0 and Decimal(router["billed_amount"]) == 0
+
+
+def test_a_missing_price_file_is_named_once(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.yaml"
+    r = runner.invoke(billing_app, ["load-prices", str(missing), "--check"])
+    assert r.exit_code == 2 and r.output == f"{missing}: cannot read price file: No such file or directory\n"
 
 
 def test_close_period_command(loaded: str) -> None:

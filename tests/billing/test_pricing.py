@@ -27,6 +27,13 @@ def book(*rules: PriceRule) -> PriceBook:
     return PriceBook("acme", 1, T0, rules=rules)
 
 
+def test_a_request_that_reached_no_backend_has_nothing_to_price() -> None:
+    e = event(status="no_route", is_final=True, backend_id="router", provider="litellm-router", route_kind="direct",
+              tokens=TokenBuckets(0, 0, 0, 0, 0, 0))
+    r = rate_event(e, None, book(PriceRule("r", 0, markup_pct=Decimal("0.2"), fee_per_request=Decimal("0.01"))))
+    assert (r.cost_source, r.provider_cost, r.billed_amount, r.absorbed_cost) == ("not_called", 0, 0, 0)
+
+
 def test_cost_from_rate_card_and_markup_surcharge_fee() -> None:
     e = event(tokens=TokenBuckets(1000, 3000, 200, 0, 400, 0))
     rule = PriceRule("r", 0, markup_pct=Decimal("0.2"), surcharge_per_mtok={"input": Decimal("0.5"),

@@ -35,7 +35,7 @@ def test_keys_from_the_environment_or_as_hashes_map_to_their_app(tmp_path, monke
     ("    acme: {keys: ['sha256:abc']}\n", "kvroute.apps.acme.keys: keys[0] is not sha256:<64 hex digits>"),
     ("    acme: {keys: [os.environ/ACME_KEY]}\n    beta: {keys: [os.environ/ACME_KEY]}\n",
      "kvroute.apps: one key is listed under both 'acme' and 'beta'"),
-    ("    acme: {key: [x]}\n", "kvroute.apps.acme.key: Extra inputs are not permitted"),
+    ("    acme: {key: [x]}\n", "kvroute.apps.acme.key: unknown key (did you mean keys?)"),
 ])
 def test_a_bad_entry_is_one_line_naming_the_key(tmp_path, monkeypatch, block, message):
     monkeypatch.setenv("ACME_KEY", "sk-acme-1")

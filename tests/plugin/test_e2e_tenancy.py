@@ -211,16 +211,24 @@ def decisions(text: str) -> float:
 @pytest.mark.parametrize(("settings", "env", "line"), [
     ({"groups": {"llama": {"knobs": {"min_prefix_tokens": 64}}}}, {},
      "kvroute: configuration error: kvroute.groups.llama.knobs: knobs given without a policy"),
-    ({}, {"KVROUTE_METRICS_PROT": "9100"}, "kvroute: configuration error: KVROUTE_METRICS_PROT: unknown kvroute"),
+    ({}, {"KVROUTE_METRICS_PROT": "9100"}, "kvroute: configuration error: KVROUTE_METRICS_PROT: unknown kvroute "
+     "setting (did you mean KVROUTE_METRICS_PORT?)"),
+    ({"default_polcy": "least_load"}, {},
+     "kvroute: configuration error: kvroute.default_polcy: unknown key (did you mean default_policy?)"),
 ])
 def test_a_bad_setting_stops_proxy_startup_with_one_line_naming_it(settings, env, line, tmp_path):
+    """The proxy exits 2 on the one line, with no server traceback under it."""
     cfg = build_proxy_config([ModelGroup("llama", ["http://127.0.0.1:9/v1"])], master_key=MASTER)
     proxy = ProxyProcess(cfg, kvroute_settings={**settings, "data_dir": str(tmp_path)}, env=env,
                          inherit_kvroute_env=False, workdir=tmp_path / "proxy")
     with pytest.raises(ChildStartError):
         proxy.start()
     try:
-        lines = [ln for ln in proxy.log_text().splitlines() if ln.startswith("kvroute: configuration error")]
+        log = proxy.log_text()
+        exit_code = proxy.process.wait(timeout=30)
     finally:
         proxy.stop()
+    lines = [ln for ln in log.splitlines() if ln.startswith("kvroute: configuration error")]
     assert len(lines) == 1 and lines[0].startswith(line), lines
+    assert "Traceback" not in log and log.rstrip().endswith(lines[0]), log[-2000:]
+    assert exit_code == 2

@@ -156,6 +156,12 @@ def test_status_prints_table_csv_and_json(stack):
     assert set(json.loads(as_json.stdout)["backends"]) == set(rows)
     table = subprocess.run(base, capture_output=True, text=True, timeout=60)
     assert "…" not in table.stdout and all(name in table.stdout for name in rows)
+    env = {k: v for k, v in os.environ.items() if k != "LITELLM_MASTER_KEY"}
+    keyless = subprocess.run([*KVROUTE, "status", "--proxy", proxy.base_url], capture_output=True, text=True,
+                             timeout=60, env=env)
+    assert keyless.returncode == 2 and keyless.stderr == (
+        f"error: {proxy.base_url}/kvroute/status answered 401: no key was sent: pass --api-key or set "
+        "LITELLM_MASTER_KEY (the master key or an admin key)\n"), keyless.stderr
 
 
 def test_check_live_reaches_replicas_metrics_redis_and_billing_db(stack, redis_url, tmp_path):
@@ -208,6 +214,10 @@ def test_sdk_example_runs_as_written_against_fake_replicas():
         assert out.returncode == 0, out.stderr[-2000:]
         turns = [ln for ln in out.stdout.splitlines() if ln.startswith("chat ")]
         assert len(turns) == 12 and all("replica-" in ln for ln in turns)
+        config = yaml.safe_load((EXAMPLES / "config.yaml").read_text())
+        names = {d["model_info"]["id"] for d in config["model_list"] if d["model_name"] == "llama"}
+        assert {ln.split(": ", 1)[1].split()[0] for ln in turns} <= names  # replica-1..3, as the proxy config
+        assert out.stdout.startswith("billing off: the SDK records usage only when asked"), out.stdout[:200]
         cached = [int(ln.split(" cached ", 1)[1].split("/", 1)[0]) for ln in turns]
         assert sum(cached[3:]) > 0  # later turns reuse the shared system prompt on the replica that holds it
         assert recorder.requests == [], recorder.requests

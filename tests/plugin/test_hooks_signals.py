@@ -124,7 +124,7 @@ except Exception as exc:
 """
     env = {**os.environ, "KVROUTE_GROUPS": '{"llama": {"policy": "cache_aware", "knobs": {"bad": 1}}}'}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert out.stdout.strip() == "ConfigError kvroute.groups.llama.policy.bad", out.stderr[-2000:]
+    assert out.stdout.strip() == "ConfigError kvroute.groups.llama.knobs.bad", out.stderr[-2000:]
     env["KVROUTE_GROUPS"] = '{"llama": {"policy": "least_load"}}'
     code_ok = "import kvroute.plugin as p; cb = p.kvroute_callback; assert cb is p.kvroute_callback; " \
               "print(cb.settings.group('llama').policy)"

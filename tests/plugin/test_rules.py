@@ -31,7 +31,7 @@ def test_first_matching_rule_wins():
 def test_bad_policy_names_rule_index():
     with pytest.raises(ConfigError) as err:
         book({"policy": "least_load"}, {"policy": "cache_aware", "knobs": {"nope": 1}})
-    assert err.value.key == "kvroute.rules.1.policy.nope"
+    assert err.value.key == "kvroute.rules.1.knobs.nope"
 
 
 def test_request_tags_from_metadata_and_tag_lists():

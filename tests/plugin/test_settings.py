@@ -66,7 +66,7 @@ def test_env_overrides_yaml(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize(("text", "key"), [
     ("kvroute: {groups: {llama: {policy: nope}}}", "kvroute.groups.llama.policy"),
-    ("kvroute: {groups: {llama: {policy: cache_aware, knobs: {bogus: 1}}}}", "kvroute.groups.llama.policy.bogus"),
+    ("kvroute: {groups: {llama: {policy: cache_aware, knobs: {bogus: 1}}}}", "kvroute.groups.llama.knobs.bogus"),
     ("kvroute: {groups: {llama: {polcy: x}}}", "kvroute.groups.llama.polcy"),
     ("kvroute: {rules: [{policy: least_load, match: {workload: x}}]}", "kvroute.rules.0.match.workload"),
     ("kvroute: {rules: [{policy: zzz}]}", "kvroute.rules.0.policy"),
@@ -119,8 +119,8 @@ def test_invalid_yaml_and_missing_file(tmp_path, monkeypatch):
     ("kvroute: {breaker: {consecutive_fails: 3}}", "kvroute.breaker.consecutive_fails"),
     ("kvroute: {hash_secret: short}", "kvroute.hash_secret"),
     ("kvroute: {endpoint_auth: none}", "kvroute.endpoint_auth"),
-    ("kvroute: {rules: [{policy: least_load, knobs: {nope: 1}}]}", "kvroute.rules.0.policy.nope"),
-    ("kvroute: {default_knobs: {nope: 1}}", "kvroute.default_policy.nope"),
+    ("kvroute: {rules: [{policy: least_load, knobs: {nope: 1}}]}", "kvroute.rules.0.knobs.nope"),
+    ("kvroute: {default_knobs: {nope: 1}}", "kvroute.default_knobs.nope"),
 ])
 def test_strict_config_names_the_key(tmp_path, text, key):
     with pytest.raises(ConfigError) as err:
@@ -171,3 +171,19 @@ def test_multiproc_dir_must_exist(monkeypatch, tmp_path):
     assert "not a directory" in err.value.message
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     assert load_settings().prometheus_multiproc_dir == tmp_path
+
+
+APPS = {"acme": {"keys": ["sha256:" + "a" * 64]}, "beta": {"keys": ["sha256:" + "b" * 64]}}
+
+
+@pytest.mark.parametrize(("over", "llama", "other", "default"), [
+    ({}, "none", "none", "none"),                                               # one organisation: shared
+    ({"apps": {"acme": APPS["acme"]}}, "none", "none", "none"),                  # one app: nothing to split
+    ({"apps": APPS}, "app", "app", "app"),                                       # several apps: one space each
+    ({"apps": APPS, "groups": {"llama": {"isolation": "none"}}}, "none", "app", "app"),  # a group opts out
+    ({"apps": APPS, "isolation": "none"}, "none", "none", "none"),               # or every group
+    ({"isolation": "team", "groups": {"llama": {"policy": "least_load"}}}, "team", "team", "team"),
+])
+def test_isolation_is_per_app_by_default_when_the_config_names_several_apps(over, llama, other, default):
+    s = load_settings(**over)
+    assert (s.group("llama").isolation, s.group("other").isolation, s.default_isolation) == (llama, other, default)
