@@ -112,10 +112,10 @@ def test_reports_in_every_format(tmp_path: Path, loaded: str) -> None:
 
 def test_an_empty_period_says_so_in_one_line(loaded: str) -> None:
     r = runner.invoke(report_app, ["margin", "--period", "2025-01", "--db", loaded])
-    assert r.exit_code == 0 and r.output == "kvroute margin report 2025-01: no usage booked in this period\n"
+    assert r.exit_code == 0 and r.output == "no usage in 2025-01 in this ledger\n"
     r = runner.invoke(report_app, ["usage", "--period", "2026-10", "--app", "nobody", "--format", "json", "--db",
                                    loaded])
-    assert r.exit_code == 0 and "no usage booked in this period for app nobody" in r.output
+    assert r.exit_code == 0 and "no usage in 2026-10 for app nobody in this ledger" in r.output
 
 
 def test_a_request_refused_before_any_call_is_not_an_unpriced_event(tmp_path: Path, loaded: str) -> None:
