@@ -9,7 +9,7 @@ A policy is small: ``select`` looks at one request and the candidate backends an
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +19,7 @@ from kvroute.policies.lifecycle import FleetView, RequestOutcome
 from kvroute.policies.load import LoadTracker
 from kvroute.policies.prefix_index import PrefixLocator
 from kvroute.policies.request import RoutingRequest
+from kvroute.policies.sessions import SessionHomes
 
 
 @dataclass(slots=True)
@@ -29,6 +30,11 @@ class RoutingState:
     load: LoadTracker
     rendezvous: Rendezvous = field(default_factory=Rendezvous)
     rng: random.Random = field(default_factory=lambda: random.Random(0))
+    #: where each session's last answer was left (``Router.finish`` fills it)
+    homes: SessionHomes = field(default_factory=SessionHomes)
+    #: ``computed(backend, keys, matched)``: of the ``matched`` leading blocks, how many are already computed (not
+    #: still being prefilled by a request in flight there); None: every matched block counts as computed
+    computed: Callable[[str, Sequence[int], int], int] | None = None
 
 
 class Policy:

@@ -53,6 +53,13 @@ _INFLIGHT, _QTOKENS, _WORK, _QUEUED, _DECODE = (
     SCORING_FIELDS.index(n) for n in ("inflight", "queue_tokens", "work_s", "queued", "decode_s"))
 _VALUE = itemgetter(1)  # a (backend, score) item's score
 _MEMO_MAX = 4096  # entries per memo of pure functions (cleared when full)
+_MAX_UTILIZATION = 0.95  # a backend busier than this is priced as this busy (its queue grows without bound)
+
+
+def _queueing(rho: float) -> float:
+    """A single-server queue's mean wait in service times at utilization ``rho``: rho / (1 - rho), capped."""
+    rho = min(max(rho, 0.0), _MAX_UTILIZATION)
+    return rho / (1.0 - rho)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +139,8 @@ class CacheAware(Policy):
 
     def _cold_cannot_win(self, holders: Sequence[str], hot_of: dict[str, float], limit: float | None,
                          ttft_of: dict[str, float], cost_of: dict[str, float], prompt: int, factor: float,
-                         best_matched: int, best_own: float, own_by_match: dict[int, float]) -> bool:
+                         best_matched: int, best_own: float, own_by_match: dict[int, float],
+                         reserved: bool = False) -> bool:
         """True when no backend that holds nothing of this prompt can change the pick, so they go unscored.
 
         Proof. Let U be the lowest cost of a scored holder within the hot-spot bound (there must be one) and
@@ -158,10 +166,11 @@ class CacheAware(Policy):
                 least_ttft = t if t < least_ttft else least_ttft
         if best == math.inf:
             return False
-        memo_key = (prompt, factor, best_matched, best_own)
+        memo_key = (prompt, factor, best_matched, best_own, reserved)
         idle = self._idle_memo.get(memo_key)
         if idle is None:
-            idle = self._idle_memo[memo_key] = self._idle_scores(prompt, factor, best_matched, best_own, own_by_match)
+            idle = self._idle_memo[memo_key] = self._idle_scores(prompt, factor, best_matched, best_own, own_by_match,
+                                                                 reserved)
             if len(self._idle_memo) > _MEMO_MAX:
                 self._idle_memo.clear()
         if not idle[0] >= least_ttft:
@@ -169,14 +178,15 @@ class CacheAware(Policy):
         return idle[1] > best + max(cfg.tie_s, cfg.tie_fraction * best)
 
     def _idle_scores(self, prompt: int, factor: float, best_matched: int, best_own: float,
-                     own_by_match: dict[int, float]) -> tuple[float, float]:
+                     own_by_match: dict[int, float], reserved: bool = False) -> tuple[float, float]:
         """(TTFT, cost) of a backend with no match, no load, no queue, no cache and unknown capacity: a pure
         function of these arguments (the scorers and speed are fixed per policy), so ``_idle_memo`` keeps it."""
         own0 = own_by_match.get(0)
         if own0 is None:
             own0 = own_by_match[0] = self.speed.prefill_s(prompt, 0)
         speed = self.speed
-        c = Candidate("", prompt, 0, _IDLE, factor, 0.0, 0, 0.0, 0.0, 0.0, best_matched, own0, best_own)
+        c = Candidate("", prompt, 0, _IDLE, factor, 0.0, 0, 0.0, 0.0, 0.0, best_matched, own0, best_own,
+                      reserved=reserved)
         t = 0.0
         for f, w in self.scorers:
             t += w * f(c, speed)
@@ -184,6 +194,22 @@ class CacheAware(Policy):
         for f, w in self.fleet_scorers:
             u += w * f(c, speed)
         return t, u
+
+    @staticmethod
+    def _still_computing(request: RoutingRequest, matches: dict[str, int], matched: dict[str, int], best: int,
+                         state: RoutingState) -> bool:
+        """True when every backend holding the longest match holds it only as work in flight (a request there is
+        still prefilling those blocks): the prefix is reserved there until that first token."""
+        computed = state.computed
+        if computed is None:
+            return False
+        keys = request.keys
+        for b, m in matched.items():
+            if m == best and m > 0:
+                blocks = matches.get(b, 0)
+                if computed(b, keys, blocks) >= blocks:
+                    return False
+        return True
 
     def _first_in_order(self, rendezvous: Rendezvous, key: int, holders: list[str]) -> str:
         """``rendezvous.order(key, holders)[0]``, remembered per (key, holders): the order is a pure function
@@ -278,8 +304,16 @@ class CacheAware(Policy):
                 m = int((credited.get(b, blocks) if credited else blocks) * bt)
                 m = top if m > top else m
                 matched[b] = m if m > 0 else 0
+            home = state.homes.home(request.session_key, request.keys) if request.session_key else None
+            if home is not None and home.backend in matches and matches[home.backend] >= home.blocks:
+                # the session's home holds its tail too (the last partial block and the answer), which whole
+                # blocks cannot show: every holder of the shared system prompt would tie with it
+                held = home.tokens if home.tokens < top else top
+                if held > matched[home.backend]:
+                    matched[home.backend] = held
         best_matched = max(map(matched.__getitem__, holders)) if holders else 0
         best_own = speed.prefill_s(prompt - best_matched, best_matched)
+        reserved = best_matched > 0 and self._still_computing(request, matches, matched, best_matched, state)
         weigh_sessions = session_start and best_matched > 0
         own_by_match: dict[int, float] = {best_matched: best_own}
         prefill_s = speed.prefill_s
@@ -322,7 +356,7 @@ class CacheAware(Policy):
                     if own_s is None:
                         own_s = own_by_match[m] = prefill_s(prompt - m, m)
                     c = Candidate(b, prompt, m, view_of(b, now), factor, st[_WORK], st[_QUEUED], st[_DECODE],
-                                  res, cap_blocks * bt, best_matched, own_s, best_own, output)
+                                  res, cap_blocks * bt, best_matched, own_s, best_own, output, reserved)
                     t = 0.0
                     for f, w in class_ttft:
                         t += w * f(c, speed)
@@ -377,7 +411,7 @@ class CacheAware(Policy):
             score(holders, [state_of[b] for b in holders])
             # (a session's first request adds busy seconds to the costs below, which the proof does not cover)
             if not weigh_sessions and self._cold_cannot_win(holders, hot_of, limit, ttft_of, cost_of, prompt, factor,
-                                                            best_matched, best_own, own_by_match):
+                                                            best_matched, best_own, own_by_match, reserved):
                 candidates = holders
         if len(candidates) > len(cost_of):
             rest_of = [b for b in candidates if b not in matches]
@@ -413,10 +447,14 @@ class CacheAware(Policy):
             costs = {b: costs[b] for b in allowed}
         if weigh_sessions:
             # A session's first request that some backend holds a prefix of (a shared system prompt or tools):
-            # its later turns stay where it starts, so it also pays each backend's recent busy seconds, the work
-            # the sessions already there keep bringing. New sessions spread; later turns (no longer first) stay
-            # home; a session's cold first request already goes to the least busy backend of the tie band.
-            costs = {b: cost + busy_of[b] for b, cost in costs.items()}
+            # its later turns stay where it starts and meet the queue the sessions already there keep bringing,
+            # so it also pays that wait: per later turn, a request's mean busy seconds times rho / (1 - rho) of
+            # the backend's recent utilization rho (a single-server queue), times the later turns a session
+            # brings (learned). A busy holder sends new sessions elsewhere; a lightly used one keeps them with
+            # their prefix; later turns (no longer first) stay home.
+            per_turn = self._sessions.later_turns * load.busy_per_request()
+            if per_turn > 0:
+                costs = {b: cost + per_turn * _queueing(load.utilization(busy_of[b])) for b, cost in costs.items()}
         if best_matched > 0 and len(set(matched.values())) == 1:
             # every backend holds the same prefix: the cache tells them apart by nothing, so the pure load
             # balancer picks (``policies/balance.py``: least prefill queued). Equal waits of idle backends go to

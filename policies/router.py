@@ -74,7 +74,7 @@ class Router:
         index_config = self.config.index or PrefixIndexConfig(block_tokens=fp.block_bytes / fp.bytes_per_token)
         self.index: PrefixLocator = index if index is not None else PrefixIndex(index_config)
         tracker = load if load is not None else LoadTracker(self.config.load_half_life_s)
-        self.state = RoutingState(index=self.index, load=tracker)
+        self.state = RoutingState(index=self.index, load=tracker, computed=self._confirmed_prefix)
         self._policies: dict[str, Policy] = {}
         self._default = build_policy(self.config.default_policy, self.config.default_knobs, "default_policy")
         self._pending: OrderedDict[str, _Pending] = OrderedDict()
@@ -273,9 +273,13 @@ class Router:
         request's group's) ``observe`` it, then tell ``health`` (when the outcome names a breaker word)."""
         rid = request.request_id or ""
         if outcome.kind == SUCCESS:
+            backend = outcome.backend or self.pending_backend(rid)
             self.on_complete(rid, cached_tokens=outcome.cached_tokens, backend=outcome.backend)
             if outcome.output_tokens:
                 self.state.load.learn_output(outcome.output_tokens)
+            if backend is not None:  # the conversation so far now sits there, answer included
+                self.state.homes.answered(request.session_key, backend, request.keys,
+                                          request.prompt_tokens + (outcome.output_tokens or 0))
         elif outcome.kind == CANCELLED:
             self.on_cancel(rid)
         else:
@@ -377,6 +381,7 @@ class Router:
 
     def remove_backend(self, backend: str) -> None:
         self.index.remove_backend(backend)
+        self.state.homes.forget(backend)
         self.state.load.remove_backend(backend)
         for rid in [rid for rid, p in self._pending.items() if p.backend == backend]:
             del self._pending[rid]

@@ -42,6 +42,9 @@ class Candidate:
     own_s: float = -1.0  # prefill_s(uncached, matched) when the caller computed it (else scorers do)
     best_own_s: float = 0.0  # the best holder's own prefill_s (request-level)
     output_tokens: float = 0.0  # learned mean output tokens of a request (fleet-wide; 0: unknown)
+    #: the longest match is still being prefilled where it is held (request-level): a copy elsewhere would compute
+    #: the same tokens at the same time
+    reserved: bool = False
     uncached: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -113,10 +116,11 @@ def duplicate_work(c: Candidate, speed: EngineSpeed) -> float:
     """Prefill work this pick adds over the best holder's (recomputing a prefix the fleet already has),
     priced by who waits for it: on a busy backend once for the capacity it takes from the next arrival and
     once more per request queued there now; on an idle backend nobody (its capacity was unused, and this
-    request's own longer prefill is ``own_prefill``'s)."""
+    request's own longer prefill is ``own_prefill``'s) — unless the prefix is still being computed where it is
+    held (``reserved``): then the copy is the same work done twice at once, and the next arrival pays for it."""
     if c.matched >= c.best_matched:
         return 0.0
-    waiting = c.queued + (1 if c.view.inflight > 0 or c.queued > 0 else 0)
+    waiting = c.queued + (1 if c.view.inflight > 0 or c.queued > 0 or c.reserved else 0)
     if not waiting:
         return 0.0
     if c.own_s >= 0:

@@ -65,9 +65,17 @@ class ReferenceCacheAware(CacheAware):
         for b in candidates:
             m = min(prompt - 1, int(matches.get(b, 0) * bt)) if prompt > 0 else 0
             matched[b] = max(0, m)
+        home = state.homes.home(request.session_key, request.keys) if request.session_key and prompt > 0 else None
+        if home is not None and home.backend in matches and home.backend in matched \
+                and matches[home.backend] >= home.blocks:  # changed: a session's home holds its tail too
+            matched[home.backend] = max(matched[home.backend], min(home.tokens, prompt - 1))
         best_matched = max(matched.values())
         best_own = speed.prefill_s(prompt - best_matched, best_matched)
         own_by_match: dict[int, float] = {best_matched: best_own}
+        # changed: the longest match only in flight where it is held reserves it (a copy elsewhere is priced)
+        reserved = best_matched > 0 and state.computed is not None and all(
+            state.computed(b, request.keys, matches[b]) < matches[b]
+            for b in matched if matched[b] == best_matched)
         prefill_s = speed.prefill_s
         for b in candidates:
             m = matched[b]
@@ -76,7 +84,8 @@ class ReferenceCacheAware(CacheAware):
                 own_s = own_by_match[m] = prefill_s(prompt - m, m)
             c = Candidate(b, prompt, m, load.view(b, now), factor, load.work_s(b, now), load.queued(b),
                           load.decode_s(b), index.blocks(b) * bt,
-                          capacity_of(b) * bt if capacity_of is not None else 0.0, best_matched, own_s, best_own)
+                          capacity_of(b) * bt if capacity_of is not None else 0.0, best_matched, own_s, best_own,
+                          load.output_tokens(), reserved)
             cands[b] = c
             t = 0.0
             for f, w in scorers:
@@ -94,8 +103,10 @@ class ReferenceCacheAware(CacheAware):
                 and min(ttft[b] for b in allowed) - min(ttft.values()) <= cfg.bound_cost_s):
             costs = {b: costs[b] for b in allowed}
         allowed = list(costs)
-        if session_start and best_matched > 0:  # changed: a session's first request weighs the work already there
-            costs = {b: costs[b] + busy_of[b] for b in costs}
+        per_turn = self._sessions.later_turns * load.busy_per_request()
+        if session_start and best_matched > 0 and per_turn > 0:  # changed: the wait its later turns meet there
+            costs = {b: costs[b] + per_turn * min(0.95, max(0.0, load.utilization(busy_of[b])))
+                     / (1.0 - min(0.95, max(0.0, load.utilization(busy_of[b])))) for b in costs}
         best_cost = min(costs.values())
         band = max(cfg.tie_s, cfg.tie_fraction * best_cost)
         near = [b for b in allowed if costs[b] <= best_cost + band]

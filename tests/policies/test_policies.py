@@ -264,10 +264,11 @@ def test_an_idle_holder_keeps_its_prefix_after_a_busy_minute():
     assert d.backend == first and d.reason == "prefix_match"
 
 
-def test_a_new_session_weighs_the_work_already_at_the_holder_of_its_shared_prefix():
-    """A session's first request whose shared prefix one replica holds also pays that replica's recent busy
-    seconds (its later turns will stay where it starts): it starts elsewhere once the holder served much more
-    than recomputing the prefix costs. A later turn of a known session, or a request with no session, stays."""
+def test_a_new_session_weighs_the_wait_its_later_turns_would_meet_at_the_holder():
+    """A session's first request whose shared prefix one replica holds also pays the wait its later turns would
+    meet there (the holder's recent utilization as a queue, times a request's mean busy seconds, times the later
+    turns sessions bring): it starts elsewhere once that costs more than recomputing the prefix. A later turn
+    of a known session, or a request with no session, stays. Lightly used, the holder keeps new sessions."""
     router, clock = make()
 
     def send(body: dict, backends: list[str], session: str | None = None):
@@ -278,10 +279,13 @@ def test_a_new_session_weighs_the_work_already_at_the_holder_of_its_shared_prefi
         return d
 
     home = send(group_prompt(1, 0), BACKENDS, "s0").backend
+    d = send(group_prompt(1, 1), BACKENDS, "s1")  # the holder is idle and its sessions bring little: it stays
+    assert d.backend == home and d.reason == "prefix_match"
     for i in range(8):  # other sessions' long prompts kept the holder busy lately (nothing in flight now)
-        send(group_prompt(100 + i, 0, sys_len=40000), [home], f"o{i}")
-    assert router.load.busy(home, clock.t) > 1.0
-    d = send(group_prompt(1, 1), BACKENDS, "s1")  # a new session: starts where little work piled up
+        for turn in range(3):
+            send(group_prompt(100 + i, turn, sys_len=40000), [home], f"o{i}")
+    assert router.load.utilization(router.load.busy(home, clock.t)) > 0.3
+    d = send(group_prompt(1, 4), BACKENDS, "s2")  # a new session: starts where little work piled up
     assert d.backend != home and d.reason == "prefix_spill"
     assert send(group_prompt(1, 2), BACKENDS, "s0").backend == home  # a later turn stays home
     assert send(group_prompt(1, 3), BACKENDS).backend == home  # no session: nothing told apart
