@@ -47,7 +47,7 @@ _PRIOR = EngineSpeed()
 
 #: scorers that read ``Candidate.resident_tokens``; every other scorer is a function of the other inputs
 #: (tests/policies/test_scorer_properties.py checks it), so backends equal in those share their values
-RESIDENT_SCORERS = frozenset({"evict"})
+RESIDENT_SCORERS = frozenset({"evict"})  # (and ``Candidate.evicts``, also per backend)
 _IDLE = BackendLoad(0, 0, 0.0, 0, 0.0, float("-inf"))
 _INFLIGHT, _QTOKENS, _WORK, _QUEUED, _DECODE = (
     SCORING_FIELDS.index(n) for n in ("inflight", "queue_tokens", "work_s", "queued", "decode_s"))
@@ -333,6 +333,9 @@ class CacheAware(Policy):
         # one pass over the index for every scored backend's residency and capacity where it offers one
         holdings = getattr(index, "holdings", None) if capacity_of is not None else None
 
+        evictions_of = getattr(index, "evictions", None)
+        evicts: dict[str, float] = {}
+
         def score(backends: Sequence[str], states: Sequence[tuple[object, ...]]) -> None:
             if holdings is not None:
                 blocks, caps = holdings(backends)
@@ -346,6 +349,7 @@ class CacheAware(Policy):
             for b, st, nblocks, cap_blocks in zip(backends, states, blocks, caps, strict=True):
                 m = matched[b]
                 res = resident[b] = nblocks * bt
+                ev = evicts[b] = evictions_of(b, request.keys) if evictions_of is not None else -1.0
                 key = (m, cap_blocks, st)
                 # neighbours are mostly of one class: an equality test is cheaper than hashing the key
                 if last_key is None or key != last_key:
@@ -356,7 +360,7 @@ class CacheAware(Policy):
                     if own_s is None:
                         own_s = own_by_match[m] = prefill_s(prompt - m, m)
                     c = Candidate(b, prompt, m, view_of(b, now), factor, st[_WORK], st[_QUEUED], st[_DECODE],
-                                  res, cap_blocks * bt, best_matched, own_s, best_own, output, reserved)
+                                  res, cap_blocks * bt, best_matched, own_s, best_own, output, reserved, ev)
                     t = 0.0
                     for f, w in class_ttft:
                         t += w * f(c, speed)
@@ -378,9 +382,10 @@ class CacheAware(Policy):
                 else:
                     c, t, u, tail, u0, cap_t, unc = got
                     c.resident_tokens = res
+                    c.evicts = ev
                 if u0 is not None:
                     free = cap_t - res
-                    if cap_t <= 0 or (free if free > 0.0 else 0.0) >= unc:  # eviction() is 0 here
+                    if ev == 0.0 if ev >= 0 else cap_t <= 0 or (free if free > 0.0 else 0.0) >= unc:  # eviction() 0
                         ttft_of[b] = t
                         cost_of[b] = u0
                         cand_of[b] = c
@@ -394,7 +399,9 @@ class CacheAware(Policy):
                         u += w
                     elif f is eviction:  # eviction(c, speed) inline, the same arithmetic (tests/policies check it)
                         cap_t = c.capacity_tokens
-                        if cap_t <= 0:
+                        if ev >= 0:
+                            u += w * (0.0 if ev <= 0 else c.factor * prefill_s(ev))
+                        elif cap_t <= 0:
                             u += w * 0.0
                         else:
                             free = cap_t - res
@@ -479,6 +486,7 @@ class CacheAware(Policy):
         self._rotation.record(backend)
         chosen = cand_of[backend]
         chosen.resident_tokens = resident[backend]
+        chosen.evicts = evicts[backend]
         work = chosen.own_s
         fixed = slot_wait(chosen, speed) * cfg.slot_weight
         factor = chosen.factor or 1.0

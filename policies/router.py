@@ -82,6 +82,12 @@ class Router:
         self.errors = 0
         #: fill ``Decision.inputs`` with what the pick saw (``trace_inputs``): off on the hot path by default
         self.tracing = False
+        #: engine tokens per estimated token (the engines' reported prompt tokens over the fingerprint's count,
+        #: learned): engine-reported cached tokens and KV capacities are converted into the index's tokens
+        self.token_ratio = 1.0
+        self._ratio_samples = 0
+        self._capacity_tokens: dict[str, int] = {}  # per backend, in engine tokens (config or engine metrics)
+        self._capacity_ratio = 1.0  # the ratio the index's capacities were last set with
 
     @property
     def load(self) -> LoadTracker:
@@ -274,12 +280,17 @@ class Router:
         rid = request.request_id or ""
         if outcome.kind == SUCCESS:
             backend = outcome.backend or self.pending_backend(rid)
-            self.on_complete(rid, cached_tokens=outcome.cached_tokens, backend=outcome.backend)
+            if outcome.prompt_tokens and request.prompt_tokens > 0:
+                self.learn_token_ratio(outcome.prompt_tokens / request.prompt_tokens)
+            ratio = self.token_ratio
+            cached = outcome.cached_tokens
+            self.on_complete(rid, cached_tokens=None if cached is None else int(cached / ratio),
+                             backend=outcome.backend)
             if outcome.output_tokens:
                 self.state.load.learn_output(outcome.output_tokens)
             if backend is not None:  # the conversation so far now sits there, answer included
                 self.state.homes.answered(request.session_key, backend, request.keys,
-                                          request.prompt_tokens + (outcome.output_tokens or 0))
+                                          request.prompt_tokens + int((outcome.output_tokens or 0) / ratio))
         elif outcome.kind == CANCELLED:
             self.on_cancel(rid)
         else:
@@ -288,6 +299,30 @@ class Router:
         if self.health is not None and outcome.backend is not None and outcome.health is not None:
             self.health.record(outcome.backend, outcome.health, outcome.at, retry_after_s=outcome.retry_after_s,
                                ttft_s=outcome.ttft_s, started_at=outcome.started_at)
+
+    # --- engine tokens ----------------------------------------------------------------------------
+    def learn_token_ratio(self, ratio: float) -> None:
+        """One answered request's engine prompt tokens over the fingerprint's estimate (a moving average after a
+        few samples); the index's capacities follow once it moved by more than 5 %."""
+        if not 0.05 <= ratio <= 20.0:  # a tokenizer is not that far from 4 bytes a token: a bad report
+            return
+        self._ratio_samples += 1
+        rate = max(0.05, 1.0 / self._ratio_samples)
+        self.token_ratio += rate * (ratio - self.token_ratio)
+        if abs(self.token_ratio / self._capacity_ratio - 1.0) > 0.05:
+            self._capacity_ratio = self.token_ratio
+            for backend, tokens in self._capacity_tokens.items():
+                self._apply_capacity(backend, tokens)
+
+    def set_capacity(self, backend: str, engine_tokens: int) -> None:
+        """A backend's KV capacity in the engine's tokens (from configuration or its metrics)."""
+        self._capacity_tokens[backend] = engine_tokens
+        self._apply_capacity(backend, engine_tokens)
+
+    def _apply_capacity(self, backend: str, engine_tokens: int) -> None:
+        setter = getattr(self.index, "set_capacity", None)
+        if setter is not None:
+            setter(backend, max(1, int(engine_tokens / self._capacity_ratio)))
 
     def bind(self, policy: Policy, fleet: FleetView) -> None:
         """Hand ``policy`` its fleet, with this router's group state (one per model group)."""
@@ -381,6 +416,7 @@ class Router:
 
     def remove_backend(self, backend: str) -> None:
         self.index.remove_backend(backend)
+        self._capacity_tokens.pop(backend, None)
         self.state.homes.forget(backend)
         self.state.load.remove_backend(backend)
         for rid in [rid for rid, p in self._pending.items() if p.backend == backend]:

@@ -45,6 +45,9 @@ class Candidate:
     #: the longest match is still being prefilled where it is held (request-level): a copy elsewhere would compute
     #: the same tokens at the same time
     reserved: bool = False
+    #: tokens of other prompts this one would push out, where the index can tell (whole-prompt caches); -1:
+    #: derive them from ``capacity_tokens`` and ``resident_tokens``
+    evicts: float = -1.0
     uncached: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -103,10 +106,14 @@ def kv_pressure(c: Candidate, speed: EngineSpeed) -> float:
 
 
 def eviction(c: Candidate, speed: EngineSpeed) -> float:
-    """Seconds others pay later for the cache this request's new blocks evict on a full backend."""
-    if c.capacity_tokens <= 0:
+    """Seconds others pay later for the cache this request's new blocks evict on a full backend (or, where the
+    index tells, for the held prompts it pushes out: ``evicts``)."""
+    if c.evicts >= 0:
+        evicted = c.evicts
+    elif c.capacity_tokens <= 0:
         return 0.0
-    evicted = c.uncached - max(0.0, c.capacity_tokens - c.resident_tokens)
+    else:
+        evicted = c.uncached - max(0.0, c.capacity_tokens - c.resident_tokens)
     if evicted <= 0:
         return 0.0
     return c.factor * speed.prefill_s(evicted)

@@ -38,6 +38,7 @@ class Backend:
     engine: str | None = None
     kv_capacity_tokens: int | None = None
     block_size: int | None = None
+    slots: int | None = None  # sequences the engine runs at once (llama.cpp ``--parallel``)
     metrics_url: str | None = None
     input_price: Decimal | None = None
     output_price: Decimal | None = None
@@ -155,6 +156,7 @@ def classify(deployment: Mapping[str, Any], cost_map: CostMap | None = None, *, 
         engine=engine,
         kv_capacity_tokens=_positive_int(info.get("kv_capacity_tokens"), f"{where}.model_info.kv_capacity_tokens"),
         block_size=_positive_int(info.get("block_size"), f"{where}.model_info.block_size"),
+        slots=_positive_int(info.get("slots"), f"{where}.model_info.slots"),
         metrics_url=str(info["metrics_url"]) if info.get("metrics_url") else None,
         input_price=input_price,
         output_price=prices["output_cost_per_token"],

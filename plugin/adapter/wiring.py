@@ -24,6 +24,7 @@ from kvroute.policies import ChainKey, FingerprintConfig, PrefixIndexConfig, Rou
 from kvroute.policies.base import Policy
 from kvroute.policies.errors import ConfigError
 from kvroute.policies.lifecycle import FleetView, RouteSides
+from kvroute.policies.prompt_index import PromptIndex, PromptIndexConfig
 from kvroute.policies.registry import policy_names
 
 if TYPE_CHECKING:
@@ -165,8 +166,13 @@ def router_for(cb: KvrouteCallback, group: str, backends: Sequence[Backend]) -> 
     index: Any = None
     load = None
     chain = cb.chain or ChainKey()
+    llamacpp = bool(backends) and all(b.engine == "llamacpp" for b in backends)
+    slots = max((b.slots or 1 for b in backends), default=1)
     if gs.mode == "precise":
         index = precise_index(index_config, chain, gs.precise, f"kvroute.groups.{group}.precise")
+    elif llamacpp and cb._shared is None:  # llama.cpp keeps whole prompts, not blocks (policies/prompt_index.py)
+        index = PromptIndex(PromptIndexConfig(cache_tokens=s.kv_capacity_tokens, slots=slots,
+                                              block_tokens=block_tokens))
     elif cb._shared is not None:
         try:
             index = cb._shared.index(group, index_config)
@@ -188,6 +194,9 @@ def router_for(cb: KvrouteCallback, group: str, backends: Sequence[Backend]) -> 
     else:
         start_scraper(cb, group, backends, router)
     name, knobs = gs.policy_knobs
+    if llamacpp and (name or s.default_policy) == "cache_aware" and "slots" not in knobs:
+        knobs = {**knobs, "slots": slots}  # a llama.cpp request waits for a free slot (--parallel)
+        name = name or "cache_aware"
     if name is not None:
         policy = router.set_policy(group, name, knobs)
     elif hosted and s.hosted_policy in policy_names():
@@ -196,8 +205,8 @@ def router_for(cb: KvrouteCallback, group: str, backends: Sequence[Backend]) -> 
         policy = router.policy_for(group)
     attach(cb, router, policy, backends)
     for b in backends:
-        if b.kv_capacity_tokens and hasattr(router.index, "set_capacity"):
-            router.index.set_capacity(b.id, b.kv_capacity_tokens)  # type: ignore[attr-defined]
+        if b.kv_capacity_tokens:
+            router.set_capacity(b.id, b.kv_capacity_tokens)
     cb.routers[group] = router
     return router
 
@@ -227,7 +236,7 @@ def start_scraper(cb: KvrouteCallback, group: str, backends: Sequence[Backend], 
         from kvroute.plugin.feeds.engine_metrics import EngineMetricsScraper
 
         cb.scrapers[group] = EngineMetricsScraper(
-            targets, router.observe, capacity_sink=getattr(router.index, "set_capacity", None),
+            targets, router.observe, capacity_sink=router.set_capacity,
             interval_s=cb.settings.metrics_scrape_interval_s, clock=cb.clock).start()
     except Exception as exc:
         log.warning("kvroute: engine metrics for %s unavailable: %s", group, exc)

@@ -60,7 +60,7 @@ def test_scorers_ignore_backend_and_last_pick_and_only_resident_scorers_read_the
 def test_an_idle_backend_with_no_cache_and_unknown_capacity_scores_lowest(pair):
     c, speed = pair
     idle = Candidate("", c.prompt, c.matched, _IDLE, c.factor, 0.0, 0, 0.0, 0.0, 0.0, c.best_matched, c.own_s,
-                     c.best_own_s, c.output_tokens, c.reserved)
+                     c.best_own_s, c.output_tokens, c.reserved, c.evicts)
     for n, f in SCORERS.items():
         assert f(idle, speed) <= f(c, speed), n
 
@@ -71,6 +71,6 @@ def test_scoring_fields_are_the_views_fields_but_last_pick_then_the_trackers():
     assert dataclasses.astuple(_IDLE)[:-1] == (0, 0, 0.0, 0, 0.0)
     # every Candidate input the picker fills is either request-level or in the class key
     request_level = {"backend", "prompt", "matched", "view", "factor", "resident_tokens", "capacity_tokens",
-                     "best_matched", "own_s", "best_own_s", "output_tokens", "reserved", "uncached"}
+                     "best_matched", "own_s", "best_own_s", "output_tokens", "reserved", "evicts", "uncached"}
     assert {f.name for f in dataclasses.fields(Candidate)} == request_level | {"work_s", "queued", "decode_s"}
     assert CacheAwareConfig().max_scored >= 1

@@ -1,0 +1,224 @@
+"""Prompt index: which backend holds which whole prompts, as llama.cpp's server keeps them.
+
+llama.cpp caches prompts, not blocks: each slot holds the prompt it last ran, and a host prompt cache keeps
+whole earlier prompts (a prefix shared by several is stored once per prompt) up to a token budget, least
+recently used dropped first but always at least one. A new request restores the cached prompt sharing most
+with it (it leaves the cache for the slot), and a cached prompt the new one contains is dropped as obsolete.
+A block index that counts a shared prefix once, and evicts single blocks, then believes a replica holds
+contexts it lost (and the reverse). This index keeps the same entries per backend and answers the same
+``PrefixLocator`` questions; ``evictions`` says how many held tokens a new prompt would push out.
+
+| knob | meaning |
+|---|---|
+| ``cache_tokens`` | the host prompt cache's budget per backend, in the index's tokens (``set_capacity``) |
+| ``slots`` | prompts held live in slots beside the cache (llama.cpp ``--parallel``) |
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class PromptIndexConfig:
+    """Defaults: a 16k-token host cache, one slot, 64-token blocks (the block of the chained keys)."""
+
+    cache_tokens: int = 16384
+    slots: int = 1
+    block_tokens: float = 64.0
+    max_entries: int = 4096  # per backend, a memory bound far above what any budget keeps
+
+    def __post_init__(self) -> None:
+        if self.cache_tokens < 0 or self.slots < 1 or self.block_tokens <= 0 or self.max_entries < 2:
+            raise ValueError("cache_tokens >= 0, slots >= 1, block_tokens > 0 and max_entries >= 2 required")
+
+
+class _Backend:
+    __slots__ = ("cache_tokens", "entries", "next_id", "refs")
+
+    def __init__(self, cache_tokens: int) -> None:
+        self.entries: OrderedDict[int, tuple[int, ...]] = OrderedDict()  # oldest first; the newest are the slots
+        self.refs: dict[int, int] = {}  # key -> entries holding it
+        self.cache_tokens = cache_tokens
+        self.next_id = 0
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    """Leading blocks two chains share (chained keys: equal at n means equal up to n)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) >> 1
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class PromptIndex:
+    """Per-backend whole-prompt entries with llama.cpp's restore, obsolete and least-recently-used rules."""
+
+    def __init__(self, config: PromptIndexConfig | None = None) -> None:
+        self.config = config or PromptIndexConfig()
+        self._backends: dict[str, _Backend] = {}
+
+    def _state(self, backend: str) -> _Backend:
+        state = self._backends.get(backend)
+        if state is None:
+            state = self._backends[backend] = _Backend(self.config.cache_tokens)
+        return state
+
+    # --- capacity -------------------------------------------------------------------------------
+    def set_capacity(self, backend: str, capacity_tokens: int) -> None:
+        """The host prompt cache's budget in tokens (the slots' prompts come on top); evicts down to it."""
+        state = self._state(backend)
+        state.cache_tokens = max(0, int(capacity_tokens))
+        self._evict(state)
+
+    def capacity_blocks(self, backend: str) -> int:
+        state = self._state(backend)
+        return max(1, int(state.cache_tokens // self.config.block_tokens))
+
+    # --- queries --------------------------------------------------------------------------------
+    def match(self, keys: Sequence[int], backends: Iterable[str], now: float) -> dict[str, int]:
+        """Leading blocks of ``keys`` held per backend (some entry holds that prefix); none are omitted."""
+        result: dict[str, int] = {}
+        if not keys:
+            return result
+        for backend in backends:
+            state = self._backends.get(backend)
+            if state is None or keys[0] not in state.refs:
+                continue
+            refs = state.refs
+            lo, hi = 1, len(keys)
+            while lo < hi:
+                mid = (lo + hi + 1) >> 1
+                if keys[mid - 1] in refs:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            result[backend] = lo
+        return result
+
+    def evictions(self, backend: str, keys: Sequence[int]) -> float:
+        """Tokens of other prompts ``backend`` would lose if it ran ``keys`` now: the restored entry's part
+        past the shared prefix, and whole entries the cache budget then drops (what they share with ``keys``
+        stays held and does not count)."""
+        state = self._backends.get(backend)
+        if state is None or not state.entries:
+            return 0.0
+        _, lost = self._after(state, keys)
+        bt = self.config.block_tokens
+        return float(sum(len(e) - _common(e, keys) for e in lost) * bt)
+
+    def holdings(self, backends: Sequence[str]) -> tuple[list[int], list[int]]:
+        blocks, caps = [], []
+        for b in backends:
+            caps.append(self.capacity_blocks(b))
+            blocks.append(self.blocks(b))
+        return blocks, caps
+
+    def blocks(self, backend: str | None = None) -> int:
+        if backend is not None:
+            state = self._backends.get(backend)
+            return len(state.refs) if state else 0
+        return sum(len(s.refs) for s in self._backends.values())
+
+    def backends(self) -> list[str]:
+        return list(self._backends)
+
+    # --- updates --------------------------------------------------------------------------------
+    def _after(self, state: _Backend, keys: Sequence[int]) -> tuple[list[int], list[tuple[int, ...]]]:
+        """(entry ids kept, entries lost) if ``keys`` ran now: entries it contains are obsolete; a cached entry
+        sharing more with it than the slot's own prompt (the newest entry, which stays cached) and at least a
+        quarter of itself is restored into the slot and replaced by it; then the oldest cached entries go while
+        the cache is over budget (one always stays)."""
+        entries = state.entries
+        slot = next(reversed(entries)) if entries else None
+        best, best_n = None, _common(entries[slot], keys) if slot is not None else 0
+        gone: set[int] = set()
+        for eid, e in entries.items():
+            n = _common(e, keys)
+            if n == len(e):
+                gone.add(eid)  # contained in the new prompt
+            elif eid != slot and n > best_n and n * 4 >= len(e):
+                best, best_n = eid, n
+        if best is not None:
+            gone.add(best)
+        kept = [eid for eid in entries if eid not in gone]
+        lost = [entries[eid] for eid in gone if _common(entries[eid], keys) < len(entries[eid])]
+        # the new prompt takes a slot; the oldest of the rest form the cache
+        cached = kept[: max(0, len(kept) + 1 - self.config.slots)]
+        bt = self.config.block_tokens
+        total = sum(len(entries[eid]) for eid in cached) * bt
+        drop = 0
+        while drop < len(cached) - 1 and total > state.cache_tokens:
+            total -= len(entries[cached[drop]]) * bt
+            drop += 1
+        while len(kept) - drop + 1 > self.config.max_entries:
+            drop += 1
+        lost += [entries[eid] for eid in cached[:drop]]
+        return kept[drop:], lost
+
+    def record(self, backend: str, keys: Sequence[int], now: float) -> None:
+        """``backend`` was given the prompt ``keys``: it becomes the newest entry, by the rules of ``_after``."""
+        if not keys:
+            return
+        state = self._state(backend)
+        kept, _ = self._after(state, keys)
+        keep = set(kept)
+        for eid in [e for e in state.entries if e not in keep]:
+            self._drop(state, eid)
+        eid = state.next_id
+        state.next_id += 1
+        entry = tuple(keys)
+        state.entries[eid] = entry
+        for key in entry:
+            state.refs[key] = state.refs.get(key, 0) + 1
+
+    def _drop(self, state: _Backend, eid: int) -> None:
+        for key in state.entries.pop(eid):
+            left = state.refs[key] - 1
+            if left:
+                state.refs[key] = left
+            else:
+                del state.refs[key]
+
+    def _evict(self, state: _Backend) -> None:
+        ids = list(state.entries)
+        cached = ids[: max(0, len(ids) - self.config.slots)]
+        bt = self.config.block_tokens
+        total = sum(len(state.entries[eid]) for eid in cached) * bt
+        for eid in cached[:-1]:
+            if total <= state.cache_tokens:
+                break
+            total -= len(state.entries[eid]) * bt
+            self._drop(state, eid)
+
+    def confirm(self, backend: str, keys: Sequence[int], cached_blocks: int, now: float,
+                predicted_blocks: int | None = None) -> None:
+        """After a request the engine holds its whole prompt: re-record it if the entries lost it meanwhile."""
+        if keys and self.match(keys, [backend], now).get(backend, 0) < len(keys):
+            self.record(backend, keys, now)
+
+    def forget(self, backend: str, keys: Sequence[int]) -> None:
+        """The request failed before its prefill: its entry goes."""
+        state = self._backends.get(backend)
+        if state is None:
+            return
+        entry = tuple(keys)
+        for eid in [e for e, v in state.entries.items() if v == entry][-1:]:
+            self._drop(state, eid)
+
+    def remove_backend(self, backend: str) -> None:
+        self._backends.pop(backend, None)
+
+    def retain(self, live: Iterable[str]) -> list[str]:
+        keep = set(live)
+        gone = [b for b in self._backends if b not in keep]
+        for b in gone:
+            del self._backends[b]
+        return gone
+
