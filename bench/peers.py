@@ -38,7 +38,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peer_routers import KINDS, ensure_venv
 from peers_rivals import PEERS, RIVALS, SHUFFLE, FleetView, Rival, start_rivals
 from peers_waste import Served, holdings, wasted_prefill
-from peers_workloads import WORKLOADS, RunResult, Size, Workload, build, replay, replica_capacity_tokens
+from peers_workloads import (
+    DEFAULT_WORKLOADS,
+    WORKLOADS,
+    RunResult,
+    Size,
+    Workload,
+    build,
+    replay,
+    replica_capacity_tokens,
+)
 from replica_relay import ReplicaRelays, read_fingerprint
 
 from kvroute.plugin.dev.fleet import Fleet, ReplicaOptions
@@ -381,7 +390,8 @@ def render(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--fleet", choices=("fake", "llamacpp"), default="fake")
-    p.add_argument("--workload", action="append", choices=WORKLOADS, help="repeatable; default: all four")
+    p.add_argument("--workload", action="append", choices=WORKLOADS,
+                   help="repeatable; default: demo, apps, agent, shared (apps-large is the scale cell: --replicas 8)")
     p.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 3, --quick 1)")
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--rival", action="append", help="only these rivals (repeatable), e.g. kvroute")
@@ -397,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.render:
         print(render(json.loads(Path(args.render).read_text())))
         return 0
-    args.workload = args.workload or list(WORKLOADS)
+    args.workload = args.workload or list(DEFAULT_WORKLOADS)
     args.repeats = args.repeats or (1 if args.quick else 3)
     if args.repeats <= 0 or args.replicas <= 0:
         p.error("--repeats and --replicas must be positive")

@@ -35,7 +35,8 @@ from kvroute.plugin.dev.workloads import (
     vocabulary_text,
 )
 
-WORKLOADS = ("demo", "apps", "agent", "shared")
+WORKLOADS = ("demo", "apps", "agent", "shared", "apps-large")
+DEFAULT_WORKLOADS = WORKLOADS[:4]  # apps-large is the scale cell, asked for by name
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,9 @@ class Size:
     # one shared prefix: the field's 3 req/s on 2 workers is 1.5 req/s per replica, 6 req/s for 4
     shared_requests: int = 48
     shared_rate_per_s: float = 6.0
+    # the scale cell: the apps mix with more apps and requests (run it with --replicas 8)
+    large_apps: int = 12
+    large_app_requests: int = 200
 
     @classmethod
     def llamacpp(cls) -> Size:
@@ -78,7 +82,8 @@ class Size:
     @classmethod
     def quick(cls) -> Size:
         return cls(demo_requests=8, apps=2, app_requests=8, app_rate_per_s=8.0, agents=2, agent_steps=3,
-                   agent_rate_per_s=4.0, prefix_tokens=512, shared_requests=6, shared_rate_per_s=8.0)
+                   agent_rate_per_s=4.0, prefix_tokens=512, shared_requests=6, shared_rate_per_s=8.0,
+                   large_apps=4, large_app_requests=16)
 
 
 def replica_capacity_tokens(size: Size, replicas: int) -> int:
@@ -105,6 +110,12 @@ def apps(size: Size, seed: int = 1) -> Workload:
     """Several apps × multi-turn sessions with Poisson arrivals and 20 % one-off prompts."""
     return Workload("apps", tuple(app_sessions(size.apps, size.app_requests, size.app_rate_per_s,
                                                size.prefix_tokens, seed)), concurrency=0, max_tokens=8)
+
+
+def apps_large(size: Size, seed: int = 4) -> Workload:
+    """The apps mix at scale: ``large_apps`` apps, ``large_app_requests`` requests at the apps' rate."""
+    return Workload("apps-large", tuple(app_sessions(size.large_apps, size.large_app_requests, size.app_rate_per_s,
+                                                     size.prefix_tokens, seed)), concurrency=0, max_tokens=8)
 
 
 def agent(size: Size, capacity_tokens: int, seed: int = 2) -> Workload:
@@ -144,6 +155,8 @@ def build(name: str, size: Size, capacity_tokens: int) -> Workload:
         return agent(size, capacity_tokens)
     if name == "shared":
         return shared(size, capacity_tokens)
+    if name == "apps-large":
+        return apps_large(size)
     raise ValueError(f"unknown workload {name!r}; expected one of {', '.join(WORKLOADS)}")
 
 

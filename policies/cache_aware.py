@@ -85,6 +85,13 @@ class CacheAwareConfig:
     max_scored: int = 8
     #: session keys remembered to tell a session's first request from its later ones (0: none told apart)
     sessions_remembered: int = 65536
+    #: what a session's first request pays for the work already at a backend: "busy" (its recent busy
+    #: seconds) or "queue" (the wait the session's later turns would meet there); see ``select``
+    session_wait: str = "busy"
+    #: a prefix still being prefilled where it is held is reserved there until its first token: a copy elsewhere
+    #: is priced as work done twice (``scorers.duplicate_work``), so concurrent first turns follow it (for
+    #: engines whose replicas share compute, or where a recompute costs more than the wait: llama.cpp on CPUs)
+    reserve_in_flight: bool = False
     # the engine-speed prior; defaults are EngineSpeed's (policies/speed.py), repeated nowhere
     prefill_tok_s: float = _PRIOR.prefill_tok_s
     attn_s: float = _PRIOR.attn_s
@@ -101,6 +108,8 @@ class CacheAwareConfig:
                 raise ValueError(f"{name} must be >= 0")
         if self.sessions_remembered < 0:
             raise ValueError("sessions_remembered must be >= 0")
+        if self.session_wait not in ("busy", "queue"):
+            raise ValueError("session_wait must be 'busy' or 'queue'")
         if self.max_scored < 1:
             raise ValueError("max_scored must be >= 1")
         self.speed  # validates the speed knobs  # noqa: B018
@@ -304,7 +313,8 @@ class CacheAware(Policy):
                 m = int((credited.get(b, blocks) if credited else blocks) * bt)
                 m = top if m > top else m
                 matched[b] = m if m > 0 else 0
-            home = state.homes.home(request.session_key, request.keys) if request.session_key else None
+            home = (state.homes.home(request.session_key, request.keys)
+                    if request.session_key and getattr(index, "token_granular", False) else None)
             if home is not None and home.backend in matches and matches[home.backend] >= home.blocks:
                 # the session's home holds its tail too (the last partial block and the answer), which whole
                 # blocks cannot show: every holder of the shared system prompt would tie with it
@@ -313,7 +323,8 @@ class CacheAware(Policy):
                     matched[home.backend] = held
         best_matched = max(map(matched.__getitem__, holders)) if holders else 0
         best_own = speed.prefill_s(prompt - best_matched, best_matched)
-        reserved = best_matched > 0 and self._still_computing(request, matches, matched, best_matched, state)
+        reserved = cfg.reserve_in_flight and best_matched > 0 and self._still_computing(request, matches, matched,
+                                                                                        best_matched, state)
         weigh_sessions = session_start and best_matched > 0
         own_by_match: dict[int, float] = {best_matched: best_own}
         prefill_s = speed.prefill_s
@@ -349,7 +360,7 @@ class CacheAware(Policy):
             for b, st, nblocks, cap_blocks in zip(backends, states, blocks, caps, strict=True):
                 m = matched[b]
                 res = resident[b] = nblocks * bt
-                ev = evicts[b] = evictions_of(b, request.keys) if evictions_of is not None else -1.0
+                ev = evicts[b] = evictions_of(b, request.keys, now) if evictions_of is not None else -1.0
                 key = (m, cap_blocks, st)
                 # neighbours are mostly of one class: an equality test is cheaper than hashing the key
                 if last_key is None or key != last_key:
@@ -454,14 +465,19 @@ class CacheAware(Policy):
             costs = {b: costs[b] for b in allowed}
         if weigh_sessions:
             # A session's first request that some backend holds a prefix of (a shared system prompt or tools):
-            # its later turns stay where it starts and meet the queue the sessions already there keep bringing,
-            # so it also pays that wait: per later turn, a request's mean busy seconds times rho / (1 - rho) of
-            # the backend's recent utilization rho (a single-server queue), times the later turns a session
-            # brings (learned). A busy holder sends new sessions elsewhere; a lightly used one keeps them with
-            # their prefix; later turns (no longer first) stay home.
-            per_turn = self._sessions.later_turns * load.busy_per_request()
-            if per_turn > 0:
-                costs = {b: cost + per_turn * _queueing(load.utilization(busy_of[b])) for b, cost in costs.items()}
+            # its later turns stay where it starts and meet the work the sessions already there keep bringing,
+            # so it also pays for it (``session_wait``): "busy", each backend's recent busy seconds (new sessions
+            # spread early, for engines where recomputing a prefix is cheap next to that contention); "queue",
+            # the wait its later turns would meet there, a request's mean busy seconds times rho / (1 - rho) of
+            # the backend's recent utilization (a single-server queue) times the later turns a session brings
+            # (learned), which keeps new sessions with their prefix until the holder is really busy (engines
+            # where a recompute costs more than the queue: llama.cpp on CPUs). Later turns stay home.
+            if cfg.session_wait == "busy":
+                costs = {b: cost + busy_of[b] for b, cost in costs.items()}
+            else:
+                per_turn = self._sessions.later_turns * load.busy_per_request()
+                if per_turn > 0:
+                    costs = {b: cost + per_turn * _queueing(load.utilization(busy_of[b])) for b, cost in costs.items()}
         if best_matched > 0 and len(set(matched.values())) == 1:
             # every backend holds the same prefix: the cache tells them apart by nothing, so the pure load
             # balancer picks (``policies/balance.py``: least prefill queued). Equal waits of idle backends go to

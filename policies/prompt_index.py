@@ -12,6 +12,7 @@ contexts it lost (and the reverse). This index keeps the same entries per backen
 |---|---|
 | ``cache_tokens`` | the host prompt cache's budget per backend, in the index's tokens (``set_capacity``) |
 | ``slots`` | prompts held live in slots beside the cache (llama.cpp ``--parallel``) |
+| ``value_half_life_s`` | a held prompt's worth halves every this many seconds unused (``evictions`` weighs by it) |
 """
 
 from __future__ import annotations
@@ -29,17 +30,21 @@ class PromptIndexConfig:
     slots: int = 1
     block_tokens: float = 64.0
     max_entries: int = 4096  # per backend, a memory bound far above what any budget keeps
+    value_half_life_s: float = 60.0
 
     def __post_init__(self) -> None:
-        if self.cache_tokens < 0 or self.slots < 1 or self.block_tokens <= 0 or self.max_entries < 2:
-            raise ValueError("cache_tokens >= 0, slots >= 1, block_tokens > 0 and max_entries >= 2 required")
+        if self.cache_tokens < 0 or self.slots < 1 or self.block_tokens <= 0 or self.max_entries < 2 \
+                or not self.value_half_life_s > 0:
+            raise ValueError("cache_tokens >= 0, slots >= 1, block_tokens > 0, max_entries >= 2 and "
+                             "value_half_life_s > 0 required")
 
 
 class _Backend:
-    __slots__ = ("cache_tokens", "entries", "next_id", "refs")
+    __slots__ = ("cache_tokens", "entries", "next_id", "refs", "used")
 
     def __init__(self, cache_tokens: int) -> None:
         self.entries: OrderedDict[int, tuple[int, ...]] = OrderedDict()  # oldest first; the newest are the slots
+        self.used: dict[int, float] = {}  # entry -> when it was last sent or answered
         self.refs: dict[int, int] = {}  # key -> entries holding it
         self.cache_tokens = cache_tokens
         self.next_id = 0
@@ -59,6 +64,10 @@ def _common(a: Sequence[int], b: Sequence[int]) -> int:
 
 class PromptIndex:
     """Per-backend whole-prompt entries with llama.cpp's restore, obsolete and least-recently-used rules."""
+
+    #: the engine reuses any token prefix of a held prompt, not only whole blocks: a session's home holds its
+    #: tail (the last partial block and the answer) too
+    token_granular = True
 
     def __init__(self, config: PromptIndexConfig | None = None) -> None:
         self.config = config or PromptIndexConfig()
@@ -102,16 +111,18 @@ class PromptIndex:
             result[backend] = lo
         return result
 
-    def evictions(self, backend: str, keys: Sequence[int]) -> float:
+    def evictions(self, backend: str, keys: Sequence[int], now: float) -> float:
         """Tokens of other prompts ``backend`` would lose if it ran ``keys`` now: the restored entry's part
         past the shared prefix, and whole entries the cache budget then drops (what they share with ``keys``
-        stays held and does not count)."""
+        stays held and does not count), each weighed by how recently it was used (halving every
+        ``value_half_life_s``: a prompt nobody came back to for minutes is worth little)."""
         state = self._backends.get(backend)
         if state is None or not state.entries:
             return 0.0
         _, lost = self._after(state, keys)
-        bt = self.config.block_tokens
-        return float(sum(len(e) - _common(e, keys) for e in lost) * bt)
+        bt, half = self.config.block_tokens, self.config.value_half_life_s
+        return sum((len(state.entries[eid]) - _common(state.entries[eid], keys)) * bt
+                   * 0.5 ** (max(0.0, now - state.used.get(eid, now)) / half) for eid in lost)
 
     def holdings(self, backends: Sequence[str]) -> tuple[list[int], list[int]]:
         blocks, caps = [], []
@@ -130,8 +141,8 @@ class PromptIndex:
         return list(self._backends)
 
     # --- updates --------------------------------------------------------------------------------
-    def _after(self, state: _Backend, keys: Sequence[int]) -> tuple[list[int], list[tuple[int, ...]]]:
-        """(entry ids kept, entries lost) if ``keys`` ran now: entries it contains are obsolete; a cached entry
+    def _after(self, state: _Backend, keys: Sequence[int]) -> tuple[list[int], list[int]]:
+        """(entry ids kept, entry ids lost) if ``keys`` ran now: entries it contains are obsolete; a cached entry
         sharing more with it than the slot's own prompt (the newest entry, which stays cached) and at least a
         quarter of itself is restored into the slot and replaced by it; then the oldest cached entries go while
         the cache is over budget (one always stays)."""
@@ -148,7 +159,7 @@ class PromptIndex:
         if best is not None:
             gone.add(best)
         kept = [eid for eid in entries if eid not in gone]
-        lost = [entries[eid] for eid in gone if _common(entries[eid], keys) < len(entries[eid])]
+        lost = [eid for eid in gone if _common(entries[eid], keys) < len(entries[eid])]
         # the new prompt takes a slot; the oldest of the rest form the cache
         cached = kept[: max(0, len(kept) + 1 - self.config.slots)]
         bt = self.config.block_tokens
@@ -159,7 +170,7 @@ class PromptIndex:
             drop += 1
         while len(kept) - drop + 1 > self.config.max_entries:
             drop += 1
-        lost += [entries[eid] for eid in cached[:drop]]
+        lost += cached[:drop]
         return kept[drop:], lost
 
     def record(self, backend: str, keys: Sequence[int], now: float) -> None:
@@ -175,10 +186,12 @@ class PromptIndex:
         state.next_id += 1
         entry = tuple(keys)
         state.entries[eid] = entry
+        state.used[eid] = now
         for key in entry:
             state.refs[key] = state.refs.get(key, 0) + 1
 
     def _drop(self, state: _Backend, eid: int) -> None:
+        state.used.pop(eid, None)
         for key in state.entries.pop(eid):
             left = state.refs[key] - 1
             if left:
@@ -202,6 +215,14 @@ class PromptIndex:
         """After a request the engine holds its whole prompt: re-record it if the entries lost it meanwhile."""
         if keys and self.match(keys, [backend], now).get(backend, 0) < len(keys):
             self.record(backend, keys, now)
+            return
+        state = self._backends.get(backend)
+        if state is not None and state.entries:  # answered: the newest entry holding it was just used
+            entry = tuple(keys)
+            for eid in reversed(state.entries):
+                if state.entries[eid][: len(entry)] == entry:
+                    state.used[eid] = now
+                    break
 
     def forget(self, backend: str, keys: Sequence[int]) -> None:
         """The request failed before its prefill: its entry goes."""

@@ -152,6 +152,10 @@ def mount_on_proxy(cb: KvrouteCallback) -> None:
         log.warning("kvroute: could not mount status routes: %s", exc)
 
 
+#: cache_aware's knobs for a group of llama.cpp replicas (a group's own knobs win)
+LLAMACPP_KNOBS: dict[str, Any] = {"session_wait": "queue", "reserve_in_flight": True}
+
+
 def router_for(cb: KvrouteCallback, group: str, backends: Sequence[Backend]) -> Router:
     """One ``kvroute.policies.Router`` per model group, built on first use."""
     router = cb.routers.get(group)
@@ -194,8 +198,11 @@ def router_for(cb: KvrouteCallback, group: str, backends: Sequence[Backend]) -> 
     else:
         start_scraper(cb, group, backends, router)
     name, knobs = gs.policy_knobs
-    if llamacpp and (name or s.default_policy) == "cache_aware" and "slots" not in knobs:
-        knobs = {**knobs, "slots": slots}  # a llama.cpp request waits for a free slot (--parallel)
+    if llamacpp and (name or s.default_policy) == "cache_aware":
+        # the llama.cpp preset: a request waits for a free slot (--parallel), and a prefix recomputed on CPUs
+        # (replicas sharing a host's cores) costs more than the wait at its holder: new sessions stay with their
+        # prefix until the holder is busy, and concurrent first turns follow a prefix still being computed
+        knobs = {**LLAMACPP_KNOBS, "slots": slots, **knobs}
         name = name or "cache_aware"
     if name is not None:
         policy = router.set_policy(group, name, knobs)
