@@ -53,13 +53,6 @@ _INFLIGHT, _QTOKENS, _WORK, _QUEUED, _DECODE = (
     SCORING_FIELDS.index(n) for n in ("inflight", "queue_tokens", "work_s", "queued", "decode_s"))
 _VALUE = itemgetter(1)  # a (backend, score) item's score
 _MEMO_MAX = 4096  # entries per memo of pure functions (cleared when full)
-_MAX_UTILIZATION = 0.95  # a backend busier than this is priced as this busy (its queue grows without bound)
-
-
-def _queueing(rho: float) -> float:
-    """A single-server queue's mean wait in service times at utilization ``rho``: rho / (1 - rho), capped."""
-    rho = min(max(rho, 0.0), _MAX_UTILIZATION)
-    return rho / (1.0 - rho)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,13 +78,10 @@ class CacheAwareConfig:
     max_scored: int = 8
     #: session keys remembered to tell a session's first request from its later ones (0: none told apart)
     sessions_remembered: int = 65536
-    #: what a session's first request pays for the work already at a backend: "busy" (its recent busy
-    #: seconds) or "queue" (the wait the session's later turns would meet there); see ``select``
-    session_wait: str = "busy"
     #: a prefix still being prefilled where it is held is reserved there until its first token: a copy elsewhere
-    #: is priced as work done twice (``scorers.duplicate_work``), so concurrent first turns follow it (for
-    #: engines whose replicas share compute, or where a recompute costs more than the wait: llama.cpp on CPUs)
-    reserve_in_flight: bool = False
+    #: is priced as work done twice (``scorers.duplicate_work``), so concurrent first turns follow it unless the
+    #: wait there costs more than computing it twice
+    reserve_in_flight: bool = True
     # the engine-speed prior; defaults are EngineSpeed's (policies/speed.py), repeated nowhere
     prefill_tok_s: float = _PRIOR.prefill_tok_s
     attn_s: float = _PRIOR.attn_s
@@ -108,8 +98,6 @@ class CacheAwareConfig:
                 raise ValueError(f"{name} must be >= 0")
         if self.sessions_remembered < 0:
             raise ValueError("sessions_remembered must be >= 0")
-        if self.session_wait not in ("busy", "queue"):
-            raise ValueError("session_wait must be 'busy' or 'queue'")
         if self.max_scored < 1:
             raise ValueError("max_scored must be >= 1")
         self.speed  # validates the speed knobs  # noqa: B018
@@ -313,12 +301,15 @@ class CacheAware(Policy):
                 m = int((credited.get(b, blocks) if credited else blocks) * bt)
                 m = top if m > top else m
                 matched[b] = m if m > 0 else 0
+            grain = getattr(index, "tail_block_tokens", None)
             home = (state.homes.home(request.session_key, request.keys)
-                    if request.session_key and getattr(index, "token_granular", False) else None)
+                    if request.session_key and grain else None)
             if home is not None and home.backend in matches and matches[home.backend] >= home.blocks:
-                # the session's home holds its tail too (the last partial block and the answer), which whole
-                # blocks cannot show: every holder of the shared system prompt would tie with it
-                held = home.tokens if home.tokens < top else top
+                # the session's home holds its tail too (the last partial block and the answer, in the engine's
+                # own blocks), which the index's blocks cannot show: every holder of the shared system prompt
+                # would tie with it
+                held = home.tokens // grain * grain
+                held = held if held < top else top
                 if held > matched[home.backend]:
                     matched[home.backend] = held
         best_matched = max(map(matched.__getitem__, holders)) if holders else 0
@@ -466,18 +457,10 @@ class CacheAware(Policy):
         if weigh_sessions:
             # A session's first request that some backend holds a prefix of (a shared system prompt or tools):
             # its later turns stay where it starts and meet the work the sessions already there keep bringing,
-            # so it also pays for it (``session_wait``): "busy", each backend's recent busy seconds (new sessions
-            # spread early, for engines where recomputing a prefix is cheap next to that contention); "queue",
-            # the wait its later turns would meet there, a request's mean busy seconds times rho / (1 - rho) of
-            # the backend's recent utilization (a single-server queue) times the later turns a session brings
-            # (learned), which keeps new sessions with their prefix until the holder is really busy (engines
-            # where a recompute costs more than the queue: llama.cpp on CPUs). Later turns stay home.
-            if cfg.session_wait == "busy":
-                costs = {b: cost + busy_of[b] for b, cost in costs.items()}
-            else:
-                per_turn = self._sessions.later_turns * load.busy_per_request()
-                if per_turn > 0:
-                    costs = {b: cost + per_turn * _queueing(load.utilization(busy_of[b])) for b, cost in costs.items()}
+            # so it also pays each backend's recent busy seconds weighed by that backend's utilization (the
+            # chance a later turn finds it working). A busy holder sends new sessions elsewhere (they spread
+            # before queues form); a lightly used one keeps them with their prefix. Later turns stay home.
+            costs = {b: cost + busy_of[b] * min(1.0, load.utilization(busy_of[b])) for b, cost in costs.items()}
         if best_matched > 0 and len(set(matched.values())) == 1:
             # every backend holds the same prefix: the cache tells them apart by nothing, so the pure load
             # balancer picks (``policies/balance.py``: least prefill queued). Equal waits of idle backends go to

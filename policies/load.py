@@ -84,7 +84,6 @@ class LoadTracker:
         # so a pick decays every backend's busy time with one pow (rebased before the scale could overflow)
         self._busy: dict[str, float] = {}
         self._busy_ref: float | None = None
-        self._busy_per_request: float | None = None
         self._requests: dict[str, _Inflight] = {}
         self._inflight: dict[str, int] = {}
         self._prefill: dict[str, int] = {}
@@ -122,10 +121,7 @@ class LoadTracker:
         self._mean_prompt = 0.98 * self._mean_prompt + 0.02 * max(prefill_tokens, 1)
         if work_s:
             n = max(1, self._inflight[backend])
-            seconds = self.factor(backend) * work_s + self.decode_s(backend) / n
-            self.add_busy(backend, seconds, now)
-            old = self._busy_per_request
-            self._busy_per_request = seconds if old is None else old + self.learn_rate * (seconds - old)
+            self.add_busy(backend, self.factor(backend) * work_s + self.decode_s(backend) / n, now)
 
     def move(self, request_id: str, backend: str, now: float) -> None:
         """The request went to another backend than picked (LiteLLM retry): move its charge."""
@@ -282,10 +278,6 @@ class LoadTracker:
         """Busy seconds assigned to ``backend`` recently (decayed with ``busy_half_life_s``)."""
         v = self._busy.get(backend)
         return 0.0 if v is None else v * self._scale(now)
-
-    def busy_per_request(self) -> float:
-        """Learned mean busy seconds a picked request brings its backend (fleet-wide; 0 before any)."""
-        return self._busy_per_request or 0.0
 
     def utilization(self, busy: float) -> float:
         """The share of time a backend with ``busy`` decayed busy seconds has been working: the sum over the

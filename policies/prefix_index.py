@@ -63,6 +63,9 @@ class PrefixIndexConfig:
     max_backends: int = 4096
     learn_capacity: bool = False
     min_capacity_fraction: float = 0.25
+    #: the engine's own cache block in tokens, where known (vLLM's ``block_size``): a session's home holds the
+    #: tail of its conversation in whole engine blocks, finer than the index's; None: unknown, not credited
+    engine_block_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.capacity_tokens <= 0:
@@ -91,6 +94,7 @@ class PrefixIndex:
     def __init__(self, config: PrefixIndexConfig | None = None) -> None:
         self.config = config or PrefixIndexConfig()
         self._backends: dict[str, _BackendBlocks] = {}
+        self.tail_block_tokens = self.config.engine_block_tokens
 
     # --- capacity -------------------------------------------------------------------------------
     def _capacity_blocks(self, capacity_tokens: int) -> int:

@@ -65,9 +65,9 @@ def _common(a: Sequence[int], b: Sequence[int]) -> int:
 class PromptIndex:
     """Per-backend whole-prompt entries with llama.cpp's restore, obsolete and least-recently-used rules."""
 
-    #: the engine reuses any token prefix of a held prompt, not only whole blocks: a session's home holds its
-    #: tail (the last partial block and the answer) too
-    token_granular = True
+    #: the engine reuses any token prefix of a held prompt: a session's home holds its whole tail (the last
+    #: partial block of the index and the answer), token by token
+    tail_block_tokens = 1
 
     def __init__(self, config: PromptIndexConfig | None = None) -> None:
         self.config = config or PromptIndexConfig()

@@ -14,32 +14,23 @@ class SessionStarts:
 
     ``first(key)`` is True for a key not remembered (a session's first request, or one idle so long that it was
     forgotten) and remembers it; False for a remembered key or no key. A capacity of 0 remembers nothing and
-    answers False: no request is told apart as a session's first. ``later_turns`` is the mean number of requests
-    a session brings after its first (requests with a key over sessions started, minus one).
+    answers False: no request is told apart as a session's first.
     """
 
     def __init__(self, capacity: int) -> None:
         if capacity < 0:
             raise ValueError("capacity must be >= 0")
         self._seen: cachetools.LRUCache[str, None] | None = cachetools.LRUCache(capacity) if capacity else None
-        self._requests = 0
-        self._sessions = 0
 
     def first(self, key: str | None) -> bool:
         seen = self._seen
         if key is None or seen is None:
             return False
-        self._requests += 1
         if key in seen:
             seen[key]  # a lookup marks it recently seen
             return False
         seen[key] = None
-        self._sessions += 1
         return True
-
-    @property
-    def later_turns(self) -> float:
-        return self._requests / self._sessions - 1.0 if self._sessions else 0.0
 
 
 @dataclass(frozen=True, slots=True)

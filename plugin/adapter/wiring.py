@@ -152,10 +152,6 @@ def mount_on_proxy(cb: KvrouteCallback) -> None:
         log.warning("kvroute: could not mount status routes: %s", exc)
 
 
-#: cache_aware's knobs for a group of llama.cpp replicas (a group's own knobs win)
-LLAMACPP_KNOBS: dict[str, Any] = {"session_wait": "queue", "reserve_in_flight": True}
-
-
 def router_for(cb: KvrouteCallback, group: str, backends: Sequence[Backend]) -> Router:
     """One ``kvroute.policies.Router`` per model group, built on first use."""
     router = cb.routers.get(group)
@@ -165,8 +161,10 @@ def router_for(cb: KvrouteCallback, group: str, backends: Sequence[Backend]) -> 
     gs = s.group(group)
     hosted = bool(backends) and not any(b.self_hosted for b in backends)
     block_tokens = s.block_bytes / 4.0
+    engine_blocks = {b.block_size for b in backends}
     index_config = PrefixIndexConfig(capacity_tokens=s.kv_capacity_tokens, block_tokens=block_tokens,
-                                      ttl_s=s.index_ttl_s if not hosted else (s.index_ttl_s or 600.0))
+                                      ttl_s=s.index_ttl_s if not hosted else (s.index_ttl_s or 600.0),
+                                      engine_block_tokens=engine_blocks.pop() if len(engine_blocks) == 1 else None)
     index: Any = None
     load = None
     chain = cb.chain or ChainKey()
@@ -198,11 +196,8 @@ def router_for(cb: KvrouteCallback, group: str, backends: Sequence[Backend]) -> 
     else:
         start_scraper(cb, group, backends, router)
     name, knobs = gs.policy_knobs
-    if llamacpp and (name or s.default_policy) == "cache_aware":
-        # the llama.cpp preset: a request waits for a free slot (--parallel), and a prefix recomputed on CPUs
-        # (replicas sharing a host's cores) costs more than the wait at its holder: new sessions stay with their
-        # prefix until the holder is busy, and concurrent first turns follow a prefix still being computed
-        knobs = {**LLAMACPP_KNOBS, "slots": slots, **knobs}
+    if llamacpp and (name or s.default_policy) == "cache_aware" and "slots" not in knobs:
+        knobs = {**knobs, "slots": slots}  # a llama.cpp request waits for a free slot (--parallel)
         name = name or "cache_aware"
     if name is not None:
         policy = router.set_policy(group, name, knobs)

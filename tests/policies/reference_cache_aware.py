@@ -65,11 +65,12 @@ class ReferenceCacheAware(CacheAware):
         for b in candidates:
             m = min(prompt - 1, int(matches.get(b, 0) * bt)) if prompt > 0 else 0
             matched[b] = max(0, m)
+        grain = getattr(index, "tail_block_tokens", None)
         home = (state.homes.home(request.session_key, request.keys)
-                if request.session_key and prompt > 0 and getattr(index, "token_granular", False) else None)
+                if request.session_key and prompt > 0 and grain else None)
         if home is not None and home.backend in matches and home.backend in matched \
                 and matches[home.backend] >= home.blocks:  # changed: a session's home holds its tail too
-            matched[home.backend] = max(matched[home.backend], min(home.tokens, prompt - 1))
+            matched[home.backend] = max(matched[home.backend], min(home.tokens // grain * grain, prompt - 1))
         best_matched = max(matched.values())
         best_own = speed.prefill_s(prompt - best_matched, best_matched)
         own_by_match: dict[int, float] = {best_matched: best_own}
@@ -104,12 +105,8 @@ class ReferenceCacheAware(CacheAware):
                 and min(ttft[b] for b in allowed) - min(ttft.values()) <= cfg.bound_cost_s):
             costs = {b: costs[b] for b in allowed}
         allowed = list(costs)
-        per_turn = self._sessions.later_turns * load.busy_per_request()
-        if session_start and best_matched > 0 and cfg.session_wait == "busy":  # changed: the work already there
-            costs = {b: costs[b] + busy_of[b] for b in costs}
-        elif session_start and best_matched > 0 and per_turn > 0:  # changed: or the wait its later turns meet
-            costs = {b: costs[b] + per_turn * min(0.95, max(0.0, load.utilization(busy_of[b])))
-                     / (1.0 - min(0.95, max(0.0, load.utilization(busy_of[b])))) for b in costs}
+        if session_start and best_matched > 0:  # changed: the work already there, weighed by utilization
+            costs = {b: costs[b] + busy_of[b] * min(1.0, load.utilization(busy_of[b])) for b in costs}
         best_cost = min(costs.values())
         band = max(cfg.tie_s, cfg.tie_fraction * best_cost)
         near = [b for b in allowed if costs[b] <= best_cost + band]

@@ -264,11 +264,11 @@ def test_an_idle_holder_keeps_its_prefix_after_a_busy_minute():
     assert d.backend == first and d.reason == "prefix_match"
 
 
-def test_a_new_session_weighs_the_wait_its_later_turns_would_meet_at_the_holder():
-    """A session's first request whose shared prefix one replica holds also pays the wait its later turns would
-    meet there (the holder's recent utilization as a queue, times a request's mean busy seconds, times the later
-    turns sessions bring): it starts elsewhere once that costs more than recomputing the prefix. A later turn
-    of a known session, or a request with no session, stays. Lightly used, the holder keeps new sessions."""
+def test_a_new_session_weighs_the_work_already_at_the_holder_by_its_utilization():
+    """A session's first request whose shared prefix one replica holds also pays that replica's recent busy
+    seconds weighed by its utilization (its later turns will stay where it starts): it starts elsewhere once
+    the holder is busy enough that this costs more than recomputing the prefix. A later turn of a known
+    session, or a request with no session, stays. Lightly used, the holder keeps new sessions."""
     router, clock = make()
 
     def send(body: dict, backends: list[str], session: str | None = None):
