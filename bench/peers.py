@@ -180,9 +180,10 @@ def summarise(runs: dict[str, list[dict]]) -> dict[str, dict]:
 
 
 def targets(summary: dict[str, dict]) -> dict:
-    """The issue's targets on one workload, per peer: kvroute's cached share ≥ the peer's ``cache_aware`` direct,
-    kvroute's TTFT p90 ≤ LiteLLM → that peer's (same-repeat ratio), and once kvroute's routing CPU per request ≤
-    1.03 × LiteLLM simple-shuffle's. A peer that did not run gets no verdict rather than a wrong one."""
+    """The issue's targets on one workload, per peer: kvroute's cached share ≥ the peer's ``cache_aware`` direct
+    (and ≥ each other direct mode that ran: sticky sessions, round robin), kvroute's TTFT p90 ≤ LiteLLM → that
+    peer's (same-repeat ratio), and once kvroute's routing CPU per request ≤ 1.03 × LiteLLM simple-shuffle's. A
+    peer that did not run gets no verdict rather than a wrong one."""
     kv, shuffle = summary.get(KVROUTE), summary.get(SHUFFLE)
     out: dict = {}
     if not kv:
@@ -197,6 +198,13 @@ def targets(summary: dict[str, dict]) -> dict:
         if chain and ratio is not None:
             out[f"ttft_p90 {peer}"] = {"kvroute_ms": kv["ttft_p90_ms"], f"{chain_key}_ms": chain["ttft_p90_ms"],
                                        "ratio": ratio, "met": ratio <= 1.0}
+    for spec in RIVALS:  # every other direct peer mode that ran (sticky sessions, round robin): cached share too
+        direct = summary.get(spec.key)
+        if (spec.router and spec.litellm is None and spec.key not in {d for d, _ in PEERS.values()} and direct
+                and kv["cached_share"] is not None and direct["cached_share"] is not None):
+            out[f"cached_share {spec.key}"] = {"kvroute": kv["cached_share"], spec.key: direct["cached_share"],
+                                               "difference": round(kv["cached_share"] - direct["cached_share"], 4),
+                                               "met": kv["cached_share"] >= direct["cached_share"]}
     ratio = kv.get(f"router_cpu_ms_per_req_vs_{SHUFFLE}")
     if shuffle and ratio is not None:
         out["proxy_cpu"] = {"kvroute_ms": kv["router_cpu_ms_per_req"],

@@ -109,6 +109,7 @@ def test_targets_say_by_how_much_each_is_met_or_missed():
     summary = {"kvroute": dict(row, **{"ttft_p90_ms_vs_litellm-smg-ca": 0.9, "ttft_p90_ms_vs_litellm-vllm-ca": 1.2,
                                        "router_cpu_ms_per_req_vs_litellm-shuffle": 1.05}),
                "smg-ca": dict(row, cached_share=0.85), "vllm-ca": dict(row, cached_share=0.5),
+               "vllm-sll": dict(row, cached_share=0.81),
                "litellm-smg-ca": row, "litellm-vllm-ca": row, "litellm-shuffle": row}
     t = targets(summary)
     assert t["cached_share smg"]["met"] is False and t["cached_share smg"]["difference"] == -0.05
@@ -116,6 +117,7 @@ def test_targets_say_by_how_much_each_is_met_or_missed():
     assert t["ttft_p90 smg"]["met"] is True and t["ttft_p90 smg"]["ratio"] == 0.9
     assert t["ttft_p90 vllm-router"]["met"] is False
     assert t["proxy_cpu"]["met"] is False and t["proxy_cpu"]["ratio"] == 1.05
+    assert t["cached_share vllm-sll"]["met"] is False  # every direct mode that ran, sticky sessions too
     assert "cached_share sglang-router" not in t  # a peer that did not run: no verdict rather than a wrong one
     assert targets({"kvroute": row}) == {}
 
@@ -141,7 +143,9 @@ def test_quick_run_starts_every_rival_and_reports_every_figure(tmp_path):
         assert row["ttft_p90_ms"] >= row["ttft_p50_ms"] > 0
         assert row["wasted_exact"] and 0.0 <= row["wasted_share"] < 1.0, (key, row)  # fake engines name themselves
         assert "cached_share_vs_kvroute" in row and "router_cpu_ms_per_req_vs_litellm-shuffle" in row
-    assert set(w["targets"]) == {f"{t} {p}" for p in PEERS for t in ("cached_share", "ttft_p90")} | {"proxy_cpu"}
+    direct = {s.key for s in RIVALS if s.router and s.litellm is None} - {d for d, _ in PEERS.values()}
+    assert set(w["targets"]) == ({f"{t} {p}" for p in PEERS for t in ("cached_share", "ttft_p90")} | {"proxy_cpu"}
+                                 | {f"cached_share {k}" for k in direct})
     assert result["engine_token_calls"].get("/v1/chat/completions/render", 0) > 0  # vllm-router's cache_aware
 
 
