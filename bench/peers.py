@@ -48,7 +48,7 @@ from peers_workloads import (
     replay,
     replica_capacity_tokens,
 )
-from replica_relay import ReplicaRelays, read_fingerprint
+from replica_relay import ReplicaRelays
 
 from kvroute.plugin.dev.fleet import Fleet, ReplicaOptions
 
@@ -292,8 +292,7 @@ def run(args: argparse.Namespace, say) -> dict:
         relays = None
         if args.fleet == "llamacpp":  # llama.cpp's replicas look alike: relays stamp each one's name on its answers
             relays = stack.enter_context(ReplicaRelays([r.port for r in fleet.replicas],
-                                                       [r.name for r in fleet.replicas],
-                                                       read_fingerprint(fleet.base_urls[0], fleet.model)))
+                                                       [r.name for r in fleet.replicas]))
             api_bases = [u + "/v1" for u in relays.base_urls]
         view = FleetView(api_bases, fleet.model, "llamacpp" if args.fleet == "llamacpp" else "vllm",
                          capacity, 16 if args.fleet == "fake" else None)
