@@ -51,7 +51,7 @@ from peers_workloads import (
     replay,
     replica_capacity_tokens,
 )
-from replica_relay import ReplicaRelays, read_fingerprint
+from replica_relay import ReplicaRelays
 
 from kvroute.plugin.dev.fleet import Fleet, ReplicaOptions
 
@@ -336,8 +336,7 @@ def run(args: argparse.Namespace, say) -> dict:
         relays = None
         if args.fleet == "llamacpp":  # llama.cpp's replicas look alike: relays stamp each one's name on its answers
             relays = stack.enter_context(ReplicaRelays([r.port for r in fleet.replicas],
-                                                       [r.name for r in fleet.replicas],
-                                                       read_fingerprint(fleet.base_urls[0], fleet.model)))
+                                                       [r.name for r in fleet.replicas]))
             api_bases = [u + "/v1" for u in relays.base_urls]
         view = FleetView(api_bases, fleet.model, "llamacpp" if llama else "vllm", capacity, None if llama else 16)
         say(f"{args.replicas} {args.fleet} replicas up (cache ≈ {capacity} tokens each); starting {len(specs)} rivals")

@@ -1,9 +1,9 @@
 """Loopback relays that make anonymous replicas name themselves: one port per replica, bytes forwarded both ways,
-and every response's ``system_fingerprint`` replaced by that replica's name (padded to the same byte length, so
-``Content-Length`` and chunk sizes stay valid).
+and every response's ``system_fingerprint`` replaced by that replica's name.
 
 llama.cpp stamps its build into ``system_fingerprint``, the same on every replica, so a client behind a router
-(SMG, vllm-router, LiteLLM, kvroute) cannot tell which replica answered. Put a ``ReplicaRelays`` between the
+(SMG, vllm-router, LiteLLM, kvroute) cannot tell which replica answered. Each value keeps its length, so
+``Content-Length`` and chunk sizes stay valid. Put a ``ReplicaRelays`` between the
 routers and the replicas and each streamed chunk carries the replica's name instead, through every router that
 passes ``system_fingerprint`` on (all of those ``bench/peers.py`` runs do). ``retarget(i, port)`` points relay
 ``i`` at a restarted replica while the routers keep the relay's address. Every relay runs on one event loop in a
@@ -13,29 +13,12 @@ daemon thread; closing stops it.
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 from collections.abc import Sequence
 
-import httpx
-
 HOST = "127.0.0.1"
 _CHUNK = 65536
-
-
-def read_fingerprint(base_url: str, model: str) -> str:
-    """The ``system_fingerprint`` a replica stamps on its answers (one tiny completion)."""
-    body = {"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
-    r = httpx.post(base_url + "/v1/chat/completions", json=body, timeout=60.0, trust_env=False)
-    r.raise_for_status()
-    fingerprint = r.json().get("system_fingerprint")
-    if not isinstance(fingerprint, str) or len(fingerprint) < 2:
-        raise RuntimeError(f"{base_url} stamps no system_fingerprint to replace")
-    return fingerprint
-
-
-def stamp(name: str, width: int) -> bytes:
-    """``name`` fitted to ``width`` bytes: padded with ``_`` (cut when longer)."""
-    return name.encode("ascii").ljust(width, b"_")[:width]
 
 
 def replica_of(fingerprint: str | None) -> str | None:
@@ -43,23 +26,36 @@ def replica_of(fingerprint: str | None) -> str | None:
     return fingerprint.rstrip("_") or None if fingerprint else None
 
 
-class _Rewriter:
-    """Replaces ``old`` by ``new`` (same length) in a byte stream cut anywhere: a chunk's tail that could start
-    ``old`` waits for the next chunk, nothing else is held back."""
+_KEY = b'"system_fingerprint"'
+_FIELD = re.compile(rb'"system_fingerprint"\s*:\s*"([^"]*)"')
 
-    def __init__(self, old: bytes, new: bytes) -> None:
-        self.old, self.new = old, new
+
+class _Rewriter:
+    """Stamps ``name`` over every ``"system_fingerprint": "..."`` value of a byte stream cut anywhere, keeping
+    each value's length (padded with ``_`` or cut): a chunk's tail that could start such a field waits for the
+    next chunk, nothing else is held back."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name.encode("ascii")
         self.carry = b""
 
+    def _stamp(self, m: re.Match[bytes]) -> bytes:
+        value = m.group(1)
+        return m.group(0)[: m.start(1) - m.start(0)] + self.name.ljust(len(value), b"_")[: len(value)] + b'"'
+
     def feed(self, data: bytes) -> bytes:
-        buf = (self.carry + data).replace(self.old, self.new)
-        keep = 0
-        for n in range(min(len(self.old) - 1, len(buf)), 0, -1):
-            if self.old.startswith(buf[-n:]):
-                keep = n
-                break
-        self.carry = buf[len(buf) - keep:] if keep else b""
-        return buf[:len(buf) - keep] if keep else buf
+        buf = _FIELD.sub(self._stamp, self.carry + data)
+        keep = len(buf)
+        at = buf.rfind(_KEY)
+        if at >= 0 and not _FIELD.match(buf, at):
+            keep = at  # the field's value has not ended yet
+        else:
+            for n in range(min(len(_KEY) - 1, len(buf)), 0, -1):
+                if _KEY.startswith(buf[-n:]):
+                    keep = len(buf) - n
+                    break
+        self.carry = buf[keep:]
+        return buf[:keep]
 
     def flush(self) -> bytes:
         out, self.carry = self.carry, b""
@@ -68,14 +64,12 @@ class _Rewriter:
 
 class ReplicaRelays:
     """``len(targets)`` relays on free loopback ports; ``ports[i]`` forwards to ``targets[i]`` and stamps
-    ``names[i]`` over ``fingerprint`` in what comes back."""
+    ``names[i]`` over every ``system_fingerprint`` in what comes back."""
 
-    def __init__(self, targets: Sequence[int], names: Sequence[str], fingerprint: str) -> None:
+    def __init__(self, targets: Sequence[int], names: Sequence[str]) -> None:
         if len(targets) != len(names):
             raise ValueError("one name per target")
         self.targets = list(targets)
-        self.old = fingerprint.encode("ascii")
-        self.stamps = [stamp(n, len(self.old)) for n in names]
         self.names = list(names)
         self.ports: list[int] = []
         self._loop = asyncio.new_event_loop()
@@ -112,7 +106,7 @@ class ReplicaRelays:
         except OSError:
             client_w.close()
             return
-        rewriter = _Rewriter(self.old, self.stamps[index])
+        rewriter = _Rewriter(self.names[index])
         try:
             await asyncio.gather(self._pipe(client_r, up_w, None), self._pipe(up_r, client_w, rewriter))
         except asyncio.CancelledError:  # closing: the connection goes with the relay

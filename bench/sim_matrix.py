@@ -32,7 +32,8 @@ import time
 from pathlib import Path
 
 from kvroute.policies import DEFAULT_POLICY
-from kvroute.sim.baselines import DEFAULT_LINEUP, REFERENCES
+from kvroute.sim.baselines import DEFAULT_LINEUP
+from kvroute.sim.baselines import REFERENCES as SIM_REFERENCES
 from kvroute.sim.engine import FleetConfig
 from kvroute.sim.metrics import requests_short
 from kvroute.sim.presets import get_preset
@@ -84,6 +85,12 @@ CELLS = {
     "kvct-60": (QWEN, _kvct(60)),
     "kvct-100": (QWEN, _kvct(100)),
 }
+#: reported beside the anchors, never an anchor to beat: the simulator's upper references and ``oracle`` (exact,
+#: instant engine state no router has)
+REFERENCES = (*SIM_REFERENCES, "oracle")
+#: how the matrix is judged: the median over this many workload seeds, p90 ties within one engine step
+JUDGED_SEEDS = 5
+
 #: cells whose workload has no seed to vary (run once under ``--seeds``)
 SEEDLESS = frozenset({"mooncake"})
 
@@ -109,7 +116,8 @@ def run_cell(name: str, quick: bool, policies: list[str], offset: int = 0) -> di
     baselines = [m for m in comp.metrics if m.policy != DEFAULT_POLICY and m.policy not in REFERENCES
                  and math.isfinite(m.ttft_p90_s)]
     cell: dict = {"cell": name, "preset": preset_name, "replicas": replicas, "requests": len(wl.requests),
-                  "wall_s": round(wall, 1), "seed_offset": offset, "policies": rows}
+                  "wall_s": round(wall, 1), "seed_offset": offset, "step_s": preset.cost.step_overhead_s,
+                  "policies": rows}
     if d is not None and baselines:
         best = min(baselines, key=lambda m: m.ttft_p90_s)
         target = 0.8 if name.startswith("kvct") else 1.05
@@ -224,12 +232,43 @@ def over_seeds(cells: list[dict]) -> list[str]:
 
 
 def verdict(cells: list[dict]) -> dict:
-    """The matrix's own runs (seed offset 0): on how many cells kvroute is best or within 5 %, and what it misses."""
+    """How the matrix is judged: per cell, kvroute's median TTFT p90 over the seeds it ran (the matrix's own run
+    alone where a cell ran once) against the anchor with the lowest median, a tie within one engine step of the
+    cell's preset counted as met, and its median wasted prefill against that anchor's; ``REFERENCES`` (oracle
+    among them) are references, not anchors. Also: on how many cells kvroute is best or within 5 % at seed 0."""
+    runs: dict[str, list[dict]] = {}
+    for cell in cells:
+        if cell.get("checks"):
+            runs.setdefault(cell["cell"], []).append(cell)
+    misses, seeds = [], set()
+    for name, group in runs.items():
+        seeds.add(len(group))
+        anchors = [p for p in group[0]["policies"] if p != DEFAULT_POLICY and p not in REFERENCES]
+        if not anchors:
+            continue
+
+        def med(policy: str, field: str, group: list[dict] = group) -> float:
+            values = [g["policies"][policy][field] for g in group if g["policies"][policy][field] is not None]
+            return statistics.median(values) if values else math.inf
+        best = min(anchors, key=lambda p: med(p, "ttft_p90_s"))
+        kv, best_p90 = med(DEFAULT_POLICY, "ttft_p90_s"), med(best, "ttft_p90_s")
+        step = group[0].get("step_s", 0.0)
+        wasted, best_wasted = med(DEFAULT_POLICY, "wasted_prefill_tokens"), med(best, "wasted_prefill_tokens")
+        p90_met = kv <= best_p90 + step + 1e-9
+        wasted_met = wasted <= best_wasted
+        rr_met = name != "one-shared-prefix" or "round_robin" not in group[0]["policies"] or \
+            kv <= med("round_robin", "ttft_p90_s") + step + 1e-9
+        if not (p90_met and wasted_met and rr_met):
+            misses.append(f"{name} (median p90 {kv:.4f} vs {best} {best_p90:.4f} s, step {step * 1000:g} ms; "
+                          f"wasted {wasted:,.0f} vs {best_wasted:,.0f} tokens)")
     main = [c for c in cells if c.get("checks") and not c.get("seed_offset")]
-    misses = [f"{c['cell']} (p90 {k['ratio_to_best']}x {k['best_baseline']}; wasted {k['kvroute_wasted_tokens']:,} "
-              f"vs {k['best_anchor_wasted_tokens']:,} tokens)" for c in main if not _meets(k := c["checks"])]
     wins = sum(c["checks"]["within_5pct"] for c in main)
-    return {"summary": f"kvroute best or within 5 % on {wins} of {len(main)} cells", "missed_targets": misses}
+    judged = "/".join(str(n) for n in sorted(seeds)) or "0"
+    return {"summary": f"kvroute best or within 5 % on {wins} of {len(main)} cells at seed 0; judged on the median "
+                       f"over {judged} seed(s) (the owner's rule: {JUDGED_SEEDS}), a p90 within one engine step of "
+                       f"the best anchor a tie; {', '.join(REFERENCES)} are references, not anchors: "
+                       f"{len(runs) - len(misses)} of {len(runs)} cells met",
+            "missed_targets": misses}
 
 
 def _ending(cells: list[dict]) -> None:

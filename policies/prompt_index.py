@@ -152,14 +152,16 @@ class PromptIndex:
         gone: set[int] = set()
         for eid, e in entries.items():
             n = _common(e, keys)
-            if n == len(e):
-                gone.add(eid)  # contained in the new prompt
+            if n >= len(e) - 1 and n > 0:
+                # contained in the new prompt: all its blocks but maybe the last, which held the end of the
+                # earlier prompt (its generation prompt) where the new one goes on with that answer
+                gone.add(eid)
             elif eid != slot and n > best_n and n * 4 >= len(e):
                 best, best_n = eid, n
         if best is not None:
             gone.add(best)
         kept = [eid for eid in entries if eid not in gone]
-        lost = [eid for eid in gone if _common(entries[eid], keys) < len(entries[eid])]
+        lost = [eid for eid in gone if _common(entries[eid], keys) < len(entries[eid]) - 1]
         # the new prompt takes a slot; the oldest of the rest form the cache
         cached = kept[: max(0, len(kept) + 1 - self.config.slots)]
         bt = self.config.block_tokens

@@ -23,6 +23,8 @@ from kvroute.policies.prefix_index import PrefixIndex, PrefixIndexConfig, Prefix
 from kvroute.policies.registry import DEFAULT_POLICY, build_policy
 from kvroute.policies.request import RoutingRequest
 
+_RATIO_RATE = 0.05  # weight of one answered request in the engine-token ratio's decayed sums
+
 
 @dataclass(slots=True)
 class RouterConfig:
@@ -85,7 +87,8 @@ class Router:
         #: engine tokens per estimated token (the engines' reported prompt tokens over the fingerprint's count,
         #: learned): engine-reported cached tokens and KV capacities are converted into the index's tokens
         self.token_ratio = 1.0
-        self._ratio_samples = 0
+        self._engine_tokens = 0.0  # decayed sums of the engines' prompt tokens and the estimates of them
+        self._estimated_tokens = 0.0
         self._capacity_tokens: dict[str, int] = {}  # per backend, in engine tokens (config or engine metrics)
         self._capacity_ratio = 1.0  # the ratio the index's capacities were last set with
 
@@ -159,17 +162,21 @@ class Router:
         except Exception:
             matches = {}
         per: dict[str, object] = {}
+        evictions = getattr(self.index, "evictions", None)
+        capacity = getattr(self.index, "capacity_blocks", None)
         for b in candidates:
             blocks = matches.get(b, 0)
             view = load.view(b, now)
             per[b] = {"matched": int(blocks * bt),
+                      "evicts": None if evictions is None else round(evictions(b, request.keys, now), 1),
+                      "capacity": None if capacity is None else int(capacity(b) * bt),
                       "computed": int(self._confirmed_prefix(b, request.keys, blocks) * bt),
                       "inflight": view.inflight, "queue_tokens": round(view.queue_tokens, 1),
                       "running": view.running, "kv_usage": round(view.kv_usage, 4),
                       "work_s": round(load.work_s(b, now), 6), "busy_s": round(load.busy(b, now), 6),
                       "factor": round(load.backend_factor(b), 4)}
         return {"t": round(now, 6), "prompt_tokens": request.prompt_tokens, "session": request.session_key is not None,
-                "candidates": per}
+                "index": type(self.index).__name__, "token_ratio": round(self.token_ratio, 3), "candidates": per}
 
     def _wasted_prefill(self, request: RoutingRequest, candidates: Sequence[str], backend: str, now: float) -> int:
         """``Decision.wasted_prefill_tokens`` from the index, for policies that match nothing themselves:
@@ -281,7 +288,7 @@ class Router:
         if outcome.kind == SUCCESS:
             backend = outcome.backend or self.pending_backend(rid)
             if outcome.prompt_tokens and request.prompt_tokens > 0:
-                self.learn_token_ratio(outcome.prompt_tokens / request.prompt_tokens)
+                self.learn_token_ratio(outcome.prompt_tokens, request.prompt_tokens)
             ratio = self.token_ratio
             cached = outcome.cached_tokens
             self.on_complete(rid, cached_tokens=None if cached is None else int(cached / ratio),
@@ -301,14 +308,16 @@ class Router:
                                ttft_s=outcome.ttft_s, started_at=outcome.started_at)
 
     # --- engine tokens ----------------------------------------------------------------------------
-    def learn_token_ratio(self, ratio: float) -> None:
-        """One answered request's engine prompt tokens over the fingerprint's estimate (a moving average after a
-        few samples); the index's capacities follow once it moved by more than 5 %."""
-        if not 0.05 <= ratio <= 20.0:  # a tokenizer is not that far from 4 bytes a token: a bad report
-            return
-        self._ratio_samples += 1
-        rate = max(0.05, 1.0 / self._ratio_samples)
-        self.token_ratio += rate * (ratio - self.token_ratio)
+    def learn_token_ratio(self, engine_tokens: int, estimated_tokens: int) -> None:
+        """One answered request's prompt tokens as its engine counted them and as the fingerprint estimated them:
+        the ratio of their decayed sums (long prompts weigh more than a short one, whose chat template dominates);
+        the index's capacities follow once it moved by more than 5 %."""
+        if estimated_tokens < 64 or not 0.05 <= engine_tokens / estimated_tokens <= 20.0:
+            return  # too short to tell, or a report no tokenizer gives
+        keep = 1.0 - _RATIO_RATE
+        self._engine_tokens = keep * self._engine_tokens + engine_tokens
+        self._estimated_tokens = keep * self._estimated_tokens + estimated_tokens
+        self.token_ratio = self._engine_tokens / self._estimated_tokens
         if abs(self.token_ratio / self._capacity_ratio - 1.0) > 0.05:
             self._capacity_ratio = self.token_ratio
             for backend, tokens in self._capacity_tokens.items():

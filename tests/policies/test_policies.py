@@ -324,3 +324,93 @@ def test_wasted_prefill_is_reported_for_every_policy():
     spilled = ca.route(group_prompt(6, 2), [b for b in BACKENDS if b != d.backend])[1]
     assert spilled.wasted_prefill_tokens == 0  # no candidate held it: nothing wasted among these
     assert "wasted_prefill_tokens" in again.as_dict()
+
+
+def test_concurrent_first_turns_follow_a_prefix_still_being_computed():
+    """A prefix sent to a replica is reserved there until its first token: a second request of the same system
+    prompt, sent while the first is still prefilling, follows it instead of computing it again on an idle
+    replica (``reserve_in_flight``); without the reservation it goes to the idle replica."""
+    for reserve, together in ((True, True), (False, False)):
+        router, _ = make(reserve_in_flight=reserve)
+        first = router.route(group_prompt(7, 0, sys_len=4000), BACKENDS)[1]
+        second = router.route(group_prompt(7, 1, sys_len=4000), BACKENDS)[1]
+        assert (second.backend == first.backend) is together, reserve
+        if together:
+            assert second.reason == "prefix_match" and second.wasted_prefill_tokens == 0
+
+
+def test_a_computed_prefix_is_not_reserved():
+    """Once the holder's request has its first token the prefix is computed there, and an idle replica may take
+    the next request by predicted TTFT as before (the reservation only covers work in flight)."""
+    router, _clock = make()
+    req, first = router.route(group_prompt(8, 0, sys_len=4000), BACKENDS)
+    router.on_first_token(req.request_id)
+    for i in range(6):  # the holder is kept working on other long prompts
+        router.route(group_prompt(300 + i, 0, sys_len=8000), [first.backend])
+    d = router.route(group_prompt(8, 1, sys_len=4000), BACKENDS)[1]
+    assert d.backend != first.backend and d.reason == "prefix_spill"
+
+
+def _session_turn(router, clock, session: str, turns: list[str], backends, answer_tokens: int = 40):
+    """One turn of a chat whose earlier turns (and answers) are ``turns``; answered at once."""
+    from kvroute.policies import RequestOutcome
+    from kvroute.policies.lifecycle import SUCCESS
+
+    messages = [{"role": "system", "content": "shared system prompt " * 200}]
+    for i, t in enumerate(turns):
+        messages.append({"role": "user", "content": t})
+        if i < len(turns) - 1:
+            messages.append({"role": "assistant", "content": f"answer {i} " * 8})
+    req, d = router.route({"model": "m", "messages": messages, "user": session}, backends)
+    clock.t += 0.1
+    router.on_first_token(req.request_id)
+    router.finish(req, RequestOutcome(SUCCESS, d.backend, clock.t, cached_tokens=d.matched_tokens,
+                                      output_tokens=answer_tokens, prompt_tokens=req.prompt_tokens))
+    return d
+
+
+@pytest.mark.parametrize("grain", [1, 16, None])
+def test_a_sessions_next_turn_goes_where_its_tail_is_held(grain):
+    """Two sessions of one system prompt on two replicas: the index's 64-token blocks see only the shared prompt
+    on both, so their next turns tie; the session's home holds its tail (in the engine's own blocks: token by
+    token on llama.cpp, ``block_size`` on vLLM), and each next turn goes home. Unknown engine blocks: no credit."""
+    from kvroute.policies import PrefixIndex, PrefixIndexConfig
+
+    clock = Clock()
+    index = PrefixIndex(PrefixIndexConfig(block_tokens=64, engine_block_tokens=grain))
+    router = Router(RouterConfig(), clock=clock, index=index)
+    two = BACKENDS[:2]
+    a = _session_turn(router, clock, "A", ["question a0 " * 4], two)
+    b = _session_turn(router, clock, "B", ["question b0 " * 4], [x for x in two if x != a.backend])
+    assert a.backend != b.backend
+    # B's next turn first, A's second: with nothing to tell them apart the second turn of a tie rotates away
+    b1 = _session_turn(router, clock, "B", ["question b0 " * 4, "question b1 " * 4], two)
+    a1 = _session_turn(router, clock, "A", ["question a0 " * 4, "question a1 " * 4], two)
+    whole = a1.prompt_tokens // 64 * 64 - 64  # the index's whole blocks of the shared part
+    if grain is not None:
+        assert (a1.backend, b1.backend) == (a.backend, b.backend)
+        assert a1.matched_tokens > whole and b1.matched_tokens > whole  # credited past the index's blocks
+    else:  # the tails are invisible: B's next turn went to A's replica, recomputing its own tail
+        assert b1.backend == a.backend and b1.matched_tokens % 64 == 0
+
+
+def test_the_router_learns_engine_tokens_and_converts_capacity_and_cached_tokens():
+    """An engine that counts 2 tokens where the fingerprint estimates 1: its configured capacity holds half as many
+    of the index's tokens, and the cached tokens it reports are halved before they confirm the index."""
+    from kvroute.policies import PrefixIndex, PrefixIndexConfig, RequestOutcome
+    from kvroute.policies.lifecycle import SUCCESS
+
+    clock = Clock()
+    index = PrefixIndex(PrefixIndexConfig(block_tokens=64))
+    router = Router(RouterConfig(), clock=clock, index=index)
+    router.set_capacity("r0", 64_000)
+    assert index.capacity_blocks("r0") == 1000
+    for i in range(30):
+        req, _d = router.route(group_prompt(50 + i, 0), ["r0"])
+        router.finish(req, RequestOutcome(SUCCESS, "r0", clock.t, cached_tokens=0,
+                                          prompt_tokens=2 * req.prompt_tokens, output_tokens=1))
+    assert router.token_ratio == pytest.approx(2.0, rel=0.01)
+    assert index.capacity_blocks("r0") == pytest.approx(500, rel=0.03)
+    router.learn_token_ratio(100_000, 1000)  # a report no tokenizer gives: ignored
+    router.learn_token_ratio(80, 10)  # a prompt too short to tell (its chat template dominates): ignored
+    assert router.token_ratio == pytest.approx(2.0, rel=0.01)

@@ -1,0 +1,94 @@
+"""The llama.cpp prompt index keeps what llama.cpp's server keeps: whole prompts, its save / trim / restore rules."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvroute.policies.prompt_index import PromptIndex, PromptIndexConfig
+
+BT = 64
+SYSTEM = list(range(100, 108))  # eight shared blocks
+A0, B0 = [*SYSTEM, 1, 2], [*SYSTEM, 11, 12]  # two sessions of one system prompt
+A1, B1 = [*A0, 3, 4], [*B0, 13]
+
+
+def index(cache_blocks: int, slots: int = 1) -> PromptIndex:
+    return PromptIndex(PromptIndexConfig(cache_tokens=cache_blocks * BT, slots=slots, block_tokens=BT))
+
+
+def entries(ix: PromptIndex, backend: str = "x") -> list[tuple[int, ...]]:
+    return list(ix._backends[backend].entries.values())
+
+
+def test_a_prompt_that_continues_one_held_replaces_it_and_a_sibling_stays():
+    ix = index(cache_blocks=10)
+    ix.record("x", A0, 0.0)
+    ix.record("x", B0, 0.0)  # the slot's A0 is saved; B0 shares only the system prompt: A0 stays cached
+    assert ix.match(A1, ["x"], 0.0) == {"x": 10} and ix.match(B1, ["x"], 0.0) == {"x": 10}
+    ix.record("x", A1, 0.0)  # A0 is contained in A1: obsolete
+    assert entries(ix) == [tuple(B0), tuple(A1)]
+    assert ix.match(["nothing"], ["x"], 0.0) == {}
+
+
+def test_the_budget_drops_the_oldest_whole_prompt_but_always_keeps_one():
+    ix = index(cache_blocks=10)
+    ix.record("x", A0, 0.0)
+    ix.record("x", B0, 0.0)
+    other = list(range(500, 510))
+    # the slot's B0 is saved beside A0: 20 blocks over a 10-block budget, the oldest (A0) goes as a whole
+    assert ix.evictions("x", other, 0.0) == len(A0) * BT
+    ix.record("x", other, 0.0)
+    assert entries(ix) == [tuple(B0), tuple(other)]
+    assert ix.match(A1, ["x"], 0.0) == {"x": len(SYSTEM)}  # A's own blocks went; B0 still holds the system prompt
+
+
+def test_nothing_held_is_pushed_out_where_the_prompt_fits():
+    ix = index(cache_blocks=100)
+    ix.record("x", A0, 0.0)
+    assert ix.evictions("x", B0, 0.0) == 0.0
+    assert ix.evictions("y", B0, 0.0) == 0.0  # a replica it knows nothing of
+
+
+def test_a_restored_prompt_leaves_the_cache_and_its_tail_is_lost():
+    ix = index(cache_blocks=100)
+    ix.record("x", A0, 0.0)
+    ix.record("x", list(range(900, 905)), 0.0)  # the slot now holds an unrelated prompt; A0 is cached
+    # A0 shares more with the new request than the slot does: restored into the slot, its own tail (2 blocks) lost
+    assert ix.evictions("x", B0, 0.0) == 2 * BT
+    ix.record("x", B0, 0.0)
+    assert tuple(A0) not in entries(ix)
+
+
+def test_evictions_weigh_each_lost_prompt_by_how_recently_it_was_used():
+    ix = PromptIndex(PromptIndexConfig(cache_tokens=10 * BT, slots=1, block_tokens=BT, value_half_life_s=60.0))
+    ix.record("x", A0, 0.0)
+    ix.record("x", B0, 0.0)
+    other = list(range(500, 510))
+    fresh = ix.evictions("x", other, 0.0)
+    assert ix.evictions("x", other, 60.0) == pytest.approx(fresh / 2)  # unused for one half-life: worth half
+    ix.confirm("x", B0, 10, 60.0)  # B0 answered again: used now
+    assert ix.evictions("x", other, 60.0) == pytest.approx(fresh / 2)  # A0, the one that goes, is still old
+
+
+def test_slots_hold_prompts_beside_the_cache():
+    ix = index(cache_blocks=10, slots=2)
+    ix.record("x", A0, 0.0)
+    ix.record("x", B0, 0.0)
+    # two slots: the newest other prompt stays in its slot, only older ones count against the budget
+    assert ix.evictions("x", list(range(500, 510)), 0.0) == 0.0
+
+
+def test_forget_takes_a_failed_prompt_back_out():
+    ix = index(cache_blocks=100)
+    ix.record("x", A0, 0.0)
+    ix.forget("x", A0)
+    assert ix.match(A0, ["x"], 0.0) == {}
+    ix.remove_backend("x")
+    assert ix.backends() == []
+
+
+def test_bad_configuration_is_refused():
+    with pytest.raises(ValueError):
+        PromptIndexConfig(slots=0)
+    with pytest.raises(ValueError):
+        PromptIndexConfig(value_half_life_s=0.0)
