@@ -14,7 +14,9 @@ requests (the same flows of ``bench/peers_workloads.py``):
    SMG's ``cache_aware``) and ``round_robin``.
 
 Both models run their replicas on this host's cores with the background load the real run measured (the host's busy
-cores less the replicas', averaged over the real runs). Per cell the table gives each source's cached share and
+cores less the replicas', averaged over the real runs); the simulator also takes each router's round trip as the real
+run measured it (``hop_ms``: the router's TTFT on the idle fleet less a replica's own), which the fake run has by
+itself (the same routers in front of it). Per cell the table gives each source's cached share and
 TTFT p50/p90 and each model's error; the verdict (``bench/calibrate_verdict.py``) wants the cached share within
 ±1.5 points and TTFT p90 within ±25 % of llama.cpp's for every model on every cell, and the command exits 1 (with a
 ``MISSED`` line per check) otherwise. ``--from FILE`` takes the sources not in ``--run`` from a saved calibration
@@ -33,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from calibrate_sim import sim_workload, simulate_cell, tiny_tokenizer
+from calibrate_sim import Tokenize, sim_workload, simulate_cell, tiny_tokenizer
 from calibrate_verdict import Bounds, Calibration, Figures, calibrate
 from peers_workloads import Size, build, replica_capacity_tokens
 
@@ -54,7 +56,7 @@ def run_fleet(fleet: str, workloads: list[str], repeats: int, cores: float, back
 
     args = argparse.Namespace(fleet="llamacpp" if fleet == "real" else "fake", engine_model="llamacpp",
                               workload=workloads, repeats=repeats, replicas=REPLICAS, rival=[r for r, _ in ROUTERS],
-                              quick=False, fresh_fleet=False, host_cores=cores, background_cores=background)
+                              quick=False, fresh_fleet=False, host_cores=cores, background_cores=background, hop=True)
     result = peers.run(args, say)
     for w in result["workloads"].values():  # the per-request logs stay out of the calibration's file
         w["runs"] = {k: [{m: v for m, v in run.items() if m not in ("requests_log", "decisions")} for run in runs]
@@ -71,18 +73,30 @@ def cache_tokens() -> int:
     return int(mib * 1024 * 1024 // spec.state_bytes_per_token)
 
 
-def run_sim(workloads: list[str], cores: float, background: float, say) -> dict:
-    """The simulator's figures per workload and router."""
+def run_sim(workloads: list[str], cores: float, background: float, hops_ms: dict[str, float], say,
+            tokenize: Tokenize | None = None) -> dict:
+    """The simulator's figures per workload and router (``hops_ms``: each router's round trip, as measured)."""
     size = Size.llamacpp()
     capacity = replica_capacity_tokens(size, REPLICAS)
-    tokenize = tiny_tokenizer()
-    out: dict = {"cache_tokens": cache_tokens(), "cores": cores, "background_cores": background, "workloads": {}}
+    tokenize = tokenize or tiny_tokenizer()
+    out: dict = {"cache_tokens": cache_tokens(), "cores": cores, "background_cores": background, "hop_ms": hops_ms,
+                 "workloads": {}}
     for name in workloads:
-        flows = sim_workload(build(name, size, capacity), tokenize)
-        out["workloads"][name] = {rival: simulate_cell(flows, policy, REPLICAS, out["cache_tokens"], cores, background)
-                                  for rival, policy in ROUTERS}
-        say(f"sim {name}: {json.dumps(out['workloads'][name])}")
+        workload = build(name, size, capacity)
+        cells = {}
+        for rival, policy in ROUTERS:
+            hop_s = hops_ms.get(rival, 0.0) / 1000.0
+            cells[rival] = simulate_cell(sim_workload(workload, tokenize, hop_s=hop_s), policy, REPLICAS,
+                                         out["cache_tokens"], cores, background, hop_s)
+        out["workloads"][name] = cells
+        say(f"sim {name}: {json.dumps(cells)}")
     return out
+
+
+def hops_ms(real: dict | None) -> dict[str, float]:
+    """Each router's round trip as the real run measured it (``bench/peers.py``'s ``hop_ms``; none: 0)."""
+    rivals = (real or {}).get("rivals", {})
+    return {key: float(rivals.get(key, {}).get("hop_ms") or 0.0) for key, _ in ROUTERS}
 
 
 def background_cores(real: dict | None) -> float:
@@ -193,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     if "fake" in runs:
         result["fake"] = run_fleet("fake", workloads, args.repeats, args.cores, background, say)
     if "sim" in runs:
-        result["sim"] = run_sim(workloads, args.cores, background, say)
+        result["sim"] = run_sim(workloads, args.cores, background, hops_ms(result["real"]), say)
     result["wall_s"] = round(time.time() - started, 1)
     if args.save:
         stamp = time.strftime("%Y-%m-%dT%H%M", time.gmtime(started))

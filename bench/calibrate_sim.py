@@ -7,11 +7,13 @@ of ``block_tokens``-token blocks (the routers' view), the tokens the engine gene
 them, its flow's session key, and its start: an open-loop flow's first turn at the flow's start; with a concurrency
 limit, the first ``concurrency`` flows at 0 and each later one after the last turn of the flow ``concurrency``
 places before it (the replay's flows take the limit in order and, of one shape, end in about that order); every
-later turn right after the turn before. Answers are a fixed placeholder of ``max_tokens`` words (the real model's
-differ by a few tokens).
+later turn right after the turn before. Answers are the fake engine's llama.cpp answers (``LlamaCppModel.answer``:
+``max_tokens`` one-token words; the real model's differ in content, not in length).
 
 ``simulate_cell`` runs one policy on a ``llamacpp`` fleet and returns the figures ``bench/peers.py`` measures: the
-engines' cached share of prompt tokens and the client's TTFT p50/p90 (nearest rank).
+engines' cached share of prompt tokens and the client's TTFT p50/p90 (nearest rank). Both take the router's round
+trip (``hop_s``, what ``bench/peers.py --hop`` measures per rival: its TTFT on an idle fleet less a replica's own): a
+turn reaches the engines that long after the one before it completed, and each TTFT grows by it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import xxhash
 from peers_workloads import Workload
 
 from kvroute.plugin.dev.fake_engine import render_chat
+from kvroute.plugin.dev.fake_llamacpp import LlamaCppModel
 from kvroute.sim.engine import FleetConfig, simulate
 from kvroute.sim.presets import get_preset
 from kvroute.sim.workload import SimRequest, id_keys
@@ -49,9 +52,11 @@ def block_keys(tokens: Sequence[int], block_tokens: int) -> list[int]:
     return id_keys(ids, 0, chained_ids=False)
 
 
-def sim_workload(workload: Workload, tokenize: Tokenize, block_tokens: int = 16, salt: str = SALT) -> SimWorkload:
-    """``workload``'s flows as simulator requests (module docstring)."""
-    answer = " ".join(["ok"] * workload.max_tokens)
+def sim_workload(workload: Workload, tokenize: Tokenize, block_tokens: int = 16, salt: str = SALT,
+                 hop_s: float = 0.0) -> SimWorkload:
+    """``workload``'s flows as simulator requests (module docstring); a request that follows another arrives
+    ``hop_s`` after it completes (the router's round trip: its answer back to the client, the next request in)."""
+    answer = LlamaCppModel.answer(workload.max_tokens)
     requests: list[SimRequest] = []
     last_of_flow: list[int] = []
     for n, flow in enumerate(workload.flows):
@@ -66,9 +71,9 @@ def sim_workload(workload: Workload, tokenize: Tokenize, block_tokens: int = 16,
             req = SimRequest(prompt_tokens=len(tokens), output_tokens=workload.max_tokens,
                              keys=block_keys(tokens, block_tokens), session=f"{salt}-{flow.conv_id}", tokens=tokens)
             if t > 0:
-                req.follows = len(requests) - 1
+                req.follows, req.delay = len(requests) - 1, hop_s
             elif workload.concurrency and n >= workload.concurrency:
-                req.follows = last_of_flow[n - workload.concurrency]
+                req.follows, req.delay = last_of_flow[n - workload.concurrency], hop_s
             else:
                 req.arrival = flow.start_s
             requests.append(req)
@@ -88,14 +93,15 @@ def nearest_rank(values: Sequence[float], q: float) -> float | None:
 
 
 def simulate_cell(workload: SimWorkload, policy: str, replicas: int, cache_tokens: int, cores: float | None,
-                  background_cores: float = 0.0) -> dict:
-    """One policy on ``replicas`` llama.cpp replicas: cached share, TTFT p50/p90 (ms), requests."""
+                  background_cores: float = 0.0, hop_s: float = 0.0) -> dict:
+    """One policy on ``replicas`` llama.cpp replicas: cached share, TTFT p50/p90 (ms, each with the router's round
+    trip ``hop_s`` added: the client sees the first token that much later than the engine sends it), requests."""
     fleet = FleetConfig(replicas, get_preset("llamacpp"), kv_tokens=cache_tokens, cores=cores,
                         background_cores=background_cores)
     result = simulate(workload, policy, fleet)
     done = [r for r in result.requests if r.first_token_at >= 0]
     prompt = sum(r.prompt for r in done)
-    ttfts = [r.first_token_at - r.arrival for r in done]
+    ttfts = [r.first_token_at - r.arrival + hop_s for r in done]
     p50, p90 = nearest_rank(ttfts, 0.5), nearest_rank(ttfts, 0.9)
     return {"cached_share": round(sum(max(0, r.hit_tokens) for r in done) / prompt, 4) if prompt else 0.0,
             "ttft_p50_ms": None if p50 is None else round(p50 * 1000, 1),

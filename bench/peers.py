@@ -12,11 +12,12 @@ router, summed), and same-repeat ratios against kvroute and LiteLLM simple-shuff
 ``--fleet fake --engine-model llamacpp`` runs fake engines that model the llama.cpp replicas (one slot, the host
 prompt cache, the tiny model's speed and tokens, the host's cores shared: ``plugin/dev/fake_llamacpp.py``) with the
 llama.cpp fleet's sizes, and kvroute's deployments say ``engine: llamacpp``. Per workload the result also records
-the host's CPU: cores busy on average, of which the replicas' (``host_cpu``). Usage::
+the host's CPU: cores busy on average, of which the replicas' (``host_cpu``); ``--hop`` also measures each rival's
+own round trip on the idle fleet (``hop_ms``). Usage::
 
     LITELLM_LOCAL_MODEL_COST_MAP=True .venv/bin/python bench/peers.py [--fleet fake|llamacpp]
         [--engine-model vllm|llamacpp] [--workload demo --workload shared ...] [--repeats 3]
-        [--rival kvroute --rival smg-ca ...] [--quick] [--json]
+        [--rival kvroute --rival smg-ca ...] [--quick] [--hop] [--json]
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from peers_workloads import (
     build,
     replay,
     replica_capacity_tokens,
+    stream_one,
 )
 from replica_relay import ReplicaRelays
 
@@ -271,6 +273,28 @@ async def _warm_up(rival: Rival, model: str) -> None:
         r.raise_for_status()
 
 
+async def _hop_ms(rival: Rival, direct_url: str, model: str, probes: int = 7) -> float:
+    """The rival's own round trip: the median TTFT of a short streamed request through it less that of the same
+    request sent straight to a replica (``probes`` of each, one at a time, on idle replicas; the prompt is cached
+    after the first, so the engine's part is its fixed response time)."""
+    body = {"model": model, "max_tokens": 2, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": "How long is the way through the router?"}]}
+
+    async def median_ttft(base_url: str, headers: dict) -> float:
+        async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=60.0, trust_env=False) as client:
+            ttfts = []
+            for _ in range(probes):
+                out = await stream_one(client, body, {})
+                if not out.ok or out.ttft_s is None:
+                    raise httpx.HTTPError(f"hop probe failed: {out.error}")
+                ttfts.append(out.ttft_s)
+        return statistics.median(ttfts)
+
+    through = await median_ttft(rival.base_url, dict(rival.headers))
+    return round(max(0.0, through - await median_ttft(direct_url, {})) * 1000, 1)
+
+
 def _new_decisions(rival: Rival) -> list[dict]:
     """kvroute's decision-log lines written since the last call (the file grows run after run)."""
     path = rival.decision_log
@@ -350,6 +374,10 @@ def run(args: argparse.Namespace, say) -> dict:
         live = [r for r in rivals if r.error is None]
         result["rivals"] = {r.spec.key: {"label": r.spec.label, "started": r.error is None, "error": r.error,
                                          "router_args": list(r.spec.router_args)} for r in rivals}
+        if getattr(args, "hop", False):  # each rival's own round trip (bench/calibrate.py's simulator adds it)
+            for rival in live:
+                result["rivals"][rival.spec.key]["hop_ms"] = asyncio.run(_hop_ms(rival, fleet.base_urls[0],
+                                                                                 fleet.model))
         say(f"started {len(live)}/{len(rivals)} rivals in {time.time() - started_at:.0f} s")
         result["workloads"] = {}
         for name in args.workload:
@@ -447,6 +475,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine-model", choices=("vllm", "llamacpp"), default="vllm",
                    help="--fleet fake only: llamacpp makes the fake engines model the llama.cpp replicas (and sizes "
                         "the workloads as for them)")
+    p.add_argument("--hop", action="store_true",
+                   help="also measure each rival's own round trip on the idle fleet (hop_ms: its TTFT less a "
+                        "replica's own, medians of 7)")
     p.add_argument("--host-cores", type=float, default=float(os.cpu_count() or 1),
                    help="--engine-model llamacpp: the host cores the modelled replicas share (default: this host's)")
     p.add_argument("--workload", action="append", choices=WORKLOADS,

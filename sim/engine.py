@@ -12,9 +12,10 @@ approximate indexes learn only from picks and responses.
 
 The preset's ``engine`` chooses the engine model, as a deployment's ``engine`` does: ``vllm`` (the default) runs
 ``sim/replica.py``'s block-cache replicas; ``llamacpp`` runs ``sim/replica_llamacpp.py``'s (slots, a host prompt cache
-of whole prompts, token-granular reuse: requests need ``SimRequest.tokens``), gives kvroute's router the prompt
-index (``policies/prompt_index.py``) and ``cache_aware`` the preset's slots, as the plugin's wiring does for
-``engine: llamacpp``; ``FleetConfig.cores`` puts the replicas on one host whose cores they share.
+of whole prompts, token-granular reuse of ``SimRequest.tokens``, or of ids made from the block keys), gives
+kvroute's router the prompt index (``policies/prompt_index.py``) and ``cache_aware`` the preset's slots, as the
+plugin's wiring does for ``engine: llamacpp``; ``FleetConfig.cores`` puts the replicas on one host whose cores
+they share.
 """
 
 from __future__ import annotations
@@ -130,7 +131,8 @@ def build_replicas(fleet: FleetConfig, names: list[str], block_tokens: int) -> l
     cache = PromptCacheConfig(budget_bytes=int(capacity * spec.state_bytes_per_token),
                               state_bytes_per_token=spec.state_bytes_per_token)
     cores = None if fleet.cores is None else SharedCores(fleet.cores, fleet.background_cores)
-    return [LlamaCppReplica(n, preset.cost, cache, spec.response_s, preset.max_model_len, cores) for n in names]
+    return [LlamaCppReplica(n, preset.cost, cache, spec.response_s, preset.max_model_len, cores, block_tokens)
+            for n in names]
 
 
 def simulate(workload: Workload, policy: Policy | str, fleet: FleetConfig,

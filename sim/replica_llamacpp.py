@@ -8,7 +8,8 @@ llama.cpp's state instead of KV blocks:
 - ``cost.max_running`` slots (``--parallel``); a request waits FIFO for a free slot and takes the least recently
   used one; taking it updates the host prompt cache (``sim/prompt_cache.py``: save the slot's sequence, restore a
   better entry, trim) and the request reuses the common prefix of the slot's sequence and its prompt, token by token
-  (``Live.tokens``), never its last token;
+  (``Live.tokens``; a request known only by its block keys gets ids from them, ``tokens_of_keys``), never its
+  last token;
 - one step is one batch: a token per decoding slot, then prefill chunks up to ``cost.chunk_tokens`` (``n_batch``),
   timed by the cost model; a request's first token comes with the step that ends its prefill (plus the preset's
   ``response_s``, which holds no slot) and it decodes ``output − 1`` more steps; the slot then holds its prompt and
@@ -108,12 +109,20 @@ def _generated(r: Live) -> Tokens:
     return known + tuple(-1 - r.idx * 4096 - i for i in range(len(known), n))
 
 
+def tokens_of_keys(keys: list[int], block_tokens: int, prompt: int, idx: int) -> Tokens:
+    """Token ids standing in for a prompt known only by its chained block keys: ``block_tokens`` ids per key (two
+    prompts share a token prefix exactly where they share keys), then ids of this request alone up to ``prompt``."""
+    tokens = tuple(key * block_tokens + i for key in keys for i in range(block_tokens))[:prompt]
+    return tokens + tuple(-1 - idx * 1_000_003 - i for i in range(prompt - len(tokens)))
+
+
 class LlamaCppReplica:
     """A llama.cpp server's slots, host prompt cache, FIFO queue and clock."""
 
     def __init__(self, name: str, cost: CostModel, cache: PromptCacheConfig, response_s: float = 0.0,
-                 context_tokens: int = 8192, cores: SharedCores | None = None) -> None:
+                 context_tokens: int = 8192, cores: SharedCores | None = None, block_tokens: int = 16) -> None:
         self.name = name
+        self.block_tokens = block_tokens
         self.cost = cost
         self.cache: HostPromptCache[Tokens] = HostPromptCache(cache)
         self.response_s = response_s
@@ -155,8 +164,9 @@ class LlamaCppReplica:
 
     # --- stepping -------------------------------------------------------------------------------
     def enqueue(self, r: Live) -> None:
+        """Queue ``r`` for a slot; a request without token ids gets them from its keys (``tokens_of_keys``)."""
         if r.tokens is None:
-            raise ValueError(f"{self.name}: request {r.rid} has no token ids (a llamacpp fleet needs them)")
+            r.tokens = tokens_of_keys(r.keys, self.block_tokens, r.prompt, r.idx)
         self.waiting.append(r)
 
     def interrupt(self, now: float) -> bool:

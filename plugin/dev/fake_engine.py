@@ -45,7 +45,6 @@ from kvroute.plugin.dev.fake_tokens import (
     tokenize,
 )
 from kvroute.policies.errors import ConfigError
-from kvroute.sim.presets import get_preset
 
 log = logging.getLogger("kvroute.fake_engine")
 
@@ -74,7 +73,7 @@ class FakeEngineConfig:
     max_tokens_limit: int = 4096  # larger requests get a 400 (one unbounded request once grew to 5 GB)
     metrics_style: str = "vllm"
     max_model_len: int = 131072  # what /tokenize reports; the fake engine enforces no context limit
-    engine_model: str = "vllm"  # "llamacpp": the bench's llama.cpp replica (fake_llamacpp) instead
+    engine_model: str = "vllm"  # "llamacpp": the bench's llama.cpp replica (fake_llamacpp; one slot, not ``slots``)
     cache_ram_mib: float = 9.0  # llamacpp: the host prompt cache (--cache-ram)
     tokenizer: str | None = None  # llamacpp: a tokenizer.json to count tokens with (else tokens_per_byte)
     host_cores: float = 0.0  # llamacpp: cores of the host the fleet's replicas share (0: each its own)
@@ -181,7 +180,7 @@ class FakeEngine:
                       if config.host_cores > 0 and config.cores_dir else None)
         self.fault = FaultPlan()
         self.stats = EngineStats()
-        self._slots = asyncio.Semaphore(config.slots)
+        self._slots = asyncio.Semaphore(1 if self.llama is not None else config.slots)  # the model: --parallel 1
         self.running = 0
         self.waiting = 0
         self.active_tokens = 0  # KV held by running requests (prompt + output), what vLLM calls "usage"
@@ -351,7 +350,7 @@ class FakeEngine:
     async def _run(self, body: dict, prompt: str, max_tokens: int, chat: bool, fault: FaultPlan | None,
                    ex: Exchange) -> None:
         cfg = self.config
-        output = generate_text(prompt, max_tokens)
+        output = self.llama.answer(max_tokens) if self.llama is not None else generate_text(prompt, max_tokens)
         if self.llama is not None:  # the slot is this request's: llama.cpp's cache update, then its reuse
             seq = self.llama.encode(prompt)
             prompt_tokens = self.llama.tokens(seq)
@@ -536,10 +535,9 @@ class FakeEngineServer:
 
 async def _main(args: argparse.Namespace) -> None:
     llama = args.engine_model == "llamacpp"
-    slots = args.slots or (get_preset("llamacpp").cost.max_running if llama else 4)
     config = FakeEngineConfig(name=args.name, model=args.model, capacity_tokens=args.capacity_tokens,
                               block_tokens=args.block_tokens, prefill_tokens_per_s=args.prefill_tps,
-                              decode_s_per_token=args.decode_ms / 1000.0, slots=slots,
+                              decode_s_per_token=args.decode_ms / 1000.0, slots=args.slots,
                               context_cost=args.context_cost, metrics_style="llamacpp" if llama else args.metrics_style,
                               engine_model=args.engine_model, cache_ram_mib=args.cache_ram_mib,
                               tokenizer=args.tokenizer, host_cores=args.host_cores,
@@ -567,8 +565,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--block-tokens", type=int, default=16)
     p.add_argument("--prefill-tps", type=float, default=20000.0, help="simulated prefill speed, tokens/s")
     p.add_argument("--decode-ms", type=float, default=2.0, help="simulated decode time per output token")
-    p.add_argument("--slots", type=int, default=None,
-                   help="concurrent requests; others queue (default 4; --engine-model llamacpp: the preset's 1)")
+    p.add_argument("--slots", type=int, default=4,
+                   help="concurrent requests; others queue (--engine-model llamacpp: always one)")
     p.add_argument("--context-cost", type=float, default=FakeEngineConfig.context_cost,
                    help="attention cost per context token, relative to one token of linear prefill work")
     p.add_argument("--metrics-style", choices=("vllm", "llamacpp"), default="vllm")

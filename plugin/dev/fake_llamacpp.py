@@ -5,7 +5,8 @@ sequence it ran (prompt and generated tokens but the last), llama.cpp's host pro
 what a request that takes the slot reuses (``sim/prompt_cache.py``: save, restore, trim; token-granular, never the
 last prompt token), and prefill and decode take the preset's step times. Tokens are the model's own when a
 ``tokenizer.json`` is given (the tiny model's: the bench's prompts then count exactly as on llama.cpp), else
-``tokens_per_byte`` of the text's UTF-8 bytes.
+``tokens_per_byte`` of the text's UTF-8 bytes. Answers are ``max_tokens`` words of one token each (``answer``):
+llama.cpp's tiny model generates ``max_tokens`` tokens, and the next turn grows by as many.
 
 ``HostCores`` shares a host's cores between the replica processes of one fleet: a replica computing keeps a file
 in a directory they all see, and while ``k`` of them compute each advances at ``min(1, cores / (k + background))``
@@ -23,6 +24,7 @@ from kvroute.sim.presets import Preset, get_preset
 from kvroute.sim.prompt_cache import HostPromptCache, PromptCacheConfig
 
 Seq = tuple[int, ...] | bytes
+ANSWER_WORD = "ok"  # a generated token, as text (the simulator's calibration answers with the same words)
 
 
 class HostCores:
@@ -100,6 +102,12 @@ class LlamaCppModel:
 
     def tokens(self, seq: Sequence) -> int:
         return self.cache.tokens(seq)
+
+    @staticmethod
+    def answer(max_tokens: int) -> str:
+        """The text of an answer of ``max_tokens`` tokens: one short word a token (the tiny model's tokenizer
+        counts ``ok`` as one), so a conversation grows by what llama.cpp's answers add to it."""
+        return " ".join([ANSWER_WORD] * max_tokens)
 
     # --- the slot -------------------------------------------------------------------------------
     def take(self, prompt: Seq) -> int:
