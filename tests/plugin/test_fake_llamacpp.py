@@ -126,15 +126,15 @@ async def test_host_cores_share_compute_between_replicas(tmp_path):
 @pytest.mark.skipif(not xllamacpp_available(),
                     reason="needs the engines extra: pip install 'kvroute[engines]' (xllamacpp, gguf, ...)")
 def test_the_model_reports_the_cached_tokens_a_real_llamacpp_replica_reports(tmp_path_factory):
-    """Three conversations interleaved on one replica with a host cache of about two of them: the slot, the
-    host cache's save, restore and eviction all decide what llama.cpp reuses, and the model must agree."""
+    """Conversations interleaved on one replica, the last one about as big as the host cache: the slot, the host
+    cache's save, restore and eviction all decide what llama.cpp reuses, and the model must agree."""
     from kvroute.plugin.dev.fleet import Fleet, ReplicaOptions
     from kvroute.plugin.dev.tiny_model import PRESETS, ensure_tiny_model
 
     cache_dir = tmp_path_factory.mktemp("kvroute-cache")
     tiny = ensure_tiny_model(PRESETS["small"], cache_dir)
-    systems = [f"[{c}] You are app {c}. " + (A if c % 2 else B) * (1 + c % 2) for c in range(3)]
-    order = [0, 0, 1, 0, 2, 1, 2, 0, 1, 2]  # conversation of each request
+    systems = [f"[{c}] You are app {c}. " + text for c, text in enumerate((A[:700], B[:1200], A[:900], A + B))]
+    order = [0, 0, 1, 0, 2, 1, 2, 0, 3, 1, 0, 2]  # conversation of each request; 3 pushes the others out
     model = LlamaCppModel(cache_ram_mib=9.0, tokenizer=str(tiny.tokenizer_json))
     talks: list[list[dict]] = [[{"role": "system", "content": s}] for s in systems]
     real, modelled = [], []
@@ -153,4 +153,9 @@ def test_the_model_reports_the_cached_tokens_a_real_llamacpp_replica_reports(tmp
             answer = body["choices"][0]["message"]["content"]
             model.keep(seq, answer, 8)
             talks[c].append({"role": "assistant", "content": answer})
-    assert modelled == real
+    # llama.cpp's slot keeps the token ids it generated; the next prompt holds the answer's text, which the tiny
+    # random model's tokens need not re-tokenize to, so a follow-up may reuse up to the answer's tokens fewer
+    # than the model, which keeps the answer as the next prompt tokenizes it (the fake engine's answers are alike)
+    assert all(r <= m <= r + 8 for m, r in zip(modelled, real, strict=True)), (modelled, real)
+    assert all(m == r for m, r in zip(modelled, real, strict=True) if m < 100), (modelled, real)  # template only
+    assert model.cache.restored >= 3 and model.cache.evicted >= 1  # the sequence exercised restore and eviction
