@@ -39,6 +39,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from cpu_job import busy_cores
 from peer_routers import KINDS, ensure_venv
 from peers_rivals import PEERS, RIVALS, SHUFFLE, FleetView, Rival, start_rivals
 from peers_waste import Served, holdings, wasted_prefill
@@ -351,8 +352,9 @@ def run(args: argparse.Namespace, say) -> dict:
                     "size": dataclasses.asdict(size), "routers": {k: KINDS[k].pin for k in needed},
                     "capacity_tokens_per_replica": capacity,
                     "kvroute_precise": PRECISE_NOTE, "cpu_count": os.cpu_count(),
-                    "load_average_start": list(os.getloadavg())}
+                    "busy_cores": getattr(args, "busy_cores", 0), "load_average_start": list(os.getloadavg())}
     with contextlib.ExitStack() as stack:
+        stack.enter_context(busy_cores(result["busy_cores"]))
         options = _replica_options(args.fleet, capacity, args.quick, "llamacpp" if llama else "vllm",
                                    getattr(args, "host_cores", 0.0), getattr(args, "background_cores", 0.0))
         fleet = stack.enter_context(Fleet(args.replicas, engine=args.fleet, options=options, name_prefix="peers"))
@@ -438,10 +440,11 @@ def render(result: dict) -> str:
     """A markdown table per workload, then the targets."""
     labels = {k: v["label"] for k, v in result["rivals"].items()}
     model = " (llama.cpp model)" if result["fleet"] == "fake" and result.get("engine_model") == "llamacpp" else ""
+    busy = f" beside {result['busy_cores']} busy core(s)" if result.get("busy_cores") else ""
     lines = [f"{result['replicas']} {result['fleet']}{model} replicas, {result['repeats']} interleaved repeats, "
              "medians; "
              f"load average {result['load_average_start'][0]:.1f} → {result['load_average_end'][0]:.1f} on "
-             f"{result['cpu_count']} CPUs; routers {', '.join(result.get('routers', {}).values())}"]
+             f"{result['cpu_count']} CPUs{busy}; routers {', '.join(result.get('routers', {}).values())}"]
     for key, info in result["rivals"].items():
         if not info["started"]:
             lines.append(f"NOT STARTED {key}: {info['error']}")
@@ -489,6 +492,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fresh-fleet", action="store_true",
                    help="restart every replica before each run, and give every rival of a repeat the same prompts: "
                         "identical request sequences from identical fleet states (what bench/peers_diff.py compares)")
+    p.add_argument("--busy-cores", type=int, default=0, metavar="N",
+                   help="run beside a CPU-heavy job: N processes spinning for the whole run (bench/cpu_job.py)")
     p.add_argument("--json", action="store_true", help="print the result as JSON only")
     p.add_argument("--render", metavar="FILE", help="print the table of a result saved with --json, run nothing")
     p.add_argument("--save", action="store_true",
@@ -501,6 +506,8 @@ def main(argv: list[str] | None = None) -> int:
     args.repeats = args.repeats or (1 if args.quick else 3)
     if args.repeats <= 0 or args.replicas <= 0:
         p.error("--repeats and --replicas must be positive")
+    if args.busy_cores < 0:
+        p.error("--busy-cores must be 0 or more")
     unknown = set(args.rival or ()) - {s.key for s in RIVALS}
     if unknown:
         p.error(f"unknown rival(s) {sorted(unknown)}; expected some of {[s.key for s in RIVALS]}")

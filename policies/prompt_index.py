@@ -13,6 +13,11 @@ contexts it lost (and the reverse). This index keeps the same entries per backen
 | ``cache_tokens`` | the host prompt cache's budget per backend, in the index's tokens (``set_capacity``) |
 | ``slots`` | prompts held live in slots beside the cache (llama.cpp ``--parallel``) |
 | ``value_half_life_s`` | a held prompt's worth halves every this many seconds unused (``evictions`` weighs by it) |
+
+An entry's size is what the engine counted for it once it answered (``learn_size``: its prompt and answer, in the
+engine's tokens, over the router's current engine-token ratio, ``set_token_ratio``), else its blocks: a budget
+filled by estimates drifts with how the fingerprint's count compares with the tokenizer's on that text, and on
+llama.cpp the budget is one or two prompts, where that drift decides which one is pushed out.
 """
 
 from __future__ import annotations
@@ -40,14 +45,24 @@ class PromptIndexConfig:
 
 
 class _Backend:
-    __slots__ = ("cache_tokens", "entries", "next_id", "refs", "used")
+    __slots__ = ("cache_tokens", "engine_size", "entries", "next_id", "refs", "used")
 
     def __init__(self, cache_tokens: int) -> None:
+        self.engine_size: dict[int, int] = {}  # entry -> the engine's count of it (prompt and answer), once known
         self.entries: OrderedDict[int, tuple[int, ...]] = OrderedDict()  # oldest first; the newest are the slots
         self.used: dict[int, float] = {}  # entry -> when it was last sent or answered
         self.refs: dict[int, int] = {}  # key -> entries holding it
         self.cache_tokens = cache_tokens
         self.next_id = 0
+
+
+def _contains(a: Sequence[int], b: Sequence[int]) -> bool:
+    """Prompt ``a`` holds all of prompt ``b``: every block, or every block but ``b``'s last when ``a`` is longer
+    (that last block was partial, and ``a`` goes on where ``b``'s ended: a later turn of the same conversation)."""
+    if not b:
+        return False
+    n = _common(a, b)
+    return n == len(b) or (len(a) > len(b) and n == len(b) - 1)
 
 
 def _common(a: Sequence[int], b: Sequence[int]) -> int:
@@ -72,6 +87,31 @@ class PromptIndex:
     def __init__(self, config: PromptIndexConfig | None = None) -> None:
         self.config = config or PromptIndexConfig()
         self._backends: dict[str, _Backend] = {}
+        self.token_ratio = 1.0  # engine tokens per index token (``set_token_ratio``)
+
+    def set_token_ratio(self, ratio: float) -> None:
+        """Engine tokens per index token: converts the engine's counts of answered entries into the index's."""
+        if ratio > 0:
+            self.token_ratio = ratio
+
+    def learn_size(self, backend: str, keys: Sequence[int], engine_tokens: int) -> None:
+        """The engine counted ``engine_tokens`` for the prompt ``keys`` it answered on ``backend`` (its answer
+        included, which it keeps too): the newest entry of exactly ``keys`` is that big from now on."""
+        state = self._backends.get(backend)
+        if state is None or engine_tokens <= 0:
+            return
+        entry = tuple(keys)
+        for eid in reversed(state.entries):
+            if state.entries[eid] == entry:
+                state.engine_size[eid] = int(engine_tokens)
+                return
+
+    def _size(self, state: _Backend, eid: int) -> float:
+        """An entry's size in the index's tokens: the engine's count when it answered, else its blocks."""
+        known = state.engine_size.get(eid)
+        if known is not None:
+            return known / self.token_ratio
+        return len(state.entries[eid]) * self.config.block_tokens
 
     def _state(self, backend: str) -> _Backend:
         state = self._backends.get(backend)
@@ -119,9 +159,9 @@ class PromptIndex:
         state = self._backends.get(backend)
         if state is None or not state.entries:
             return 0.0
-        _, lost = self._after(state, keys)
+        _, lost = self._after(state, keys, then_saved=True)
         bt, half = self.config.block_tokens, self.config.value_half_life_s
-        return sum((len(state.entries[eid]) - _common(state.entries[eid], keys)) * bt
+        return sum(max(0.0, self._size(state, eid) - _common(state.entries[eid], keys) * bt)
                    * 0.5 ** (max(0.0, now - state.used.get(eid, now)) / half) for eid in lost)
 
     def holdings(self, backends: Sequence[str]) -> tuple[list[int], list[int]]:
@@ -141,39 +181,50 @@ class PromptIndex:
         return list(self._backends)
 
     # --- updates --------------------------------------------------------------------------------
-    def _after(self, state: _Backend, keys: Sequence[int]) -> tuple[list[int], list[int]]:
-        """(entry ids kept, entry ids lost) if ``keys`` ran now: entries it contains are obsolete; a cached entry
-        sharing more with it than the slot's own prompt (the newest entry, which stays cached) and at least a
-        quarter of itself is restored into the slot and replaced by it; then the oldest cached entries go while
-        the cache is over budget (one always stays)."""
+    def _after(self, state: _Backend, keys: Sequence[int],
+               then_saved: bool = False) -> tuple[list[int], list[int]]:
+        """(entry ids kept, entry ids lost) if ``keys`` ran now, in llama.cpp's order: the prompt of the slot it
+        takes (the least recently given of the newest ``slots`` entries) is saved into the host cache unless a
+        cached entry holds it already, dropping the cached entries it contains and then the oldest until it fits;
+        the cached entry sharing more with ``keys`` than the slot's prompt does (for its own length and for
+        ``keys``'), and at least a quarter of itself, is restored into the slot; the oldest go while the cache is
+        over budget (one always stays). ``then_saved``: also make room for ``keys`` itself, as its own save will
+        when the next request takes its slot (what placing it there costs the prompts held there)."""
         entries = state.entries
-        slot = next(reversed(entries)) if entries else None
+        ids = list(entries)
+        live = ids[max(0, len(ids) - self.config.slots):]
+        cache = ids[: len(ids) - len(live)]
+        slot = live[0] if live else None
+        lost: list[int] = []
+        budget = state.cache_tokens
+
+        def make_room(saved: Sequence[int], size: float) -> None:
+            cache[:] = [c for c in cache if not _contains(saved, entries[c])]  # obsolete: ``saved`` holds them
+            while cache and sum(self._size(state, c) for c in cache) + size > budget:
+                lost.append(cache.pop(0))
+
+        if slot is not None and not any(_contains(entries[c], entries[slot]) for c in cache):
+            make_room(entries[slot], self._size(state, slot))
+            cache.append(slot)
         best, best_n = None, _common(entries[slot], keys) if slot is not None else 0
-        gone: set[int] = set()
-        for eid, e in entries.items():
+        keep_best = best_n / len(entries[slot]) if slot is not None else -1.0
+        for c in cache:
+            e = entries[c]
             n = _common(e, keys)
-            if n >= len(e) - 1 and n > 0:
-                # contained in the new prompt: all its blocks but maybe the last, which held the end of the
-                # earlier prompt (its generation prompt) where the new one goes on with that answer
-                gone.add(eid)
-            elif eid != slot and n > best_n and n * 4 >= len(e):
-                best, best_n = eid, n
+            if n * 4 >= len(e) and n > best_n and n / len(e) > keep_best:
+                best, best_n, keep_best = c, n, n / len(e)
         if best is not None:
-            gone.add(best)
-        kept = [eid for eid in entries if eid not in gone]
-        lost = [eid for eid in gone if _common(entries[eid], keys) < len(entries[eid]) - 1]
-        # the new prompt takes a slot; the oldest of the rest form the cache
-        cached = kept[: max(0, len(kept) + 1 - self.config.slots)]
-        bt = self.config.block_tokens
-        total = sum(len(entries[eid]) for eid in cached) * bt
-        drop = 0
-        while drop < len(cached) - 1 and total > state.cache_tokens:
-            total -= len(entries[cached[drop]]) * bt
-            drop += 1
-        while len(kept) - drop + 1 > self.config.max_entries:
-            drop += 1
-        lost += cached[:drop]
-        return kept[drop:], lost
+            cache.remove(best)
+            if not _contains(keys, entries[best]):
+                lost.append(best)  # restored into the slot: what ``keys`` does not share with it is overwritten
+        while len(cache) > 1 and sum(self._size(state, c) for c in cache) > budget:
+            lost.append(cache.pop(0))
+        while len(cache) + len(live) + 1 > self.config.max_entries:
+            lost.append(cache.pop(0))
+        if then_saved and not any(_contains(entries[c], keys) for c in cache):
+            make_room(keys, len(keys) * self.config.block_tokens)
+        kept = cache + [e for e in live if e != slot]
+        return kept, lost
 
     def record(self, backend: str, keys: Sequence[int], now: float) -> None:
         """``backend`` was given the prompt ``keys``: it becomes the newest entry, by the rules of ``_after``."""
@@ -194,6 +245,7 @@ class PromptIndex:
 
     def _drop(self, state: _Backend, eid: int) -> None:
         state.used.pop(eid, None)
+        state.engine_size.pop(eid, None)
         for key in state.entries.pop(eid):
             left = state.refs[key] - 1
             if left:
@@ -204,12 +256,11 @@ class PromptIndex:
     def _evict(self, state: _Backend) -> None:
         ids = list(state.entries)
         cached = ids[: max(0, len(ids) - self.config.slots)]
-        bt = self.config.block_tokens
-        total = sum(len(state.entries[eid]) for eid in cached) * bt
+        total = sum(self._size(state, eid) for eid in cached)
         for eid in cached[:-1]:
             if total <= state.cache_tokens:
                 break
-            total -= len(state.entries[eid]) * bt
+            total -= self._size(state, eid)
             self._drop(state, eid)
 
     def confirm(self, backend: str, keys: Sequence[int], cached_blocks: int, now: float,

@@ -293,6 +293,9 @@ class Router:
             cached = outcome.cached_tokens
             self.on_complete(rid, cached_tokens=None if cached is None else int(cached / ratio),
                              backend=outcome.backend)
+            learn_size = getattr(self.index, "learn_size", None)
+            if learn_size is not None and backend is not None and outcome.prompt_tokens:
+                learn_size(backend, request.keys, outcome.prompt_tokens + (outcome.output_tokens or 0))
             if outcome.output_tokens:
                 self.state.load.learn_output(outcome.output_tokens)
             if backend is not None:  # the conversation so far now sits there, answer included
@@ -318,6 +321,9 @@ class Router:
         self._engine_tokens = keep * self._engine_tokens + engine_tokens
         self._estimated_tokens = keep * self._estimated_tokens + estimated_tokens
         self.token_ratio = self._engine_tokens / self._estimated_tokens
+        set_ratio = getattr(self.index, "set_token_ratio", None)
+        if set_ratio is not None:
+            set_ratio(self.token_ratio)
         if abs(self.token_ratio / self._capacity_ratio - 1.0) > 0.05:
             self._capacity_ratio = self.token_ratio
             for backend, tokens in self._capacity_tokens.items():

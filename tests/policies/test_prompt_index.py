@@ -35,8 +35,9 @@ def test_the_budget_drops_the_oldest_whole_prompt_but_always_keeps_one():
     ix.record("x", A0, 0.0)
     ix.record("x", B0, 0.0)
     other = list(range(500, 510))
-    # the slot's B0 is saved beside A0: 20 blocks over a 10-block budget, the oldest (A0) goes as a whole
-    assert ix.evictions("x", other, 0.0) == len(A0) * BT
+    # the slot's B0 is saved beside A0: 20 blocks over a 10-block budget, the oldest (A0) goes as a whole; and
+    # when the next request saves ``other`` in turn, B0 goes too: placing it here costs both
+    assert ix.evictions("x", other, 0.0) == (len(A0) + len(B0)) * BT
     ix.record("x", other, 0.0)
     assert entries(ix) == [tuple(B0), tuple(other)]
     assert ix.match(A1, ["x"], 0.0) == {"x": len(SYSTEM)}  # A's own blocks went; B0 still holds the system prompt
@@ -65,17 +66,43 @@ def test_evictions_weigh_each_lost_prompt_by_how_recently_it_was_used():
     ix.record("x", B0, 0.0)
     other = list(range(500, 510))
     fresh = ix.evictions("x", other, 0.0)
+    assert fresh == (len(A0) + len(B0)) * BT  # both go (A0 when B0 is saved, B0 when ``other`` is)
     assert ix.evictions("x", other, 60.0) == pytest.approx(fresh / 2)  # unused for one half-life: worth half
-    ix.confirm("x", B0, 10, 60.0)  # B0 answered again: used now
-    assert ix.evictions("x", other, 60.0) == pytest.approx(fresh / 2)  # A0, the one that goes, is still old
+    ix.confirm("x", B0, 10, 60.0)  # B0 answered again: used now, worth all of itself; A0 is still old
+    assert ix.evictions("x", other, 60.0) == pytest.approx(len(A0) * BT / 2 + len(B0) * BT)
 
 
 def test_slots_hold_prompts_beside_the_cache():
-    ix = index(cache_blocks=10, slots=2)
+    ix = index(cache_blocks=20, slots=2)
     ix.record("x", A0, 0.0)
     ix.record("x", B0, 0.0)
-    # two slots: the newest other prompt stays in its slot, only older ones count against the budget
-    assert ix.evictions("x", list(range(500, 510)), 0.0) == 0.0
+    other = list(range(500, 510))
+    # two slots: the new prompt takes the least recently given one (A0's), A0 is saved into the cache and B0
+    # stays in its slot; with ``other`` saved later too, 20 blocks fit a 20-block cache: nothing is pushed out
+    assert ix.evictions("x", other, 0.0) == 0.0
+    ix.record("x", other, 0.0)
+    assert entries(ix) == [tuple(A0), tuple(B0), tuple(other)]
+    small = index(cache_blocks=10, slots=2)
+    small.record("x", A0, 0.0)
+    small.record("x", B0, 0.0)
+    assert small.evictions("x", other, 0.0) == len(A0) * BT  # a 10-block cache: A0 goes when ``other`` is saved
+
+
+def test_the_slot_prompt_saved_first_can_push_out_the_one_the_next_turn_needs():
+    ix = index(cache_blocks=12)
+    ix.record("x", A0, 0.0)
+    other = list(range(500, 510))
+    # ``other`` after A0: A0 is saved now (fits), and pushed out when ``other`` is saved for A1 next: A1 then finds
+    # nothing to restore. Placing ``other`` here costs A0 in full
+    assert ix.evictions("x", other, 0.0) == len(A0) * BT
+    ix.record("x", other, 0.0)
+    # for A1 itself: A0 goes (A1 contains it, no loss to price), and ``other`` goes when A1 is saved in turn
+    assert ix.evictions("x", A1, 0.0) == len(other) * BT
+    ix.record("x", A1, 0.0)
+    assert entries(ix) == [tuple(other), tuple(A1)]
+    ix.learn_size("x", other, 5 * BT)  # the engine counted it at half its blocks: that is what it weighs now
+    # B0 next: A1's save pushes ``other`` out, B0's own save then A1 (less the system prompt B0 shares)
+    assert ix.evictions("x", B0, 0.0) == pytest.approx(5 * BT + (len(A1) - len(SYSTEM)) * BT)
 
 
 def test_forget_takes_a_failed_prompt_back_out():
