@@ -410,6 +410,9 @@ def run(args: argparse.Namespace, say) -> dict:
                     for path, n in client.get(url + "/admin/stats").json().get("token_calls", {}).items():
                         calls[path] = calls.get(path, 0) + n
             result["engine_token_calls"] = calls
+        for rival in rivals:
+            if rival.spec.key in result["rivals"]:
+                result["rivals"][rival.spec.key]["proxy_errors"] = rival.proxy_errors()
     result["load_average_end"] = list(os.getloadavg())
     result["wall_s"] = round(time.time() - started_at, 1)
     return result
@@ -448,6 +451,8 @@ def render(result: dict) -> str:
     for key, info in result["rivals"].items():
         if not info["started"]:
             lines.append(f"NOT STARTED {key}: {info['error']}")
+        if info.get("proxy_errors"):
+            lines.append(f"proxy errors {key}: {len(info['proxy_errors'])}, the first: {info['proxy_errors'][0]}")
     for name, w in result["workloads"].items():
         lines += ["", f"### {name} ({w['requests_per_run']} requests per run)", "",
                   "| router | cached share | TTFT p50 | TTFT p90 | req/s | failed | wasted prefill | CPU/req | "

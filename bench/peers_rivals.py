@@ -85,10 +85,19 @@ class Rival:
     error: str | None = None
     decision_log: Path | None = None  # kvroute's: one JSON line per pick (``KVROUTE_DECISION_LOG``)
     decisions_read: int = 0  # how far bench/peers.py has read it
+    proxy_log: Path | None = None  # a LiteLLM proxy's own log (errors and retries are read from it)
     _stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack, repr=False)
 
     def close(self) -> None:
         self._stack.close()
+
+    def proxy_errors(self, limit: int = 20) -> list[str]:
+        """The error lines of this rival's LiteLLM proxy log so far (at most ``limit``, each cut to 300
+        characters): a retried or failed upstream call shows here, not in the answers."""
+        if self.proxy_log is None or not self.proxy_log.exists():
+            return []
+        lines = self.proxy_log.read_text(encoding="utf-8", errors="replace").splitlines()
+        return [line[:300] for line in lines if "error" in line.lower() or "exception" in line.lower()][:limit]
 
 
 @dataclass(frozen=True)
@@ -126,7 +135,7 @@ def _start(spec: RivalSpec, fleet: FleetView, binaries: Mapping[str, Path]) -> R
                 rival.decision_log = proxy.workdir / "decisions.jsonl"
                 proxy.extra_env["KVROUTE_DECISION_LOG"] = str(rival.decision_log)
             proxy = rival._stack.enter_context(proxy)
-            rival.base_url, rival.headers = proxy.base_url, proxy.headers
+            rival.base_url, rival.headers, rival.proxy_log = proxy.base_url, proxy.headers, proxy.log_path
             rival.pids.append(proxy.process.pid)
     except Exception as exc:  # a rival that cannot start is reported, the others still run
         rival.close()
