@@ -9,11 +9,15 @@ interleaved (A B C … A B C …), every run with its own prompt salt. Per rival
 own counters), TTFT p50/p90, req/s, failures, wasted prefill (``bench/peers_waste.py``), spread over replicas
 (max/mean prompt tokens served), routing CPU per request (every process of the rival's chain: LiteLLM and the
 router, summed), and same-repeat ratios against kvroute and LiteLLM simple-shuffle (medians over repeats).
-Usage::
+``--fleet fake --engine-model llamacpp`` runs fake engines that model the llama.cpp replicas (one slot, the host
+prompt cache, the tiny model's speed and tokens, the host's cores shared: ``plugin/dev/fake_llamacpp.py``) with the
+llama.cpp fleet's sizes, and kvroute's deployments say ``engine: llamacpp``. Per workload the result also records
+the host's CPU: cores busy on average, of which the replicas' (``host_cpu``); ``--hop`` also measures each rival's
+own round trip on the idle fleet (``hop_ms``). Usage::
 
     LITELLM_LOCAL_MODEL_COST_MAP=True .venv/bin/python bench/peers.py [--fleet fake|llamacpp]
-        [--workload demo --workload shared ...] [--repeats 3] [--rival kvroute --rival smg-ca ...]
-        [--quick] [--json]
+        [--engine-model vllm|llamacpp] [--workload demo --workload shared ...] [--repeats 3]
+        [--rival kvroute --rival smg-ca ...] [--quick] [--hop] [--json]
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from peers_workloads import (
     build,
     replay,
     replica_capacity_tokens,
+    stream_one,
 )
 from replica_relay import ReplicaRelays
 
@@ -77,6 +82,31 @@ def cpu_seconds(pids: list[int]) -> float:
             except (OSError, ValueError, IndexError):
                 continue
     return total_ns / 1e9
+
+
+def host_busy_seconds() -> float:
+    """CPU seconds every core of this host has been busy since boot (Linux ``/proc/stat``; 0 elsewhere)."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return 0.0
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return (sum(fields[:8]) - idle) / (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
+
+
+class HostCpu:
+    """The host's CPU over a stretch of time: cores busy on average, of which ``pids``' (e.g. the replicas)."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids = pids
+        self.t0, self.busy0, self.own0 = time.monotonic(), host_busy_seconds(), cpu_seconds(pids)
+
+    def figures(self) -> dict:
+        wall = max(1e-9, time.monotonic() - self.t0)
+        busy = (host_busy_seconds() - self.busy0) / wall
+        own = (cpu_seconds(self.pids) - self.own0) / wall
+        return {"wall_s": round(wall, 1), "busy_cores": round(busy, 3), "replica_cores": round(own, 3),
+                "background_cores": round(max(0.0, busy - own), 3)}
 
 
 def engine_counters(kind: str, base_urls: list[str]) -> list[tuple[float, float]]:
@@ -215,13 +245,25 @@ def targets(summary: dict[str, dict]) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- the run
-def _replica_options(kind: str, capacity: int, quick: bool) -> ReplicaOptions:
-    if kind == "fake":  # timing stays the fleet's default (the fake engine's own model of prefill and decode)
-        return ReplicaOptions(capacity_tokens=capacity, block_tokens=16)
+def _replica_options(kind: str, capacity: int, quick: bool, engine_model: str = "vllm",
+                     host_cores: float = 0.0, background_cores: float = 0.0) -> ReplicaOptions:
     from kvroute.plugin.dev.tiny_model import PRESETS
 
     mib = PRESETS["small"].cache_ram_mib(capacity)
+    if kind == "fake" and engine_model == "llamacpp":  # the llama.cpp replica's model, the tiny model's tokens
+        return ReplicaOptions(engine_model="llamacpp", cache_ram_mib=mib, tokenizer=_tiny_tokenizer(),
+                              host_cores=host_cores, background_cores=background_cores)
+    if kind == "fake":  # timing stays the fleet's default (the fake engine's own model of prefill and decode)
+        return ReplicaOptions(capacity_tokens=capacity, block_tokens=16)
     return ReplicaOptions(cache_ram_mib=mib, threads=1, parallel=1, ctx=4096 if quick else 8192)
+
+
+def _tiny_tokenizer() -> str | None:
+    """The tiny model's ``tokenizer.json`` where its packages are installed (the fake engine then counts its tokens)."""
+    from kvroute.plugin.dev.llamacpp import xllamacpp_available
+    from kvroute.plugin.dev.tiny_model import ensure_tiny_model
+
+    return str(ensure_tiny_model().tokenizer_json) if xllamacpp_available() else None
 
 
 async def _warm_up(rival: Rival, model: str) -> None:
@@ -230,6 +272,28 @@ async def _warm_up(rival: Rival, model: str) -> None:
         r = await client.post("/v1/chat/completions", json={"model": model, "max_tokens": 1,
                                                             "messages": [{"role": "user", "content": "hi"}]})
         r.raise_for_status()
+
+
+async def _hop_ms(rival: Rival, direct_url: str, model: str, probes: int = 7) -> float:
+    """The rival's own round trip: the median TTFT of a short streamed request through it less that of the same
+    request sent straight to a replica (``probes`` of each, one at a time, on idle replicas; the prompt is cached
+    after the first, so the engine's part is its fixed response time)."""
+    body = {"model": model, "max_tokens": 2, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": "How long is the way through the router?"}]}
+
+    async def median_ttft(base_url: str, headers: dict) -> float:
+        async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=60.0, trust_env=False) as client:
+            ttfts = []
+            for _ in range(probes):
+                out = await stream_one(client, body, {})
+                if not out.ok or out.ttft_s is None:
+                    raise httpx.HTTPError(f"hop probe failed: {out.error}")
+                ttfts.append(out.ttft_s)
+        return statistics.median(ttfts)
+
+    through = await median_ttft(rival.base_url, dict(rival.headers))
+    return round(max(0.0, through - await median_ttft(direct_url, {})) * 1000, 1)
 
 
 def _new_decisions(rival: Rival) -> list[dict]:
@@ -244,19 +308,21 @@ def _new_decisions(rival: Rival) -> list[dict]:
     return [json.loads(line) for line in lines if line.strip()]
 
 
-def _one_run(rival: Rival, workload: Workload, model: str, kind: str, base_urls: list[str], salt: str) -> dict:
+def _one_run(rival: Rival, workload: Workload, model: str, kind: str, base_urls: list[str], salt: str,
+             block_bytes: int) -> dict:
+    """One replay of ``workload`` through ``rival``; ``block_bytes``: the engines' reuse granularity in prompt bytes
+    (fake vLLM-style engines cache 16-token blocks of 4 bytes a token; llama.cpp reuses any token prefix)."""
     before = engine_counters(kind, base_urls)
     _new_decisions(rival)  # the warm-up's and earlier runs' picks are not this run's
     cpu0 = cpu_seconds(rival.pids)
     result = asyncio.run(replay(rival.base_url, rival.headers, model, workload, salt))
     cpu = cpu_seconds(rival.pids) - cpu0
-    # fake engines cache 16-token blocks of 4 bytes a token; llama.cpp reuses any token prefix (~4 bytes a token)
-    figures = run_figures(result, before, engine_counters(kind, base_urls), cpu, 64 if kind == "fake" else 4)
+    figures = run_figures(result, before, engine_counters(kind, base_urls), cpu, block_bytes)
     log = {id(o): o.record() for o in result.outcomes}
     served = _served(result)
     if served is not None:  # what the fleet held of each prompt when it was sent (bench/peers_diff.py reads it)
         ok = [o for o in result.outcomes if o.ok]
-        for o, h in zip(ok, holdings(served, 64 if kind == "fake" else 4), strict=True):
+        for o, h in zip(ok, holdings(served, block_bytes), strict=True):
             log[id(o)].update(dataclasses.asdict(h))
     figures["requests_log"] = [log[id(o)] for o in sorted(result.outcomes, key=lambda o: o.start_s)]
     decisions = _new_decisions(rival)
@@ -267,7 +333,8 @@ def _one_run(rival: Rival, workload: Workload, model: str, kind: str, base_urls:
 
 def run(args: argparse.Namespace, say) -> dict:
     """Everything: fleet, rivals, interleaved runs; the JSON-ready result."""
-    size = Size.quick() if args.quick else Size.llamacpp() if args.fleet == "llamacpp" else Size()
+    llama = args.fleet == "llamacpp" or getattr(args, "engine_model", "vllm") == "llamacpp"
+    size = Size.quick() if args.quick else Size.llamacpp() if llama else Size()
     capacity = replica_capacity_tokens(size, args.replicas)
     specs = [s for s in RIVALS if not args.rival or s.key in args.rival]
     started_at = time.time()
@@ -279,7 +346,8 @@ def run(args: argparse.Namespace, say) -> dict:
             say(f"{KINDS[key].pin}: {binaries[key]}")
         except Exception as exc:
             say(f"{KINDS[key].pin}: NOT INSTALLED: {exc}")
-    result: dict = {"fleet": args.fleet, "replicas": args.replicas, "repeats": args.repeats, "quick": args.quick,
+    result: dict = {"fleet": args.fleet, "engine_model": "llamacpp" if llama else "vllm",
+                    "replicas": args.replicas, "repeats": args.repeats, "quick": args.quick,
                     "fresh_fleet": args.fresh_fleet,
                     "size": dataclasses.asdict(size), "routers": {k: KINDS[k].pin for k in needed},
                     "capacity_tokens_per_replica": capacity,
@@ -287,17 +355,16 @@ def run(args: argparse.Namespace, say) -> dict:
                     "busy_cores": getattr(args, "busy_cores", 0), "load_average_start": list(os.getloadavg())}
     with contextlib.ExitStack() as stack:
         stack.enter_context(busy_cores(result["busy_cores"]))
-        fleet = stack.enter_context(Fleet(args.replicas, engine=args.fleet,
-                                          options=_replica_options(args.fleet, capacity, args.quick),
-                                          name_prefix="peers"))
+        options = _replica_options(args.fleet, capacity, args.quick, "llamacpp" if llama else "vllm",
+                                   getattr(args, "host_cores", 0.0), getattr(args, "background_cores", 0.0))
+        fleet = stack.enter_context(Fleet(args.replicas, engine=args.fleet, options=options, name_prefix="peers"))
         api_bases = fleet.api_bases
         relays = None
         if args.fleet == "llamacpp":  # llama.cpp's replicas look alike: relays stamp each one's name on its answers
             relays = stack.enter_context(ReplicaRelays([r.port for r in fleet.replicas],
                                                        [r.name for r in fleet.replicas]))
             api_bases = [u + "/v1" for u in relays.base_urls]
-        view = FleetView(api_bases, fleet.model, "llamacpp" if args.fleet == "llamacpp" else "vllm",
-                         capacity, 16 if args.fleet == "fake" else None)
+        view = FleetView(api_bases, fleet.model, "llamacpp" if llama else "vllm", capacity, None if llama else 16)
         say(f"{args.replicas} {args.fleet} replicas up (cache ≈ {capacity} tokens each); starting {len(specs)} rivals")
         rivals = start_rivals(specs, view, binaries, stack)
         for rival in rivals:
@@ -309,11 +376,16 @@ def run(args: argparse.Namespace, say) -> dict:
         live = [r for r in rivals if r.error is None]
         result["rivals"] = {r.spec.key: {"label": r.spec.label, "started": r.error is None, "error": r.error,
                                          "router_args": list(r.spec.router_args)} for r in rivals}
+        if getattr(args, "hop", False):  # each rival's own round trip (bench/calibrate.py's simulator adds it)
+            for rival in live:
+                result["rivals"][rival.spec.key]["hop_ms"] = asyncio.run(_hop_ms(rival, fleet.base_urls[0],
+                                                                                 fleet.model))
         say(f"started {len(live)}/{len(rivals)} rivals in {time.time() - started_at:.0f} s")
         result["workloads"] = {}
         for name in args.workload:
             workload = build(name, size, capacity)
             runs: dict[str, list[dict]] = {r.spec.key: [] for r in live}
+            host = HostCpu(fleet.pids())
             for repeat in range(args.repeats):
                 for rival in live:
                     # the same length for every rival: a longer salt shifts block boundaries and the cached share
@@ -324,12 +396,13 @@ def run(args: argparse.Namespace, say) -> dict:
                     if args.fresh_fleet:
                         _restart(fleet, relays)
                     runs[rival.spec.key].append(_one_run(rival, workload, fleet.model, args.fleet,
-                                                         fleet.base_urls, salt))
+                                                         fleet.base_urls, salt, 4 if llama else 64))
                     say(f"{name} repeat {repeat + 1}/{args.repeats} {rival.spec.key}: "
                         f"{json.dumps(runs[rival.spec.key][-1])}")
             summary = summarise(runs)
             result["workloads"][name] = {"requests_per_run": workload.requests, "flows": len(workload.flows),
-                                         "summary": summary, "targets": targets(summary), "runs": runs}
+                                         "summary": summary, "targets": targets(summary), "runs": runs,
+                                         "host_cpu": host.figures()}
         if args.fleet == "fake":  # which vLLM token endpoints the routers called (vllm-router's cache_aware does)
             calls: dict[str, int] = {}
             with httpx.Client(timeout=10.0, trust_env=False) as client:
@@ -369,8 +442,10 @@ def _fmt(value: float | None, kind: str) -> str:
 def render(result: dict) -> str:
     """A markdown table per workload, then the targets."""
     labels = {k: v["label"] for k, v in result["rivals"].items()}
+    model = " (llama.cpp model)" if result["fleet"] == "fake" and result.get("engine_model") == "llamacpp" else ""
     busy = f" beside {result['busy_cores']} busy core(s)" if result.get("busy_cores") else ""
-    lines = [f"{result['replicas']} {result['fleet']} replicas, {result['repeats']} interleaved repeats, medians; "
+    lines = [f"{result['replicas']} {result['fleet']}{model} replicas, {result['repeats']} interleaved repeats, "
+             "medians; "
              f"load average {result['load_average_start'][0]:.1f} → {result['load_average_end'][0]:.1f} on "
              f"{result['cpu_count']} CPUs{busy}; routers {', '.join(result.get('routers', {}).values())}"]
     for key, info in result["rivals"].items():
@@ -405,6 +480,14 @@ def render(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--fleet", choices=("fake", "llamacpp"), default="fake")
+    p.add_argument("--engine-model", choices=("vllm", "llamacpp"), default="vllm",
+                   help="--fleet fake only: llamacpp makes the fake engines model the llama.cpp replicas (and sizes "
+                        "the workloads as for them)")
+    p.add_argument("--hop", action="store_true",
+                   help="also measure each rival's own round trip on the idle fleet (hop_ms: its TTFT less a "
+                        "replica's own, medians of 7)")
+    p.add_argument("--host-cores", type=float, default=float(os.cpu_count() or 1),
+                   help="--engine-model llamacpp: the host cores the modelled replicas share (default: this host's)")
     p.add_argument("--workload", action="append", choices=WORKLOADS,
                    help="repeatable; default: demo, apps, agent, shared (apps-large is the scale cell: --replicas 8)")
     p.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 3, --quick 1)")

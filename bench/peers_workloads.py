@@ -205,7 +205,7 @@ def _usage_cached(usage: dict, chunk: dict) -> int | None:
     return timings.get("cache_n") if isinstance(timings.get("cache_n"), int) else None
 
 
-async def _stream_one(client: httpx.AsyncClient, body: dict, headers: Mapping[str, str]) -> Outcome:
+async def stream_one(client: httpx.AsyncClient, body: dict, headers: Mapping[str, str]) -> Outcome:
     """One streamed request; the outcome's ``answer`` is the text streamed back."""
     start = time.perf_counter()
     ttft = None
@@ -276,7 +276,7 @@ async def replay(base_url: str, headers: Mapping[str, str], model: str, workload
                             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
                     sent_at = time.perf_counter() - start
                     call_id = f"{key}-{n}"
-                    outcome = await _stream_one(client, body, {**session, "x-litellm-call-id": call_id})
+                    outcome = await stream_one(client, body, {**session, "x-litellm-call-id": call_id})
                     outcome.start_s, outcome.end_s = sent_at, time.perf_counter() - start
                     outcome.flow, outcome.turn, outcome.system_id, outcome.call_id = (flow.conv_id, n, flow.system_id,
                                                                                       call_id)

@@ -465,3 +465,5 @@ DEFAULT_LINEUP = (DEFAULT_POLICY, "round_robin", "random", "least_load", "litell
 
 #: upper references reported beside the baselines (exact engine state; not counted as baselines to beat)
 REFERENCES = ("oracle_ttft", "kvroute_precise")
+#: policies that read ``sim/replica.py``'s block replicas (not a ``llamacpp`` preset's)
+BLOCK_REPLICAS_ONLY = frozenset({"oracle", "oracle_ttft"})

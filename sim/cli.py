@@ -125,7 +125,7 @@ def simulate_command(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from kvroute.policies.errors import ConfigError
-    from kvroute.sim.baselines import DEFAULT_LINEUP
+    from kvroute.sim.baselines import BLOCK_REPLICAS_ONLY, DEFAULT_LINEUP
     from kvroute.sim.engine import FleetConfig
     from kvroute.sim.presets import get_preset
     from kvroute.sim.report import dumps_json, print_table, to_csv, to_html
@@ -151,7 +151,11 @@ def simulate_command(
             return
         if strategies or spike:
             raise ConfigError("--strategies" if strategies else "--spike-window", "needs --hosted FILE")
-        names = [p.strip() for p in policies.split(",") if p.strip()] or list(DEFAULT_LINEUP)
+        names = [p.strip() for p in policies.split(",") if p.strip()] or \
+            [n for n in DEFAULT_LINEUP if pr.engine == "vllm" or n not in BLOCK_REPLICAS_ONLY]
+        if pr.engine != "vllm" and BLOCK_REPLICAS_ONLY & set(names):
+            raise ConfigError("--policies", f"{', '.join(sorted(BLOCK_REPLICAS_ONLY & set(names)))} read block "
+                                            f"replicas; preset {pr.name} runs {pr.engine} replicas")
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=err, disable=quiet, transient=True) as bar:
             tasks = {n: bar.add_task(n, total=len(wl.requests)) for n in names}

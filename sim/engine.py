@@ -9,6 +9,13 @@ KV events (block stored / evicted) reach only a policy that asks for them with a
 (``kvroute_precise``; ``Policy.event_delay_s`` is None for the others): its router gets kvroute's
 ``PreciseIndex`` and every replica's events arrive that many seconds after the step that caused them;
 approximate indexes learn only from picks and responses.
+
+The preset's ``engine`` chooses the engine model, as a deployment's ``engine`` does: ``vllm`` (the default) runs
+``sim/replica.py``'s block-cache replicas; ``llamacpp`` runs ``sim/replica_llamacpp.py``'s (slots, a host prompt cache
+of whole prompts, token-granular reuse of ``SimRequest.tokens``, or of ids made from the block keys), gives
+kvroute's router the prompt index (``policies/prompt_index.py``) and ``cache_aware`` the preset's slots, as the
+plugin's wiring does for ``engine: llamacpp``; ``FleetConfig.cores`` puts the replicas on one host whose cores
+they share.
 """
 
 from __future__ import annotations
@@ -30,9 +37,12 @@ from kvroute.policies import (
 )
 from kvroute.policies.lifecycle import FAILURE, SUCCESS
 from kvroute.policies.precise_index import PreciseIndex, PreciseIndexConfig
+from kvroute.policies.prompt_index import PromptIndex, PromptIndexConfig
 from kvroute.sim.event_loop import CALLER_KINDS, ReplicaLoop
 from kvroute.sim.presets import Preset
+from kvroute.sim.prompt_cache import PromptCacheConfig
 from kvroute.sim.replica import Live, Replica
+from kvroute.sim.replica_llamacpp import LlamaCppReplica, SharedCores
 from kvroute.sim.workload import Workload
 
 _ARRIVE = CALLER_KINDS
@@ -40,19 +50,25 @@ _ARRIVE = CALLER_KINDS
 
 @dataclass(frozen=True, slots=True)
 class FleetConfig:
-    """Fleet shape: ``replicas`` of ``preset``; ``kv_tokens`` overrides the preset's capacity."""
+    """Fleet shape: ``replicas`` of ``preset``; ``kv_tokens`` overrides the preset's capacity; ``cores`` (None: each
+    replica has its own) is the host's cores the replicas share while they compute, ``background_cores`` how many of
+    them other work keeps busy (``llamacpp`` engines only)."""
 
     replicas: int
     preset: Preset
     kv_tokens: int | None = None
     metrics_interval_s: float | None = 0.05
     seed: int = 0
+    cores: float | None = None
+    background_cores: float = 0.0
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError("replicas must be >= 1")
         if self.kv_tokens is not None and self.kv_tokens < 1:
             raise ValueError("kv_tokens must be >= 1")
+        if self.cores is not None and self.preset.engine != "llamacpp":
+            raise ValueError("cores: only llamacpp replicas share a host's cores")
 
     @property
     def capacity_tokens(self) -> int:
@@ -87,11 +103,36 @@ def _backend_names(n: int) -> list[str]:
     return [f"replica-{i:0{width}d}" for i in range(n)]
 
 
-def make_policy(name: str, knobs: dict | None = None) -> Policy:
-    """Build ``name`` from the shared registry (importing the baselines registers them)."""
+def make_policy(name: str, knobs: dict | None = None, preset: Preset | None = None) -> Policy:
+    """Build ``name`` from the shared registry (importing the baselines registers them), with ``engine_knobs``."""
     import kvroute.sim.baselines  # noqa: F401  (registers baseline policies)
 
-    return build_policy(name, knobs or {}, where=f"policies.{name}")
+    knobs = {**engine_knobs(name, preset), **(knobs or {})}
+    return build_policy(name, knobs, where=f"policies.{name}")
+
+
+def engine_knobs(name: str, preset: Preset | None) -> dict:
+    """The knobs the plugin adds for the deployment's engine: a llama.cpp request waits for a free slot, so
+    ``cache_aware`` gets the engine's slots (``--parallel``)."""
+    if preset is not None and preset.engine == "llamacpp" and name == "cache_aware":
+        return {"slots": preset.cost.max_running}
+    return {}
+
+
+def build_replicas(fleet: FleetConfig, names: list[str], block_tokens: int) -> list[Replica | LlamaCppReplica]:
+    """The fleet's replicas: the preset's engine model, ``capacity_tokens`` each (one shared host's cores for a
+    llamacpp fleet with ``cores``)."""
+    preset, capacity = fleet.preset, fleet.capacity_tokens
+    if preset.engine != "llamacpp":
+        return [Replica(n, preset.cost, capacity // block_tokens, block_tokens) for n in names]
+    spec = preset.llamacpp
+    if spec is None:
+        raise ValueError(f"preset {preset.name}: engine llamacpp needs its llamacpp spec")
+    cache = PromptCacheConfig(budget_bytes=int(capacity * spec.state_bytes_per_token),
+                              state_bytes_per_token=spec.state_bytes_per_token)
+    cores = None if fleet.cores is None else SharedCores(fleet.cores, fleet.background_cores)
+    return [LlamaCppReplica(n, preset.cost, cache, spec.response_s, preset.max_model_len, cores, block_tokens)
+            for n in names]
 
 
 def simulate(workload: Workload, policy: Policy | str, fleet: FleetConfig,
@@ -99,20 +140,25 @@ def simulate(workload: Workload, policy: Policy | str, fleet: FleetConfig,
     """Replay ``workload`` on ``fleet`` with ``policy`` picking through a fresh ``Router``."""
     t0 = time.perf_counter()
     if isinstance(policy, str):
-        policy = make_policy(policy)
+        policy = make_policy(policy, preset=fleet.preset)
     bt = workload.block_tokens
     capacity = fleet.capacity_tokens
     names = _backend_names(fleet.replicas)
-    replicas = [Replica(n, fleet.preset.cost, capacity // bt, bt) for n in names]
-    loop = ReplicaLoop(replicas, fleet.metrics_interval_s)
+    replicas = build_replicas(fleet, names, bt)
+    loop = ReplicaLoop(replicas, fleet.metrics_interval_s,
+                       replicas[0].cores if isinstance(replicas[0], LlamaCppReplica) else None)
     index_config = PrefixIndexConfig(capacity_tokens=capacity, block_tokens=float(bt))
     event_delay = policy.event_delay_s
     precise = None
+    index: PreciseIndex | PromptIndex | None = None
     if event_delay is not None:  # kvroute's precise index, fed by the simulated engines' KV events
-        precise = PreciseIndex(PreciseIndexConfig(fallback=index_config))
+        index = precise = PreciseIndex(PreciseIndexConfig(fallback=index_config))
         for name in names:
             precise.attach(name, name)
-    router = Router(RouterConfig(index=index_config), clock=lambda: loop.now, index=precise)
+    elif fleet.preset.engine == "llamacpp":  # llama.cpp keeps whole prompts, not blocks
+        index = PromptIndex(PromptIndexConfig(cache_tokens=capacity, slots=fleet.preset.cost.max_running,
+                                              block_tokens=float(bt)))
+    router = Router(RouterConfig(index=index_config), clock=lambda: loop.now, index=index)
     in_transit: deque[tuple[float, str, list[tuple[bool, int]]]] = deque()
     if precise is not None:
         for rep in replicas:
@@ -169,7 +215,8 @@ def simulate(workload: Workload, policy: Policy | str, fleet: FleetConfig,
         if in_transit:
             deliver_events(now)
         loop.scrape(router, now)
-        live = Live(x, rid, spec.prompt_tokens, max(1, spec.output_tokens), spec.keys, now)
+        live = Live(x, rid, spec.prompt_tokens, max(1, spec.output_tokens), spec.keys, now, tokens=spec.tokens,
+                    answer_tokens=spec.answer_tokens)
         lives[x] = live
         if spec.prompt_tokens + spec.output_tokens > max_tokens:
             # over the context window: rejected before routing (LiteLLM's pre-call context check), so
@@ -203,16 +250,15 @@ def simulate(workload: Workload, policy: Policy | str, fleet: FleetConfig,
     def mark_held(live: Live, ri: int) -> None:
         """What the fleet held of this prompt at arrival: another replica's cached prefix (wasted-prefill
         figure) and the floor (prefill of what no replica held, alone on this replica)."""
-        limit = (live.prompt - 1) // bt  # an engine never reuses a prompt's last token
         other = held_any = 0
         for j, rep in enumerate(replicas):
-            held = rep.cached_blocks(live.keys, limit)
+            held = rep.held_tokens(live)  # an engine never reuses a prompt's last token
             if j != ri and held > other:
                 other = held
             if held > held_any:
                 held_any = held
-        live.held_elsewhere = other * bt
-        cached = held_any * bt
+        live.held_elsewhere = other
+        cached = held_any
         live.floor_s = replicas[ri].cost.prefill_alone_s(cached, live.prompt - cached)
 
     def step_done(rep: Replica, first: list[Live], done: list[Live], now: float) -> None:
@@ -246,7 +292,7 @@ def simulate(workload: Workload, policy: Policy | str, fleet: FleetConfig,
         sim_end=sim_end,
         router_errors=router.errors,
         notes=list(workload.notes),
-        final_blocks=[(len(r.pinned), r.private, len(r.evictable)) for r in replicas],
+        final_blocks=[r.block_state() for r in replicas],
     )
 
 
@@ -263,7 +309,10 @@ def successors_of(workload: Workload, loop: ReplicaLoop, arrive_kind: int) -> di
     return successors
 
 
-def max_request_tokens(replica: Replica, max_model_len: int) -> int:
-    """The longest prompt + output an empty replica can hold (its blocks minus the admission watermark)."""
+def max_request_tokens(replica: Replica | LlamaCppReplica, max_model_len: int) -> int:
+    """The longest prompt + output an empty replica can hold (its blocks minus the admission watermark; a llama.cpp
+    slot's context)."""
+    if isinstance(replica, LlamaCppReplica):
+        return min(max_model_len, replica.context_tokens)
     usable_blocks = replica.capacity - replica.watermark - 1
     return min(max_model_len, usable_blocks * replica.block_tokens)

@@ -3,13 +3,16 @@
 One event heap on a simulated clock (``now``), the replicas' step handling (plan a step when a replica is idle,
 interrupt a running step when a request arrives, finish it and plan the next) and the engine-metrics scrape a
 router sees every ``metrics_interval_s``. Callers add their own event kinds (``>= CALLER_KINDS``) and get the
-replica steps back through ``on_step``; events that tie in time run in the order they were scheduled.
+replica steps back through ``on_step``; events that tie in time run in the order they were scheduled. With
+``cores`` (``replica_llamacpp.SharedCores``: replicas sharing a host's cores), a step's end moves whenever another
+replica starts or ends one; the loop reschedules every moved step after each plan.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
+from typing import Any
 
 from kvroute.policies import ExternalSignal, Router
 from kvroute.sim.replica import Live, Replica
@@ -27,10 +30,12 @@ StepHandler = Callable[[Replica, list[Live], list[Live], float], None]
 class ReplicaLoop:
     """The event heap and the replicas' steps; ``now`` is the simulated time of the event being handled."""
 
-    __slots__ = ("_interval", "_last_obs", "_plan_pending", "heap", "now", "replicas", "seq")
+    __slots__ = ("_index", "_interval", "_last_obs", "_plan_pending", "cores", "heap", "now", "replicas", "seq")
 
-    def __init__(self, replicas: list[Replica], metrics_interval_s: float | None) -> None:
+    def __init__(self, replicas: list[Any], metrics_interval_s: float | None, cores: Any = None) -> None:
         self.replicas = replicas
+        self.cores = cores
+        self._index = {id(r): i for i, r in enumerate(replicas)}
         self.heap: list[tuple[float, int, int, int, int]] = []
         self.seq = 0
         self.now = 0.0
@@ -92,6 +97,10 @@ class ReplicaLoop:
             step = rep.plan(t)
             if step is not None:
                 self.schedule(step.end, END, x, rep.version)
+            if self.cores is not None:  # steps whose end moved as this one started or ended
+                for moved in self.cores.take_moved():
+                    if moved is not rep and moved.step is not None:
+                        self.schedule(moved.step.end, END, self._index[id(moved)], moved.version)
             if after_plan is not None:
                 after_plan(rep, t)
         return self.now

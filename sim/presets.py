@@ -3,7 +3,10 @@
 Every figure names its source; derived numbers show their arithmetic in the comment beside them.
 ``qwen3-32b-h100-tp2`` reproduces llm-d's calibration (8,192-token chunk at 15,928 tok/s) and its
 KV capacity (307,328 tokens per pod); ``llama-3.1-8b-a100`` is the SGLang v0.4 blog's fleet;
-``cpu-llamacpp-34m`` is a tiny llama.cpp model measured with xllamacpp on a 2-core VM.
+``cpu-llamacpp-34m`` is a tiny llama.cpp model measured with xllamacpp on a 2-core VM. ``llamacpp`` is the bench's
+llama.cpp replica as a whole engine (``engine="llamacpp"``): the CI tiny model on one thread, one slot and llama.cpp's
+host prompt cache of whole prompts (``LlamaCppSpec``); a fleet of it runs ``sim/replica_llamacpp.py`` replicas and
+kvroute's prompt index, as a deployment with ``engine: llamacpp`` does. The other presets are vLLM-style engines.
 """
 
 from __future__ import annotations
@@ -16,8 +19,24 @@ from kvroute.sim.costmodel import CostModel
 
 
 @dataclass(frozen=True, slots=True)
+class LlamaCppSpec:
+    """What a llama.cpp server adds to the step-time model: its host prompt cache's cost per cached token (the
+    sequence state ``--cache-ram`` is charged: K and V of every layer plus cell metadata) and the fixed time between
+    a request's arrival and its first token that holds no slot (HTTP, chat template, tokenizing, streaming)."""
+
+    state_bytes_per_token: float
+    response_s: float
+    tokens_per_byte: float  # the model's tokenizer on the bench's English-like prompts (the fake engine counts so)
+
+
+@dataclass(frozen=True, slots=True)
 class Preset:
-    """One replica kind: its engine speed, KV cache (tokens, block size), GPUs and price per GPU-hour."""
+    """One replica kind: its engine speed, KV cache (tokens, block size), GPUs and price per GPU-hour.
+
+    ``engine`` is the deployment's ``engine`` (``vllm`` or ``llamacpp``); for ``llamacpp`` ``kv_tokens`` is the host
+    prompt cache's budget in tokens (``--cache-ram`` / ``llamacpp.state_bytes_per_token``), ``cost.max_running`` its
+    slots (``--parallel``) and ``block_tokens`` only the router's key granularity (the engine reuses any token
+    prefix)."""
 
     name: str
     description: str
@@ -28,6 +47,8 @@ class Preset:
     usd_per_gpu_hour: Decimal
     max_model_len: int
     sources: tuple[str, ...] = ()
+    engine: str = "vllm"
+    llamacpp: LlamaCppSpec | None = None
 
     @property
     def kv_blocks(self) -> int:
@@ -147,8 +168,42 @@ def _cpu_llamacpp_ci() -> Preset:
     )
 
 
+def _llamacpp() -> Preset:
+    # measured: xllamacpp 2026.10, CI tiny model (4 layers, 256 hidden, f16), 1 thread, 1 slot, the server's own
+    # timings.prompt_ms (medians of 3): cold 263 tok → 43 ms, 990 → 193 ms, 1,929 → 490 ms, 3,880 → 1,380 ms; fit
+    # t = a·n + b·n² with a = 1.40e-4 s/token (7,140 tok/s), b = 5.56e-8 (attn = 2b). Checks with a cached prefix:
+    # 1,950 cached + 480 new → 190 ms (model 184), 1,960 + 1,450 → 640 ms (model 635). Decode per token 0.9 ms +
+    # 0.99 µs per context token (8 tokens: 9.4 ms at 263 context, 38 ms at 3,880). Client TTFT − prompt_ms: 22 ms
+    # at every size (response_s). State: "saving prompt with length 2955, total state size = 11.577 MiB" →
+    # 4,108 B per token (4 layers · 2 · 256 · 2 B of K and V + 12 B of cell metadata). Tokenizer: 0.45 tokens per
+    # byte of the bench's prompts (1,255 tokens for 2,790 bytes).
+    spec = LlamaCppSpec(state_bytes_per_token=4108.0, response_s=0.022, tokens_per_byte=0.45)
+    return Preset(
+        name="llamacpp",
+        description="llama.cpp server (xllamacpp), CI tiny model, 1 thread, 1 slot, 9 MiB host prompt cache",
+        cost=CostModel(
+            prefill_tok_s=1 / 1.40e-4,
+            attn_s=2 * 5.56e-8,
+            step_overhead_s=0.0005,
+            decode_s_per_seq=0.0004,
+            kv_read_s_per_token=0.99e-6,
+            chunk_tokens=2048,  # n_batch
+            max_running=1,  # --parallel 1
+        ),
+        kv_tokens=int(9 * 1024 * 1024 // spec.state_bytes_per_token),  # --cache-ram 9 (bench/peers.py's size)
+        block_tokens=16,
+        gpus=1,
+        usd_per_gpu_hour=Decimal("0.10"),
+        max_model_len=8192,  # --ctx
+        sources=("xllamacpp 2026.10 measurement, CI tiny model, 1 thread (figures above)",
+                 "llama.cpp tools/server server_prompt_cache alloc/load/update (save, restore, trim rules)"),
+        engine="llamacpp",
+        llamacpp=spec,
+    )
+
+
 PRESETS: dict[str, Preset] = {p.name: p for p in (_qwen3_32b_h100_tp2(), _llama31_8b_a100(), _cpu_llamacpp_34m(),
-                                                  _cpu_llamacpp_ci())}
+                                                  _cpu_llamacpp_ci(), _llamacpp())}
 DEFAULT_PRESET = "qwen3-32b-h100-tp2"
 
 

@@ -53,6 +53,8 @@ class Live:
     epoch: int = 0
     held_elsewhere: int = 0  # prefix tokens another replica had computed when it arrived (wasted-prefill figure)
     floor_s: float = -1.0  # its TTFT floor: prefill of what no replica held at arrival, alone, no wait
+    tokens: tuple[int, ...] | None = None  # token ids of the prompt (llama.cpp replicas reuse token prefixes)
+    answer_tokens: tuple[int, ...] = ()  # token ids it generates, where known (they stay in a llama.cpp slot)
 
 
 @dataclass(slots=True)
@@ -126,6 +128,15 @@ class Replica:
             else:
                 break
         return n
+
+    def held_tokens(self, live: Live) -> int:
+        """Tokens of ``live``'s prompt cached here, in whole blocks and never its last token."""
+        bt = self.block_tokens
+        return self.cached_blocks(live.keys, (live.prompt - 1) // bt) * bt
+
+    def block_state(self) -> tuple[int, int, int]:
+        """(pinned, private, evictable) blocks: the replica's end state."""
+        return (len(self.pinned), self.private, len(self.evictable))
 
     def known_blocks(self, keys: list[int]) -> int:
         """Leading blocks of ``keys`` cached here or about to be computed by a request already here."""

@@ -3,7 +3,8 @@
 A ``SimRequest`` arrives at ``arrival`` seconds, or — when ``follows`` names an earlier request —
 ``delay`` seconds after that request completes (closed-loop sessions, agent steps, fixed concurrency).
 ``keys`` are chained block keys of ``block_tokens`` tokens each (key k covers blocks 0..k), the same
-keys the router and the simulated engines use.
+keys the router and the simulated engines use; a ``llamacpp`` fleet's engines also need ``tokens`` (the prompt's
+token ids: llama.cpp reuses any token prefix).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ class SimRequest:
     app: str | None = None
     cache_prefix_blocks: int | None = None
     stage: int = 0
+    tokens: tuple[int, ...] | None = None  # the prompt's token ids, for engines that reuse token prefixes
+    answer_tokens: tuple[int, ...] = ()  # the token ids it generates, where known (a llama.cpp slot keeps them)
 
 
 @dataclass(slots=True)

@@ -10,7 +10,10 @@ Timing follows the work, as on a continuous-batching engine (calibrated to the l
 attention over the context), so concurrent misses delay each other and cache hits free the engine for
 everyone. Decoding sequences share steps: a token takes ``decode_s_per_token · (1 + decode_batch_share · (n − 1))``
 with ``n`` sequences decoding, and a step that shares its batch with a prefill chunk lasts as long as that
-chunk. Prompt text is never logged or exposed.
+chunk. ``--engine-model llamacpp`` replaces that vLLM-style model with the bench's llama.cpp replica
+(``fake_llamacpp``, the simulator's ``llamacpp`` preset): one slot, llama.cpp's host prompt cache of whole prompts
+(``--cache-ram-mib``), token-granular reuse (the model's own tokens with ``--tokenizer``), the tiny model's step times,
+and with ``--host-cores`` the host's cores shared by the fleet's replicas. Prompt text is never logged or exposed.
 Run it with ``python -m kvroute.plugin.dev.fake_engine --port 0 --capacity-tokens 8192``.
 """
 
@@ -32,6 +35,7 @@ from kvroute.plugin.dev.child_processes import write_ready_file
 from kvroute.plugin.dev.fake_cache import BYTES_PER_TOKEN, PrefixCache, token_count
 from kvroute.plugin.dev.fake_faults import FaultPlan
 from kvroute.plugin.dev.fake_http import ConnectionDropped, Exchange, Request, start_server
+from kvroute.plugin.dev.fake_llamacpp import HostCores, LlamaCppModel
 from kvroute.plugin.dev.fake_tokens import (
     TokenRequestError,
     detokenize_body,
@@ -69,6 +73,12 @@ class FakeEngineConfig:
     max_tokens_limit: int = 4096  # larger requests get a 400 (one unbounded request once grew to 5 GB)
     metrics_style: str = "vllm"
     max_model_len: int = 131072  # what /tokenize reports; the fake engine enforces no context limit
+    engine_model: str = "vllm"  # "llamacpp": the bench's llama.cpp replica (fake_llamacpp; one slot, not ``slots``)
+    cache_ram_mib: float = 9.0  # llamacpp: the host prompt cache (--cache-ram)
+    tokenizer: str | None = None  # llamacpp: a tokenizer.json to count tokens with (else tokens_per_byte)
+    host_cores: float = 0.0  # llamacpp: cores of the host the fleet's replicas share (0: each its own)
+    background_cores: float = 0.0  # of which other work keeps this many busy
+    cores_dir: str | None = None  # the directory the replicas sharing the host's cores meet in
 
     def __post_init__(self) -> None:
         if self.capacity_tokens < 0:
@@ -89,6 +99,12 @@ class FakeEngineConfig:
             raise ConfigError("chunk_tokens", "must be > 0")
         if self.metrics_style not in ("vllm", "llamacpp"):
             raise ConfigError("metrics_style", "must be 'vllm' or 'llamacpp'")
+        if self.engine_model not in ("vllm", "llamacpp"):
+            raise ConfigError("engine_model", "must be 'vllm' or 'llamacpp'")
+        if self.host_cores < 0 or self.background_cores < 0 or self.cache_ram_mib < 0:
+            raise ConfigError("host_cores", "host_cores, background_cores and cache_ram_mib must be >= 0")
+        if self.host_cores > 0 and (self.engine_model != "llamacpp" or not self.cores_dir):
+            raise ConfigError("host_cores", "needs engine_model 'llamacpp' and a cores_dir")
 
 
 @dataclass
@@ -156,10 +172,15 @@ class FakeEngine:
 
     def __init__(self, config: FakeEngineConfig) -> None:
         self.config = config
-        self.cache = PrefixCache(config.capacity_tokens, config.block_tokens)
+        self.llama = (LlamaCppModel(config.cache_ram_mib, config.tokenizer) if config.engine_model == "llamacpp"
+                      else None)
+        self.cache: PrefixCache | LlamaCppModel = self.llama or PrefixCache(config.capacity_tokens,
+                                                                            config.block_tokens)
+        self.cores = (HostCores(config.cores_dir, config.host_cores, config.name, config.background_cores)
+                      if config.host_cores > 0 and config.cores_dir else None)
         self.fault = FaultPlan()
         self.stats = EngineStats()
-        self._slots = asyncio.Semaphore(config.slots)
+        self._slots = asyncio.Semaphore(1 if self.llama is not None else config.slots)  # the model: --parallel 1
         self.running = 0
         self.waiting = 0
         self.active_tokens = 0  # KV held by running requests (prompt + output), what vLLM calls "usage"
@@ -173,14 +194,29 @@ class FakeEngine:
         cfg = self.config
         return new_tokens / cfg.prefill_tokens_per_s * (1.0 + cfg.context_cost * (cached_tokens + new_tokens / 2))
 
+    def _tokens(self, text: str) -> int:
+        return self.llama.tokens(self.llama.encode(text)) if self.llama is not None else token_count(text)
+
     async def _prefill(self, seconds: float) -> None:
         """Queue ``seconds`` of prefill behind the prefills already queued on this replica and wait for it."""
+        if self.cores is not None:  # one slot: nothing queued here; the host's cores are shared instead
+            await self.cores.run(seconds)
+            return
         loop = asyncio.get_running_loop()
         now = loop.time()
         self.stats.queue_seconds += max(0.0, self._compute_free_at - now)
         done = max(now, self._compute_free_at) + seconds
         self._compute_free_at = done
         await asyncio.sleep(done - now)
+
+    async def _decode_step(self, context: int) -> None:
+        """Wait out one decode step (the llama.cpp model's at ``context`` tokens, on the shared cores if any)."""
+        if self.llama is None:
+            await asyncio.sleep(self._decode_step_s())
+        elif self.cores is not None:
+            await self.cores.run(self.llama.decode_s(context))
+        else:
+            await asyncio.sleep(self.llama.decode_s(context))
 
     def _decode_step_s(self) -> float:
         """One decode step now: shared with the other decoders, stretched by a prefill chunk running beside it."""
@@ -291,13 +327,15 @@ class FakeEngine:
                                                "code": 429}},
                                {"retry-after": f"{fault.retry_after_s:g}"})
             return
+        if self.llama is not None:  # HTTP, chat template and tokenizing: no slot held
+            await asyncio.sleep(self.llama.spec.response_s)
         self.waiting += 1
         try:
             await self._slots.acquire()
         finally:
             self.waiting -= 1
         self.running += 1
-        held = token_count(prompt) + max_tokens
+        held = self._tokens(prompt) + max_tokens
         self.active_tokens += held
         try:
             await self._run(body, prompt, max_tokens, chat, fault, ex)
@@ -312,12 +350,19 @@ class FakeEngine:
     async def _run(self, body: dict, prompt: str, max_tokens: int, chat: bool, fault: FaultPlan | None,
                    ex: Exchange) -> None:
         cfg = self.config
-        prompt_tokens = token_count(prompt)
-        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None  # vLLM's field
-        cached = self.cache.lookup(prompt, salt)
-        output = generate_text(prompt, max_tokens)
-        self.cache.insert(prompt + output, salt)
-        prefill_s = self.prefill_seconds(prompt_tokens - cached, cached)
+        output = self.llama.answer(max_tokens) if self.llama is not None else generate_text(prompt, max_tokens)
+        if self.llama is not None:  # the slot is this request's: llama.cpp's cache update, then its reuse
+            seq = self.llama.encode(prompt)
+            prompt_tokens = self.llama.tokens(seq)
+            cached = self.llama.take(seq)
+            self.llama.keep(seq, output, max_tokens)
+            prefill_s = self.llama.prefill_s(prompt_tokens - cached, cached)
+        else:
+            prompt_tokens = token_count(prompt)
+            salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None  # vLLM's field
+            cached = self.cache.lookup(prompt, salt)
+            self.cache.insert(prompt + output, salt)
+            prefill_s = self.prefill_seconds(prompt_tokens - cached, cached)
         self.stats.prompt_tokens += prompt_tokens
         self.stats.cached_tokens += cached
         self.stats.prefill_seconds += prefill_s
@@ -331,7 +376,7 @@ class FakeEngine:
                  "total_tokens": prompt_tokens + max_tokens,
                  "prompt_tokens_details": {"cached_tokens": cached}}
         extra: dict = {}
-        if cfg.metrics_style == "llamacpp":  # llama.cpp also reports its cache hit in ``timings``
+        if cfg.metrics_style == "llamacpp" or self.llama is not None:  # llama.cpp's own report, ``timings``
             extra["timings"] = {"cache_n": cached, "prompt_n": prompt_tokens - cached,
                                 "prompt_ms": round(prefill_s * 1000, 3), "predicted_n": max_tokens}
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -343,9 +388,10 @@ class FakeEngine:
                 stream_options = body.get("stream_options")
                 include_usage = isinstance(stream_options, dict) and bool(stream_options.get("include_usage"))
                 if not await self._stream(ex, rid, model, chat, pieces, usage if include_usage else None, fault,
-                                          extra):
+                                          extra, prompt_tokens):
                     return
-            elif not await self._respond(ex, rid, model, chat, output, usage, max_tokens, mode, extra):
+            elif not await self._respond(ex, rid, model, chat, output, usage, max_tokens, mode, extra,
+                                         prompt_tokens):
                 return
         finally:
             self.decoding -= 1
@@ -353,12 +399,12 @@ class FakeEngine:
         self.stats.completion_tokens += max_tokens
 
     async def _respond(self, ex: Exchange, rid: str, model: str, chat: bool, output: str, usage: dict,
-                       max_tokens: int, mode: str | None, extra: dict) -> bool:
+                       max_tokens: int, mode: str | None, extra: dict, context: int = 0) -> bool:
         """The non-streaming answer, after ``max_tokens`` decode steps; False when a ``cut`` fault ended it."""
         cfg = self.config
         if cfg.decode_s_per_token > 0:
             for _ in range(max_tokens):
-                await asyncio.sleep(self._decode_step_s())
+                await self._decode_step(context)
         if mode == "cut":
             await ex.start(200, {"content-type": "application/json"}, length=4096)
             await ex.chunk(b'{"id": "' + rid.encode() + b'", "choices": [')
@@ -375,7 +421,7 @@ class FakeEngine:
         return True
 
     async def _stream(self, ex: Exchange, rid: str, model: str, chat: bool, pieces: list[str], usage: dict | None,
-                      fault: FaultPlan | None, extra: dict) -> bool:
+                      fault: FaultPlan | None, extra: dict, context: int = 0) -> bool:
         """Send the SSE stream; False when a ``cut`` fault ended it early."""
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -403,7 +449,7 @@ class FakeEngine:
                 ex.abort()
                 return False
             if i and self.config.decode_s_per_token > 0:
-                await asyncio.sleep(self._decode_step_s())
+                await self._decode_step(context + i)
             await ex.chunk(event([choice(piece, None)]))
             sent += 1
         if fault is not None and fault.mode == "cut":
@@ -426,7 +472,7 @@ class FakeEngine:
     def metrics_text(self) -> str:
         """Prometheus exposition of queue depth, running, KV usage and prefix-cache counters."""
         s, c, m = self.stats, self.cache, self.config.model
-        if self.config.metrics_style == "llamacpp":
+        if self.config.metrics_style == "llamacpp" or self.llama is not None:
             rows = [("llamacpp:requests_processing", "gauge", self.running),
                     ("llamacpp:requests_deferred", "gauge", self.waiting),
                     ("llamacpp:kv_cache_usage_ratio", "gauge", self.kv_usage),
@@ -488,10 +534,14 @@ class FakeEngineServer:
 
 
 async def _main(args: argparse.Namespace) -> None:
+    llama = args.engine_model == "llamacpp"
     config = FakeEngineConfig(name=args.name, model=args.model, capacity_tokens=args.capacity_tokens,
                               block_tokens=args.block_tokens, prefill_tokens_per_s=args.prefill_tps,
                               decode_s_per_token=args.decode_ms / 1000.0, slots=args.slots,
-                              context_cost=args.context_cost, metrics_style=args.metrics_style)
+                              context_cost=args.context_cost, metrics_style="llamacpp" if llama else args.metrics_style,
+                              engine_model=args.engine_model, cache_ram_mib=args.cache_ram_mib,
+                              tokenizer=args.tokenizer, host_cores=args.host_cores,
+                              background_cores=args.background_cores, cores_dir=args.cores_dir)
     server = await FakeEngineServer(config, args.host, args.port).start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -515,10 +565,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--block-tokens", type=int, default=16)
     p.add_argument("--prefill-tps", type=float, default=20000.0, help="simulated prefill speed, tokens/s")
     p.add_argument("--decode-ms", type=float, default=2.0, help="simulated decode time per output token")
-    p.add_argument("--slots", type=int, default=4, help="concurrent requests; others queue")
+    p.add_argument("--slots", type=int, default=4,
+                   help="concurrent requests; others queue (--engine-model llamacpp: always one)")
     p.add_argument("--context-cost", type=float, default=FakeEngineConfig.context_cost,
                    help="attention cost per context token, relative to one token of linear prefill work")
     p.add_argument("--metrics-style", choices=("vllm", "llamacpp"), default="vllm")
+    p.add_argument("--engine-model", choices=("vllm", "llamacpp"), default="vllm",
+                   help="llamacpp: the bench's llama.cpp replica (the simulator's llamacpp preset: one slot, a host "
+                        "prompt cache of whole prompts, token-granular reuse, the tiny model's speed)")
+    p.add_argument("--cache-ram-mib", type=float, default=FakeEngineConfig.cache_ram_mib,
+                   help="llamacpp: the host prompt cache's size (llama.cpp --cache-ram)")
+    p.add_argument("--tokenizer", default=None, help="llamacpp: a tokenizer.json to count tokens with")
+    p.add_argument("--host-cores", type=float, default=0.0,
+                   help="llamacpp: cores the replicas meeting in --cores-dir share (0: each its own)")
+    p.add_argument("--background-cores", type=float, default=0.0, help="llamacpp: host cores busy with other work")
+    p.add_argument("--cores-dir", default=None, help="llamacpp: directory the replicas sharing the cores meet in")
     p.add_argument("--ready-file", default=None, help="write {port, pid, name} here once listening")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)

@@ -49,7 +49,11 @@ def resolve_engine(engine: str) -> EngineKind:
 
 @dataclass(frozen=True)
 class ReplicaOptions:
-    """Per-replica settings; ``capacity_tokens`` sizes a fake engine's cache, ``cache_ram_mib`` llama.cpp's."""
+    """Per-replica settings; ``capacity_tokens`` sizes a fake engine's cache, ``cache_ram_mib`` llama.cpp's.
+
+    ``engine_model="llamacpp"`` makes fake engines model the llama.cpp replica (``fake_llamacpp``: one slot,
+    ``cache_ram_mib`` of host prompt cache, ``tokenizer`` to count tokens with, and with ``host_cores`` the host's
+    cores shared by the fleet's replicas)."""
 
     model: str | None = None  # served model name; default "fake-model" / "tiny"
     capacity_tokens: int = 16384
@@ -62,6 +66,10 @@ class ReplicaOptions:
     threads: int = 1
     ctx: int = 8192
     parallel: int = 1
+    engine_model: str = "vllm"
+    tokenizer: str | None = None
+    host_cores: float = 0.0
+    background_cores: float = 0.0
     model_path: str | None = None  # llama.cpp GGUF; default: the generated tiny model
     cache_dir: str | None = None  # where the tiny model is cached
     extra_args: tuple[str, ...] = ()
@@ -136,6 +144,15 @@ class Fleet(ChildOwner):
     # ------------------------------------------------------------------ lifecycle
     def _command(self, name: str, ready: Path) -> list[str]:
         o = self.options
+        if self.kind == "fake" and o.engine_model == "llamacpp":
+            llama = ["--engine-model", "llamacpp", "--cache-ram-mib", str(o.cache_ram_mib)]
+            if o.tokenizer:
+                llama += ["--tokenizer", o.tokenizer]
+            if o.host_cores > 0:
+                llama += ["--host-cores", str(o.host_cores), "--background-cores", str(o.background_cores),
+                          "--cores-dir", str(self.workdir / "cores")]
+            return [sys.executable, "-m", "kvroute.plugin.dev.fake_engine", "--port", "0", "--name", name,
+                    "--model", self.model, "--ready-file", str(ready), *llama, *o.extra_args]
         if self.kind == "fake":
             return [sys.executable, "-m", "kvroute.plugin.dev.fake_engine", "--port", "0", "--name", name,
                     "--model", self.model, "--capacity-tokens", str(o.capacity_tokens),

@@ -1,0 +1,222 @@
+"""Sim-to-real calibration: do the fake engine and the simulator predict what llama.cpp does? Fails where they lie.
+
+    LITELLM_LOCAL_MODEL_COST_MAP=True .venv/bin/python bench/calibrate.py [--workload demo ...] [--repeats 1]
+        [--run real --run fake --run sim] [--from FILE] [--json] [--save] [--render FILE]
+
+Per workload (demo, apps, agent at ``bench/peers.py``'s llama.cpp sizes) and router, three sources of the same
+requests (the same flows of ``bench/peers_workloads.py``):
+
+1. measured: ``bench/peers.py`` on 4 llama.cpp replicas (the tiny model, 1 thread, 1 slot, 9 MiB host prompt cache
+   each) behind LiteLLM + kvroute, SMG 1.13 ``cache_aware`` and sglang-router round robin, rivals interleaved;
+2. fake: the same run on 4 fake engines with ``--engine-model llamacpp`` (``plugin/dev/fake_llamacpp.py``);
+3. sim: the simulator's ``llamacpp`` preset (``sim/replica_llamacpp.py``) on the flows tokenized with the tiny
+   model's tokenizer (``bench/calibrate_sim.py``), with kvroute's ``cache_aware``, ``smg_2026`` (the closest baseline to
+   SMG's ``cache_aware``) and ``round_robin``.
+
+Both models run their replicas on this host's cores with the background load the real run measured (the host's busy
+cores less the replicas', averaged over the real runs); the simulator also takes each router's round trip as the real
+run measured it (``hop_ms``: the router's TTFT on the idle fleet less a replica's own), which the fake run has by
+itself (the same routers in front of it). Per cell the table gives each source's cached share and
+TTFT p50/p90 and each model's error; the verdict (``bench/calibrate_verdict.py``) wants the cached share within
+±1.5 points and TTFT p90 within ±25 % of llama.cpp's for every model on every cell, and the command exits 1 (with a
+``MISSED`` line per check) otherwise. ``--from FILE`` takes the sources not in ``--run`` from a saved calibration
+(``--save`` writes ``bench/results/calibrate-<UTC time>.json``); ``--render FILE`` prints a saved one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from calibrate_sim import Tokenize, sim_workload, simulate_cell, tiny_tokenizer
+from calibrate_verdict import Bounds, Calibration, Figures, calibrate
+from peers_workloads import Size, build, replica_capacity_tokens
+
+from kvroute.plugin.dev.tiny_model import PRESETS as TINY
+from kvroute.sim.presets import get_preset
+
+#: (bench/peers.py rival, simulator policy) per router of the table
+ROUTERS = (("kvroute", "cache_aware"), ("smg-ca", "smg_2026"), ("sglang-rr", "round_robin"))
+WORKLOADS = ("demo", "apps", "agent")
+SOURCES = ("real", "fake", "sim")
+MODELS = ("fake", "sim")
+REPLICAS = 4
+
+
+def run_fleet(fleet: str, workloads: list[str], repeats: int, cores: float, background: float, say) -> dict:
+    """``bench/peers.py`` with the table's routers (``fleet`` real: llama.cpp; fake: its fake-engine model)."""
+    import peers
+
+    args = argparse.Namespace(fleet="llamacpp" if fleet == "real" else "fake", engine_model="llamacpp",
+                              workload=workloads, repeats=repeats, replicas=REPLICAS, rival=[r for r, _ in ROUTERS],
+                              quick=False, fresh_fleet=False, host_cores=cores, background_cores=background, hop=True)
+    result = peers.run(args, say)
+    for w in result["workloads"].values():  # the per-request logs stay out of the calibration's file
+        w["runs"] = {k: [{m: v for m, v in run.items() if m not in ("requests_log", "decisions")} for run in runs]
+                     for k, runs in w["runs"].items()}
+    return result
+
+
+def cache_tokens() -> int:
+    """The llama.cpp replicas' host cache in tokens: ``bench/peers.py``'s ``--cache-ram`` over the state per token."""
+    size = Size.llamacpp()
+    mib = TINY["small"].cache_ram_mib(replica_capacity_tokens(size, REPLICAS))
+    spec = get_preset("llamacpp").llamacpp
+    assert spec is not None
+    return int(mib * 1024 * 1024 // spec.state_bytes_per_token)
+
+
+def run_sim(workloads: list[str], cores: float, background: float, hops_ms: dict[str, float], say,
+            tokenize: Tokenize | None = None) -> dict:
+    """The simulator's figures per workload and router (``hops_ms``: each router's round trip, as measured)."""
+    size = Size.llamacpp()
+    capacity = replica_capacity_tokens(size, REPLICAS)
+    tokenize = tokenize or tiny_tokenizer()
+    out: dict = {"cache_tokens": cache_tokens(), "cores": cores, "background_cores": background, "hop_ms": hops_ms,
+                 "workloads": {}}
+    for name in workloads:
+        workload = build(name, size, capacity)
+        cells = {}
+        for rival, policy in ROUTERS:
+            hop_s = hops_ms.get(rival, 0.0) / 1000.0
+            cells[rival] = simulate_cell(sim_workload(workload, tokenize, hop_s=hop_s), policy, REPLICAS,
+                                         out["cache_tokens"], cores, background, hop_s)
+        out["workloads"][name] = cells
+        say(f"sim {name}: {json.dumps(cells)}")
+    return out
+
+
+def hops_ms(real: dict | None) -> dict[str, float]:
+    """Each router's round trip as the real run measured it (``bench/peers.py``'s ``hop_ms``; none: 0)."""
+    rivals = (real or {}).get("rivals", {})
+    return {key: float(rivals.get(key, {}).get("hop_ms") or 0.0) for key, _ in ROUTERS}
+
+
+def background_cores(real: dict | None) -> float:
+    """The real run's background load: the mean over workloads of the host's busy cores less the replicas'."""
+    if not real:
+        return 0.0
+    values = [w["host_cpu"]["background_cores"] for w in real["workloads"].values() if w.get("host_cpu")]
+    return round(statistics.mean(values), 3) if values else 0.0
+
+
+def judge(result: dict, bounds: Bounds = Bounds()) -> Calibration:
+    """Every measured cell against the fake and simulated ones."""
+    def cells(source: dict | None, summary: bool) -> dict:
+        out: dict = {}
+        for name, w in (source or {}).get("workloads", {}).items():
+            rows = w["summary"] if summary else w
+            for rival, _ in ROUTERS:
+                out[(name, rival)] = Figures.of(rows.get(rival))
+        return out
+
+    measured = cells(result.get("real"), True)
+    if not measured:  # nothing measured: every predicted cell misses for want of a measurement
+        measured = {k: None for k in {**cells(result.get("fake"), True), **cells(result.get("sim"), False)}}
+    return calibrate(measured, {"fake": cells(result.get("fake"), True), "sim": cells(result.get("sim"), False)},
+                     MODELS, bounds)
+
+
+# ---------------------------------------------------------------------------------------------- output
+def _share(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1%}"
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:,.0f}"
+
+
+def render(result: dict) -> str:
+    """The calibration table (markdown), the verdict and what missed."""
+    cal = judge(result, Bounds(**result.get("bounds", {})))
+    real = result.get("real") or {}
+    load = [(real.get(k) or ["-"])[0] for k in ("load_average_start", "load_average_end")]
+    lines = [f"{REPLICAS} llama.cpp replicas (tiny model, 1 thread, 1 slot, {result.get('cache_tokens', '?')} "
+             f"tokens of host prompt cache each) on {result.get('cores')} cores, background "
+             f"{result.get('background_cores')} cores; measured: {real.get('repeats', '-')} repeat(s), medians; "
+             f"load average {load[0]} → {load[1]}", "",
+             "| workload | router | cached: llama.cpp | fake (Δ) | sim (Δ) | TTFT p50 ms: llama.cpp | fake | sim "
+             "| TTFT p90 ms: llama.cpp | fake (Δ) | sim (Δ) | verdict |", "|---|---|" + "---|" * 10]
+    for cell in cal.cells:
+        m = cell.measured or Figures(None, None, None)
+        by = {c.model: c for c in cell.checks}
+        parts = [cell.workload, cell.router, _share(m.cached_share)]
+        for model in MODELS:
+            c = by[model]
+            err = "-" if c.cached_err_pt is None else f"{c.cached_err_pt:+.1f}"
+            parts.append(f"{_share(c.predicted and c.predicted.cached_share)} ({err}{'' if c.cached_met else ' ✗'})")
+        parts.append(_ms(m.ttft_p50_ms))
+        parts += [_ms(by[model].predicted and by[model].predicted.ttft_p50_ms) for model in MODELS]
+        parts.append(_ms(m.ttft_p90_ms))
+        for model in MODELS:
+            c = by[model]
+            err = "-" if c.p90_err is None else f"{c.p90_err:+.0%}"
+            parts.append(f"{_ms(c.predicted and c.predicted.ttft_p90_ms)} ({err}{'' if c.p90_met else ' ✗'})")
+        parts.append("met" if cell.met else "MISSED")
+        lines.append("| " + " | ".join(parts) + " |")
+    b = cal.bounds
+    lines.append("")
+    lines.append(f"bounds: cached share ±{b.cached_pt:g} pt, TTFT p90 ±{b.p90_rel:.0%}, every model on every cell: "
+                 + ("MET" if cal.met else f"MISSED on {sum(not c.met for c in cal.cells)} of {len(cal.cells)} cells"))
+    lines += [f"MISSED {m}" for m in cal.missed()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workload", action="append", choices=WORKLOADS, help="repeatable; default: demo, apps, agent")
+    p.add_argument("--repeats", type=int, default=1, help="interleaved repeats of the real and fake runs")
+    p.add_argument("--run", action="append", choices=SOURCES, help="sources to run (default all; others --from)")
+    p.add_argument("--from", dest="from_file", metavar="FILE", help="a saved calibration to take other sources from")
+    p.add_argument("--cores", type=float, default=float(os.cpu_count() or 1), help="the host's cores (models)")
+    p.add_argument("--background-cores", type=float, default=None,
+                   help="background load for the models (default: what the real run measured, else 0)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--save", action="store_true", help="also write bench/results/calibrate-<UTC time>.json")
+    p.add_argument("--render", metavar="FILE", help="print the table of a saved calibration, run nothing")
+    args = p.parse_args(argv)
+    if args.render:
+        result = json.loads(Path(args.render).read_text())
+        print(render(result))
+        return 0 if judge(result).met else 1
+    if args.repeats < 1:
+        p.error("--repeats must be positive")
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    workloads = args.workload or list(WORKLOADS)
+    runs = args.run or list(SOURCES)
+    base = json.loads(Path(args.from_file).read_text()) if args.from_file else {}
+
+    def say(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    started = time.time()
+    result = {"workloads": workloads, "cores": args.cores, "cache_tokens": cache_tokens(),
+              "bounds": {"cached_pt": Bounds().cached_pt, "p90_rel": Bounds().p90_rel},
+              "real": base.get("real"), "fake": base.get("fake"), "sim": base.get("sim")}
+    if "real" in runs:
+        result["real"] = run_fleet("real", workloads, args.repeats, args.cores, 0.0, say)
+    background = args.background_cores if args.background_cores is not None else background_cores(result["real"])
+    result["background_cores"] = background
+    if "fake" in runs:
+        result["fake"] = run_fleet("fake", workloads, args.repeats, args.cores, background, say)
+    if "sim" in runs:
+        result["sim"] = run_sim(workloads, args.cores, background, hops_ms(result["real"]), say)
+    result["wall_s"] = round(time.time() - started, 1)
+    if args.save:
+        stamp = time.strftime("%Y-%m-%dT%H%M", time.gmtime(started))
+        path = Path(__file__).resolve().parent / "results" / f"calibrate-{stamp}.json"
+        path.write_text(json.dumps(result) + "\n")
+        say(f"saved {path}")
+    print(json.dumps(result) if args.json else render(result))
+    return 0 if judge(result).met else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""The calibration's judgement: how far each model's prediction lies from what llama.cpp measured, per cell.
+
+A cell is one workload × one router. Each model (the fake engine, the simulator) predicts the cell's cached share
+of prompt tokens and its TTFT p50/p90; against the measured figures:
+
+- cached share: the error in points (predicted − measured), met within ``Bounds.cached_pt``;
+- TTFT p90: the relative error (predicted / measured − 1), met within ``Bounds.p90_rel``;
+- TTFT p50: its relative error is shown, not judged (the bound is on p90).
+
+A prediction with a figure missing (a model not run, a run with failed requests, no measurement) misses: the
+calibration never passes on what it did not compare. ``Calibration.met`` holds when every check of every cell is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """How far a model may lie: cached share in points, TTFT p90 as a share of the measured."""
+
+    cached_pt: float = 1.5
+    p90_rel: float = 0.25
+
+
+@dataclass(frozen=True, slots=True)
+class Figures:
+    """One source's figures for one cell (shares in 0..1, times in ms; None: not measured)."""
+
+    cached_share: float | None
+    ttft_p50_ms: float | None
+    ttft_p90_ms: float | None
+    failed: int = 0
+
+    @classmethod
+    def of(cls, row: Mapping | None) -> Figures | None:
+        """From a ``bench/peers.py`` summary row or a simulated cell (None stays None)."""
+        if row is None:
+            return None
+        return cls(row.get("cached_share"), row.get("ttft_p50_ms"), row.get("ttft_p90_ms"), int(row.get("failed") or 0))
+
+    @property
+    def complete(self) -> bool:
+        return None not in (self.cached_share, self.ttft_p50_ms, self.ttft_p90_ms) and self.failed == 0
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """One model's prediction of one cell against the measurement."""
+
+    model: str
+    predicted: Figures | None
+    cached_err_pt: float | None
+    p50_err: float | None
+    p90_err: float | None
+    cached_met: bool
+    p90_met: bool
+    why: str = ""
+
+    @property
+    def met(self) -> bool:
+        return self.cached_met and self.p90_met
+
+
+def _rel(predicted: float | None, measured: float | None) -> float | None:
+    if predicted is None or measured is None or measured <= 0:
+        return None
+    return predicted / measured - 1.0
+
+
+def check(model: str, measured: Figures | None, predicted: Figures | None, bounds: Bounds = Bounds()) -> Check:
+    """``predicted`` against ``measured`` within ``bounds`` (a missing or incomplete side misses, saying which)."""
+    if measured is None or not measured.complete:
+        return Check(model, predicted, None, None, None, False, False, "no complete measurement")
+    if predicted is None or not predicted.complete:
+        return Check(model, predicted, None, None, None, False, False, "no complete prediction")
+    cached = (predicted.cached_share - measured.cached_share) * 100.0  # type: ignore[operator]
+    p90 = _rel(predicted.ttft_p90_ms, measured.ttft_p90_ms)
+    return Check(model, predicted, cached, _rel(predicted.ttft_p50_ms, measured.ttft_p50_ms), p90,
+                 abs(cached) <= bounds.cached_pt + 1e-9, p90 is not None and abs(p90) <= bounds.p90_rel + 1e-9)
+
+
+@dataclass(slots=True)
+class Cell:
+    """One workload × router: the measurement and every model's check."""
+
+    workload: str
+    router: str
+    measured: Figures | None
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def met(self) -> bool:
+        return bool(self.checks) and all(c.met for c in self.checks)
+
+
+@dataclass(slots=True)
+class Calibration:
+    """Every cell; ``met`` when every cell is."""
+
+    cells: list[Cell]
+    bounds: Bounds
+
+    @property
+    def met(self) -> bool:
+        return bool(self.cells) and all(c.met for c in self.cells)
+
+    def missed(self) -> list[str]:
+        """``workload router model: what`` for every check that missed."""
+        out = []
+        for cell in self.cells:
+            for c in cell.checks:
+                if c.met:
+                    continue
+                what = c.why or ", ".join(
+                    ([f"cached {c.cached_err_pt:+.1f} pt"] if not c.cached_met else [])
+                    + ([f"p90 {c.p90_err:+.0%}" if c.p90_err is not None else "p90 -"] if not c.p90_met else []))
+                out.append(f"{cell.workload} {cell.router} {c.model}: {what}")
+        return out
+
+
+def calibrate(measured: Mapping[tuple[str, str], Figures | None],
+              predictions: Mapping[str, Mapping[tuple[str, str], Figures | None]],
+              models: Iterable[str], bounds: Bounds = Bounds()) -> Calibration:
+    """Check every model in ``models`` on every measured (workload, router) cell."""
+    models = list(models)
+    cells = []
+    for (workload, router), fig in measured.items():
+        cell = Cell(workload, router, fig)
+        for model in models:
+            cell.checks.append(check(model, fig, predictions.get(model, {}).get((workload, router)), bounds))
+        cells.append(cell)
+    return Calibration(cells, bounds)

@@ -1,0 +1,152 @@
+"""The sim-to-real calibration: its verdict (a model outside the bounds, or a figure missing, misses and exits 1)
+and its simulator side on the bench's own flows."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import calibrate  # noqa: E402
+from calibrate_sim import block_keys, nearest_rank, sim_workload, simulate_cell  # noqa: E402
+from calibrate_verdict import Bounds, Figures, check  # noqa: E402
+from peers_workloads import Size, Workload, build, replica_capacity_tokens  # noqa: E402
+
+from kvroute.plugin.dev.workloads import Conversation  # noqa: E402
+
+MEASURED = Figures(0.80, 100.0, 400.0)
+
+
+# ---------------------------------------------------------------------------------------------- the verdict
+@pytest.mark.parametrize(("predicted", "cached_met", "p90_met"), [
+    (Figures(0.814, 150.0, 499.0), True, True),  # +1.4 pt, +24.75 %: inside
+    (Figures(0.786, 50.0, 301.0), True, True),  # -1.4 pt, -24.75 %
+    (Figures(0.816, 100.0, 400.0), False, True),  # +1.6 pt
+    (Figures(0.784, 100.0, 400.0), False, True),  # -1.6 pt
+    (Figures(0.80, 100.0, 501.0), True, False),  # +25.25 %
+    (Figures(0.80, 100.0, 299.0), True, False),  # -25.25 %
+])
+def test_a_model_meets_the_cell_only_inside_both_bounds(predicted, cached_met, p90_met):
+    c = check("sim", MEASURED, predicted)
+    assert (c.cached_met, c.p90_met, c.met) == (cached_met, p90_met, cached_met and p90_met)
+    assert c.cached_err_pt == pytest.approx((predicted.cached_share - 0.80) * 100)
+
+
+@pytest.mark.parametrize(("measured", "predicted", "why"), [
+    (MEASURED, None, "no complete prediction"),
+    (MEASURED, Figures(0.80, 100.0, None), "no complete prediction"),
+    (MEASURED, Figures(0.80, 100.0, 400.0, failed=1), "no complete prediction"),
+    (None, MEASURED, "no complete measurement"),
+    (Figures(None, 100.0, 400.0), MEASURED, "no complete measurement"),
+])
+def test_a_missing_figure_misses(measured, predicted, why):
+    c = check("fake", measured, predicted)
+    assert not c.met and c.why == why
+
+
+def _summary(cached: float, p90: float) -> dict:
+    return {"cached_share": cached, "ttft_p50_ms": p90 / 3, "ttft_p90_ms": p90, "failed": 0}
+
+
+def _saved(fake_apps_p90: float, sim_demo_cached: float) -> dict:
+    """A saved calibration of two workloads; every cell right but the two figures given."""
+    real = {w: {"summary": {r: _summary(0.7, 400.0) for r, _ in calibrate.ROUTERS}} for w in ("demo", "apps")}
+    fake = json.loads(json.dumps(real))
+    fake["apps"]["summary"]["smg-ca"]["ttft_p90_ms"] = fake_apps_p90
+    sim = {w: {r: _summary(0.7, 400.0) for r, _ in calibrate.ROUTERS} for w in ("demo", "apps")}
+    sim["demo"]["kvroute"]["cached_share"] = sim_demo_cached
+    return {"cores": 2.0, "background_cores": 0.0, "cache_tokens": 2296, "real": {"workloads": real, "repeats": 1},
+            "fake": {"workloads": fake}, "sim": {"workloads": sim}}
+
+
+def test_render_exits_0_when_every_cell_is_met_and_1_with_a_missed_line_per_check(tmp_path, capsys):
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(_saved(fake_apps_p90=480.0, sim_demo_cached=0.71)))
+    assert calibrate.main(["--render", str(good)]) == 0
+    out = capsys.readouterr().out
+    assert "every model on every cell: MET" in out and "MISSED" not in out
+    assert out.count("| met |") == 6
+
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(_saved(fake_apps_p90=520.0, sim_demo_cached=0.72)))
+    assert calibrate.main(["--render", str(bad)]) == 1
+    out = capsys.readouterr().out
+    missed = [line for line in out.splitlines() if line.startswith("MISSED ")]
+    assert missed == ["MISSED demo kvroute sim: cached +2.0 pt", "MISSED apps smg-ca fake: p90 +30%"]
+    assert "MISSED on 2 of 6 cells" in out
+
+
+def test_predictions_without_a_measurement_miss_every_cell():
+    result = _saved(480.0, 0.7)
+    result["real"] = None
+    cal = calibrate.judge(result)
+    assert not cal.met and len(cal.cells) == 6
+    assert all(c.why == "no complete measurement" for cell in cal.cells for c in cell.checks)
+    assert not calibrate.judge({}).met  # nothing at all is no pass either
+
+
+def test_bounds_are_the_issues():
+    assert Bounds() == Bounds(cached_pt=1.5, p90_rel=0.25)
+
+
+# ---------------------------------------------------------------------------------------------- the sim side
+def _bytes(text: str) -> list[int]:
+    return list(text.encode())
+
+
+def test_sim_workload_tokenizes_every_turn_and_chains_the_flows():
+    size = Size.llamacpp()
+    workload = build("agent", size, replica_capacity_tokens(size, 4))
+    sim = sim_workload(workload, _bytes)
+    assert len(sim.requests) == workload.requests
+    first = sim.requests[0]
+    assert first.tokens is not None and first.prompt_tokens == len(first.tokens)
+    assert first.keys == block_keys(first.tokens, 16) and len(first.keys) == len(first.tokens) // 16
+    follows = [r for r in sim.requests if r.follows is not None]
+    assert follows and all(sim.requests[r.follows].tokens is not None for r in follows)
+    turn2 = next(r for r in sim.requests if r.follows == 0)
+    assert turn2.tokens[:len(first.tokens)] == first.tokens  # the conversation grows on the same prefix
+
+
+def test_nearest_rank():
+    assert nearest_rank([5.0, 1.0, 3.0, 2.0, 4.0], 0.5) == 3.0
+    assert nearest_rank([5.0, 1.0, 3.0, 2.0, 4.0], 0.9) == 5.0
+    assert nearest_rank([], 0.5) is None
+
+
+def test_a_small_calibrate_run_on_the_simulator_side():
+    said: list[str] = []
+    out = calibrate.run_sim(["demo"], 2.0, 0.0, {"kvroute": 50.0}, said.append, tokenize=_bytes)
+    cells = out["workloads"]["demo"]
+    assert set(cells) == {r for r, _ in calibrate.ROUTERS} and said and said[0].startswith("sim demo: ")
+    assert all(c["failed"] == 0 and c["requests"] == 24 for c in cells.values())
+    assert cells["kvroute"]["cached_share"] > cells["sglang-rr"]["cached_share"] + 0.2
+    assert cells["smg-ca"]["cached_share"] > cells["sglang-rr"]["cached_share"] + 0.2
+    assert all(0 < c["ttft_p50_ms"] <= c["ttft_p90_ms"] for c in cells.values())
+    assert out["hop_ms"] == {"kvroute": 50.0} and out["cache_tokens"] == calibrate.cache_tokens()
+    busy = calibrate.run_sim(["demo"], 2.0, 2.0, {"kvroute": 50.0}, said.append, tokenize=_bytes)
+    rr, busy_rr = cells["sglang-rr"], busy["workloads"]["demo"]["sglang-rr"]
+    assert busy_rr["ttft_p90_ms"] > rr["ttft_p90_ms"]  # a busy host slows the replicas
+
+
+def test_the_routers_round_trip_delays_the_next_turn_and_the_first_token():
+    flow = Conversation("c0", "You are a tester. " * 40, ("one", "two", "three"), 0.0, 0)
+    workload = Workload("one", (flow,), concurrency=0, max_tokens=8)
+    plain = sim_workload(workload, _bytes)
+    hop = sim_workload(workload, _bytes, hop_s=0.05)
+    assert [r.delay for r in hop.requests] == [0.0, 0.05, 0.05] and all(r.delay == 0 for r in plain.requests)
+    a = simulate_cell(plain, "round_robin", 1, 4096, None)
+    b = simulate_cell(hop, "round_robin", 1, 4096, None, hop_s=0.05)
+    assert a["cached_share"] == b["cached_share"] > 0.5  # one conversation on one replica: nothing else changes
+    assert b["ttft_p50_ms"] == pytest.approx(a["ttft_p50_ms"] + 50.0, abs=0.2)
+
+
+def test_hops_come_from_the_real_run_and_default_to_none():
+    real = {"rivals": {"kvroute": {"hop_ms": 61.5}, "smg-ca": {"hop_ms": 4.0}, "sglang-rr": {}}}
+    assert calibrate.hops_ms(real) == {"kvroute": 61.5, "smg-ca": 4.0, "sglang-rr": 0.0}
+    assert calibrate.hops_ms(None) == {"kvroute": 0.0, "smg-ca": 0.0, "sglang-rr": 0.0}
