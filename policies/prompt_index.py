@@ -200,7 +200,9 @@ class PromptIndex:
 
         def make_room(saved: Sequence[int], size: float) -> None:
             cache[:] = [c for c in cache if not _contains(saved, entries[c])]  # obsolete: ``saved`` holds them
-            while cache and sum(self._size(state, c) for c in cache) + size > budget:
+            total = sum(self._size(state, c) for c in cache)
+            while cache and total + size > budget:
+                total -= self._size(state, cache[0])
                 lost.append(cache.pop(0))
 
         if slot is not None and not any(_contains(entries[c], entries[slot]) for c in cache):
@@ -217,7 +219,9 @@ class PromptIndex:
             cache.remove(best)
             if not _contains(keys, entries[best]):
                 lost.append(best)  # restored into the slot: what ``keys`` does not share with it is overwritten
-        while len(cache) > 1 and sum(self._size(state, c) for c in cache) > budget:
+        total = sum(self._size(state, c) for c in cache)
+        while len(cache) > 1 and total > budget:
+            total -= self._size(state, cache[0])
             lost.append(cache.pop(0))
         while len(cache) + len(live) + 1 > self.config.max_entries:
             lost.append(cache.pop(0))

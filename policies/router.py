@@ -75,6 +75,10 @@ class Router:
         self.fingerprinter = Fingerprinter(fp)
         index_config = self.config.index or PrefixIndexConfig(block_tokens=fp.block_bytes / fp.bytes_per_token)
         self.index: PrefixLocator = index if index is not None else PrefixIndex(index_config)
+        # an index that sizes entries in the engine's tokens (the llama.cpp prompt index) takes them from answers;
+        # bound once here, not looked up per request
+        self._learn_size: Callable[[str, Sequence[int], int], None] | None = getattr(self.index, "learn_size", None)
+        self._set_token_ratio: Callable[[float], None] | None = getattr(self.index, "set_token_ratio", None)
         tracker = load if load is not None else LoadTracker(self.config.load_half_life_s)
         self.state = RoutingState(index=self.index, load=tracker, computed=self._confirmed_prefix)
         self._policies: dict[str, Policy] = {}
@@ -293,9 +297,8 @@ class Router:
             cached = outcome.cached_tokens
             self.on_complete(rid, cached_tokens=None if cached is None else int(cached / ratio),
                              backend=outcome.backend)
-            learn_size = getattr(self.index, "learn_size", None)
-            if learn_size is not None and backend is not None and outcome.prompt_tokens:
-                learn_size(backend, request.keys, outcome.prompt_tokens + (outcome.output_tokens or 0))
+            if self._learn_size is not None and backend is not None and outcome.prompt_tokens:
+                self._learn_size(backend, request.keys, outcome.prompt_tokens + (outcome.output_tokens or 0))
             if outcome.output_tokens:
                 self.state.load.learn_output(outcome.output_tokens)
             if backend is not None:  # the conversation so far now sits there, answer included
@@ -321,9 +324,8 @@ class Router:
         self._engine_tokens = keep * self._engine_tokens + engine_tokens
         self._estimated_tokens = keep * self._estimated_tokens + estimated_tokens
         self.token_ratio = self._engine_tokens / self._estimated_tokens
-        set_ratio = getattr(self.index, "set_token_ratio", None)
-        if set_ratio is not None:
-            set_ratio(self.token_ratio)
+        if self._set_token_ratio is not None:
+            self._set_token_ratio(self.token_ratio)
         if abs(self.token_ratio / self._capacity_ratio - 1.0) > 0.05:
             self._capacity_ratio = self.token_ratio
             for backend, tokens in self._capacity_tokens.items():

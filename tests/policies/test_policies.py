@@ -414,3 +414,23 @@ def test_the_router_learns_engine_tokens_and_converts_capacity_and_cached_tokens
     router.learn_token_ratio(100_000, 1000)  # a report no tokenizer gives: ignored
     router.learn_token_ratio(80, 10)  # a prompt too short to tell (its chat template dominates): ignored
     assert router.token_ratio == pytest.approx(2.0, rel=0.01)
+
+
+def test_a_prompt_index_weighs_each_answered_prompt_by_the_engines_count():
+    """Through ``Router.finish``: the llama.cpp prompt index learns the engine-token ratio and each answered
+    entry's size (prompt and answer as the engine counted them), converted into the index's tokens."""
+    from kvroute.policies import RequestOutcome
+    from kvroute.policies.lifecycle import SUCCESS
+    from kvroute.policies.prompt_index import PromptIndex, PromptIndexConfig
+
+    clock = Clock()
+    index = PromptIndex(PromptIndexConfig(block_tokens=64))
+    router = Router(RouterConfig(), clock=clock, index=index)
+    req, _d = router.route(group_prompt(7, 0), ["r0"])
+    router.finish(req, RequestOutcome(SUCCESS, "r0", clock.t, cached_tokens=0,
+                                      prompt_tokens=2 * req.prompt_tokens, output_tokens=10))
+    state = index._backends["r0"]
+    (eid,) = state.entries
+    assert index.token_ratio == pytest.approx(router.token_ratio) and router.token_ratio > 1.0
+    assert state.engine_size[eid] == 2 * req.prompt_tokens + 10
+    assert index._size(state, eid) == pytest.approx((2 * req.prompt_tokens + 10) / router.token_ratio)
