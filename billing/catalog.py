@@ -24,6 +24,7 @@ class BackendIdentity:
 
     provider: str
     route_kind: str
+    cancel_billing: str | None = None  # what the provider bills for a cancelled call (None: its known mode)
 
 
 class Catalog:
@@ -89,7 +90,7 @@ class Catalog:
             rules[r.price_book_id].append(PriceRule(
                 r.name, r.priority, r.match_provider, r.match_model, r.match_backend, r.match_route_kind,
                 r.markup_pct, surcharge, r.fee_per_request, r.min_charge_per_request, r.max_charge_per_request,
-                r.bill_failed_attempts, r.bill_zero_completion, r.price_rule_id))
+                r.bill_failed_attempts, r.bill_zero_completion, r.price_rule_id, bill_cancelled=r.bill_cancelled))
         books = [PriceBook(b.app_id, b.version, b.effective_from, b.currency, tuple(rules[b.price_book_id]),
                            b.platform_fee_pct, b.payment_fee_pct, b.price_book_id)
                  for b in conn.execute(select(PriceBookRow.__table__))]
@@ -97,8 +98,9 @@ class Catalog:
                           c.cache_write_5m_per_mtok, c.cache_write_1h_per_mtok, c.output_per_mtok,
                           c.reasoning_per_mtok, c.per_request, c.source, c.cost_rate_id, c.prefill_tok_s)
                  for c in conn.execute(select(CostRateRow.__table__))]
-        backends = {b.backend_id: BackendIdentity(b.provider, b.route_kind)
-                    for b in conn.execute(select(Backend.backend_id, Backend.provider, Backend.route_kind)
+        backends = {b.backend_id: BackendIdentity(b.provider, b.route_kind, b.cancel_billing)
+                    for b in conn.execute(select(Backend.backend_id, Backend.provider, Backend.route_kind,
+                                                 Backend.cancel_billing)
                                           .where(Backend.declared_at.is_not(None)))} if declared else {}
         return cls(books, rates, backends)
 

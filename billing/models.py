@@ -24,6 +24,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    true,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
@@ -97,6 +98,9 @@ class Backend(Base):
     created_at: Mapped[datetime] = mapped_column(Tz())
     # set by a price file: its provider and route kind are then the backend's, for every event rated after
     declared_at: Mapped[datetime | None] = mapped_column(Tz())
+    # what its provider bills for a call the client walked away from (``kvroute.billing.cancels``); None: the
+    # provider's known mode
+    cancel_billing: Mapped[str | None] = mapped_column(String(10))
 
 
 class CostRateRow(Base):
@@ -159,6 +163,7 @@ class PriceRuleRow(Base):
     max_charge_per_request: Mapped[Decimal | None] = mapped_column(Money())
     bill_failed_attempts: Mapped[bool] = mapped_column(Boolean, default=False)
     bill_zero_completion: Mapped[bool] = mapped_column(Boolean, default=False)
+    bill_cancelled: Mapped[bool] = mapped_column(Boolean, default=True, server_default=true())
 
 
 class UsageEventRow(Base):

@@ -2,6 +2,7 @@
 
 ```yaml
 currency: USD                        # default for everything below
+cancel_billing: {bedrock: full}      # what a provider bills for a call its client left: relayed | full | none
 backends:
   - id: vllm-a                       # backend_id as the router names it
     provider: self_hosted
@@ -13,6 +14,7 @@ backends:
         prefill_tok_s: 15000         # input $/Mtok = gpu_hour × gpus / (prefill_tok_s × 3600) × 1e6
         decode_tok_s: 2500           # output $/Mtok likewise (both rounded half-even to 1e-6 per Mtok)
         cache_read_per_mtok: "0"     # (the older `tokens_per_s: N` prices every bucket alike)
+    cancel_billing: relayed          # this backend's own (default: its provider's, see kvroute.billing.cancels)
 price_books:
   - app: acme                        # omit for the default book
     version: 2
@@ -27,6 +29,7 @@ price_books:
         min_per_request: "0.0001"
         bill_failed_attempts: false
         bill_zero_completion: false
+        bill_cancelled: true         # a request its client left is billed like an answer (false: absorbed)
 ```
 """
 
@@ -42,6 +45,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+from kvroute.billing.cancels import check_cancel_billing
 from kvroute.billing.events import ROUTE_KINDS
 from kvroute.billing.money import MILLION, ZERO, check_currency, to_decimal
 from kvroute.billing.pricing import SURCHARGE_BUCKETS, CostRate, GpuRateCard, PriceBook, PriceRule, parse_money
@@ -54,7 +58,7 @@ RATE_FIELDS = ("input_per_mtok", "cache_read_per_mtok", "cache_write_5m_per_mtok
 GPU_FIELDS = ("gpu_hour", "tokens_per_s", "prefill_tok_s", "decode_tok_s", "gpus")
 RATE_SOURCES = ("manual", "provider_reported", "litellm_model_cost", "self_hosted_amortized")
 RULE_FIELDS = {"name", "match", "markup_pct", "surcharge_per_mtok", "fee_per_request", "min_per_request",
-               "max_per_request", "bill_failed_attempts", "bill_zero_completion"}
+               "max_per_request", "bill_failed_attempts", "bill_zero_completion", "bill_cancelled"}
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,7 @@ class BackendSpec:
     served_model: str | None
     route_kind: str
     endpoint: str | None
+    cancel_billing: str | None = None  # None: its provider's known mode (``kvroute.billing.cancels``)
 
 
 @dataclass(frozen=True)
@@ -164,16 +169,21 @@ def _flag(value: Any, key: str) -> bool:
 def parse_price_data(data: Any) -> PriceFile:
     """Validate the parsed document (see the module docstring)."""
     root = _mapping(data, "(price file)")
-    unknown = set(root) - {"currency", "backends", "price_books"}
+    unknown = set(root) - {"currency", "cancel_billing", "backends", "price_books"}
     if unknown:
-        raise ConfigError(sorted(unknown)[0], "unknown top-level key (known: currency, backends, price_books)")
+        raise ConfigError(sorted(unknown)[0],
+                          "unknown top-level key (known: currency, cancel_billing, backends, price_books)")
     try:
         currency = check_currency(root.get("currency", "USD"))
     except InputError as exc:
         raise ConfigError("currency", exc.message) from None
+    by_provider = {str(p): _cancel_mode(m, f"cancel_billing.{p}")
+                   for p, m in _mapping(root.get("cancel_billing") or {}, "cancel_billing").items()}
     backends, rates = [], []
     for i, item in enumerate(_list(root.get("backends"), "backends")):
         backend, backend_rates = _backend(_mapping(item, f"backends[{i}]"), f"backends[{i}]", currency)
+        if backend.cancel_billing is None and backend.provider in by_provider:
+            backend = replace(backend, cancel_billing=by_provider[backend.provider])
         backends.append(backend)
         rates.extend(backend_rates)
     if len({b.backend_id for b in backends}) != len(backends):
@@ -190,7 +200,7 @@ def parse_price_data(data: Any) -> PriceFile:
 
 
 def _backend(item: Mapping[str, Any], key: str, currency: str) -> tuple[BackendSpec, list[CostRate]]:
-    unknown = set(item) - {"id", "provider", "served_model", "route_kind", "endpoint", "rates"}
+    unknown = set(item) - {"id", "provider", "served_model", "route_kind", "endpoint", "cancel_billing", "rates"}
     if unknown:
         raise ConfigError(f"{key}.{sorted(unknown)[0]}", "unknown key")
     backend_id = item.get("id")
@@ -209,7 +219,16 @@ def _backend(item: Mapping[str, Any], key: str, currency: str) -> tuple[BackendS
         raise ConfigError(f"{key}.route_kind", f"must be one of {', '.join(ROUTE_KINDS)}, got {route_kind!r}")
     if len({r.effective_from for r in rates}) != len(rates):
         raise ConfigError(f"{key}.rates", "two rate cards start at the same time")
-    return BackendSpec(backend_id, provider, item.get("served_model"), route_kind, item.get("endpoint")), rates
+    cancel = item.get("cancel_billing")
+    return BackendSpec(backend_id, provider, item.get("served_model"), route_kind, item.get("endpoint"),
+                       None if cancel is None else _cancel_mode(cancel, f"{key}.cancel_billing")), rates
+
+
+def _cancel_mode(value: Any, key: str) -> str:
+    try:
+        return check_cancel_billing(value, key)
+    except InputError as exc:
+        raise ConfigError(key, exc.message) from None
 
 
 def _rate(item: Mapping[str, Any], key: str, backend_id: str, currency: str) -> CostRate:
@@ -339,13 +358,18 @@ def _rule(item: Mapping[str, Any], key: str, priority: int) -> PriceRule:
                      match.get("route_kind"), opt["markup_pct"], surcharge, opt["fee_per_request"],
                      opt["min_per_request"], opt["max_per_request"],
                      _flag(item.get("bill_failed_attempts", False), f"{key}.bill_failed_attempts"),
-                     _flag(item.get("bill_zero_completion", False), f"{key}.bill_zero_completion"))
+                     _flag(item.get("bill_zero_completion", False), f"{key}.bill_zero_completion"),
+                     bill_cancelled=_flag(item.get("bill_cancelled", True), f"{key}.bill_cancelled"))
 
 
 def book_hash(book: PriceBook) -> str:
     """A content hash of a book (without database ids): loading the same version twice must match it."""
-    plain = replace(book, price_book_id=None, rules=tuple(replace(r, price_rule_id=None) for r in book.rules))
-    return hashlib.sha256(json.dumps(_jsonable(plain), sort_keys=True).encode()).hexdigest()
+    plain = _jsonable(replace(book, price_book_id=None,
+                              rules=tuple(replace(r, price_rule_id=None) for r in book.rules)))
+    for rule in plain["rules"]:  # a book stored before the flag existed hashes as it did: the default is left out
+        if rule.get("bill_cancelled") is True:
+            del rule["bill_cancelled"]
+    return hashlib.sha256(json.dumps(plain, sort_keys=True).encode()).hexdigest()
 
 
 def _jsonable(value: Any) -> Any:

@@ -35,7 +35,7 @@ def store_prices(ledger: Ledger, pf: PriceFile) -> LoadSummary:
         known = {r.backend_id: r for r in conn.execute(select(Backend.__table__))}
         for b in pf.backends:
             declared = {"provider": b.provider, "served_model": b.served_model, "endpoint": b.endpoint,
-                        "route_kind": b.route_kind}
+                        "route_kind": b.route_kind, "cancel_billing": b.cancel_billing}
             old = known.get(b.backend_id)
             if old is None:
                 conn.execute(insert(Backend).values(backend_id=b.backend_id, created_at=now, declared_at=now,
@@ -94,7 +94,7 @@ def store_prices(ledger: Ledger, pf: PriceFile) -> LoadSummary:
                     surcharge_cache_write_per_mtok=s.get("cache_write"), surcharge_output_per_mtok=s.get("output"),
                     fee_per_request=rule.fee_per_request, min_charge_per_request=rule.min_per_request,
                     max_charge_per_request=rule.max_per_request, bill_failed_attempts=rule.bill_failed_attempts,
-                    bill_zero_completion=rule.bill_zero_completion))
+                    bill_zero_completion=rule.bill_zero_completion, bill_cancelled=rule.bill_cancelled))
             books_added += 1
     ledger.catalog(refresh=True)
     return LoadSummary(backends_added, rates_added, books_added, unchanged, backends_updated)

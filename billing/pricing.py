@@ -7,7 +7,8 @@ cost (which for a replica is only the per-token price typed into ``model_list``)
 self-hosted cost the ledger and the hybrid router share;
 ``billed`` = clamp(cost + cost × markup + Σ tokens × surcharge / 1e6 + fee, min, max), or 0 for non-final attempts
 unless the rule has ``bill_failed_attempts`` and for zero completions unless it has ``bill_zero_completion`` (a
-retried zero completion needs both).
+retried zero completion needs both); a request its client walked away from (a final ``cancelled`` attempt) is
+billed like an answer unless the rule sets ``bill_cancelled: false``.
 
 Currencies are never mixed: the amounts an event is rated with (its reported cost in the event's ``currency``,
 or the rate card in the card's currency) must be in the price book's currency, else ``rate_event`` raises
@@ -166,6 +167,9 @@ class PriceRule:
     bill_failed_attempts: bool = False
     bill_zero_completion: bool = False
     price_rule_id: int | None = None
+    #: a request whose client went away (a final ``cancelled`` attempt) is billed like an answer: the provider
+    #: bills it; false absorbs it (shown under the ``cancelled`` cause)
+    bill_cancelled: bool = True
 
     def matches(self, e: UsageEvent) -> bool:
         return ((self.match_provider is None or self.match_provider == e.provider)
@@ -186,6 +190,8 @@ class PriceRule:
             parts.append(f"min {self.min_per_request.normalize():f}")
         if self.max_per_request is not None:
             parts.append(f"max {self.max_per_request.normalize():f}")
+        if not self.bill_cancelled:
+            parts.append("cancelled requests absorbed")
         return f"{self.name}: " + (" · ".join(parts) if parts else "at cost")
 
 
@@ -274,6 +280,8 @@ def rate_event(e: UsageEvent, cost_rate: CostRate | None, book: PriceBook | None
             billed = rule.max_per_request
     if e.is_final and e.status == "success":
         bill_it = True
+    elif e.status == "cancelled" and e.is_final:  # the client went away; the provider still bills the call
+        bill_it = rule is None or rule.bill_cancelled
     elif e.status == "zero_completion":  # an empty answer, final or retried, bills only under this flag
         bill_it = rule is not None and rule.bill_zero_completion and (e.is_final or rule.bill_failed_attempts)
     else:  # a failed or superseded attempt

@@ -13,6 +13,8 @@ before the response; streams: end of the stream)   so a kill right after the ans
 ``async_log_failure_event``                        a router-level hop (no deployment, cooldown) as ``no_route``
                                                    on backend ``router``; an attempt no earlier hook recorded
 ``async_post_call_failure_hook`` (proxy)           the request's final outcome when it failed (``outcome`` row)
+the stream wrapper's close (the client left), or   the attempt serving the request, final, ``cancelled``, with
+any hook's ``cancelled`` verdict (LiteLLM's 499)   what its provider bills for a cancel (``cancelled``)
 =================================================  ==========================================================
 
 Each event is built from ``CallFacts`` (``kvroute.billing.call_facts``): read from LiteLLM's payload where a hook has
@@ -36,9 +38,11 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from datetime import UTC, datetime
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+from kvroute.billing import cancels
 from kvroute.billing.call_facts import CallFacts, money
 from kvroute.billing.call_facts import first_given as _first
 from kvroute.billing.usage import as_mapping
@@ -47,6 +51,8 @@ from kvroute.plugin.adapter.signals import deployment_id, request_metadata
 
 log = logging.getLogger("kvroute.plugin")
 UNATTRIBUTED_WARN_EVERY_S = 60.0
+CATALOG_TTL_S = 60.0  # how long the price file's cancel billing modes are kept before the catalog is read again
+CLIENT_LEFT = "client_disconnected"  # the error type of an attempt whose client went away
 
 
 class BillingFeed:
@@ -77,6 +83,7 @@ class BillingFeed:
         self.journal: Path | None = None
         self.before_response = 0  # successes recorded before the client got them (streams: before [DONE])
         self.unattributed = 0  # requests booked to no app (their key names none): counted, warned about
+        self._cancel_modes: tuple[float, dict[str, str]] | None = None
         self._unattributed_warned_at: float | None = None
 
     # --- setup -------------------------------------------------------------------------------------
@@ -133,9 +140,10 @@ class BillingFeed:
                 tables = inspect(engine)
                 if not tables.has_table("cost_rate"):
                     return None  # a ledger not created yet holds no cards
-                migrated = "declared_at" in {c["name"] for c in tables.get_columns("backend")}
-                with engine.connect() as conn:  # a ledger the recorder has not migrated yet declares no backend
-                    return Catalog.load(conn, declared=migrated)
+                if "cancel_billing" not in {c["name"] for c in tables.get_columns("backend")}:
+                    return None  # a ledger the recorder has not migrated yet: model_list prices until it has
+                with engine.connect() as conn:
+                    return Catalog.load(conn)
             finally:
                 engine.dispose()
         except Exception as exc:
@@ -282,8 +290,12 @@ class BillingFeed:
                 _, attempt = self.ids.new_attempt(meta, str(kwargs.get("model") or ""), deployment_id(kwargs))
         else:
             state, attempt = found
-        if state.success_recorded and attempt.recorded:
-            return  # recorded before the response went out (same event id): nothing to add
+        if state.cancelled or (state.success_recorded and attempt.recorded):
+            return  # recorded before the response went out (same event id), or its client left: nothing to add
+        if _client_left(kwargs):  # LiteLLM's account of a stream its client left: what it had is what was relayed
+            counted = _get_int(getattr(response, "usage", None), "completion_tokens")
+            if self.cancelled(kwargs, attempt.streamed or counted, getattr(response, "usage", None)):
+                return
         state.success_recorded = True
         backend = deployment_id(kwargs) or attempt.backend
 
@@ -336,6 +348,70 @@ class BillingFeed:
             self.before_response += 1
         state.success_recorded = True
 
+    def cancelled(self, data: Mapping[str, Any], relayed: int = 0, usage: Any = None) -> bool:
+        """The client went away: book the attempt serving the request as its final ``cancelled`` attempt, once,
+        with what its provider bills (``kvroute.billing.cancels``): the prompt (the provider's early ``usage``
+        when a chunk carried one, else counted) and the ``relayed`` output. Whether it booked it (False: no
+        attempt reached a provider, or the request already has its outcome)."""
+        meta = request_metadata(data)
+        state = self.ids.state(meta)
+        if state is None or state.cancelled or state.outcome_recorded or state.success_recorded:
+            return False
+        attempt = next((a for a in reversed(state.attempts) if a.sent and a.backend), None)
+        if attempt is None or attempt.recorded:
+            return False
+        backend = attempt.backend
+        mode = self.cancel_billing_of(backend, attempt.model_info)
+        prompt, cached, source = _cancelled_prompt(usage, data, attempt.served)
+        max_tokens = _first(data.get("max_completion_tokens"), data.get("max_tokens"))
+        billed = cancels.cancelled_usage(mode, prompt_tokens=prompt, cached_tokens=cached, relayed=relayed,
+                                         max_tokens=max_tokens if isinstance(max_tokens, int) else None,
+                                         prompt_source=source)
+        end = datetime.now(UTC)
+
+        def read(app: str) -> CallFacts | None:
+            served = self.served_of(backend) or _served_model(attempt.served)
+            if served is None:
+                return None
+            kind, provider = self._deployment(backend, attempt.model_info, meta.get("model_info"))
+            return CallFacts(
+                request_id=state.request_id, app_id=app, served_model=served, backend_id=backend,
+                requested_model=_first(data.get("model"), meta.get("model_group")), provider=provider,
+                route_kind=kind, outcome="cancelled", final=True, attempt=attempt.number, usage=billed,
+                litellm_cost=_token_cost(billed, attempt.model_info),
+                http_status=499, error_type=CLIENT_LEFT, streamed=bool(data.get("stream")),
+                start=attempt.started_at, end=end, fallback_depth=meta.get("fallback_depth"),
+                end_user=data.get("user"), api_key_hash=meta.get("user_api_key_hash"))
+
+        state.cancelled = True
+        if self._record(read, state=state, attempt=attempt, outcome="cancelled", final=True, backend=backend):
+            state.outcome_recorded = True
+            return True
+        return False
+
+    def cancel_billing_of(self, backend: str, model_info: Mapping[str, Any] | None = None) -> str:
+        """What ``backend``'s provider bills for a cancelled call: its ``model_info.kvroute_cancel_billing``, else
+        the price file's declaration, else the provider's known mode (``cancels.cancel_billing_for``)."""
+        declared = _declared((model_info,), "kvroute_cancel_billing")
+        if declared is None:
+            declared = self._declared_cancel_modes().get(backend)
+        try:
+            return cancels.cancel_billing_for(self.provider_of(backend), declared)
+        except Exception:  # a typo in model_info: the provider's own mode, said once per backend
+            log.warning("kvroute billing: %s has an unknown cancel_billing %r; using its provider's",
+                        backend, declared)
+            return cancels.cancel_billing_for(self.provider_of(backend))
+
+    def _declared_cancel_modes(self) -> Mapping[str, str]:
+        """backend id -> the cancel billing its price file declared, read from the catalog at most once a minute."""
+        now = time.monotonic()
+        if self._cancel_modes is None or now - self._cancel_modes[0] >= CATALOG_TTL_S:
+            catalog = self._catalog()
+            modes = {b: i.cancel_billing for b, i in (catalog.backends.items() if catalog else ())
+                     if i.cancel_billing}
+            self._cancel_modes = (now, modes)
+        return self._cancel_modes[1]
+
     def stream_cut(self, request_data: Mapping[str, Any], relayed: int) -> None:
         """The proxy stream failed after ``relayed`` chunks with output went to the client: they are the output
         the current attempt was billed for (its failure is recorded by the failure hooks, with that cost)."""
@@ -379,6 +455,8 @@ class BillingFeed:
         state, attempt = found
         if status is None:
             status = self.events.exception_status(exception, backend_called=True)[0]  # the per-attempt hook
+        if status == "cancelled" and self.cancelled(request_data):
+            return  # the client went away: booked once, final, with what its provider bills
         backend = deployment_id(request_data) or attempt.backend
 
         def read(app: str) -> CallFacts | None:
@@ -442,6 +520,8 @@ class BillingFeed:
         state = self.ids.state(meta)
         if status is None:
             status = self.events.exception_status(exception)[0]
+        if status == "cancelled" and self.cancelled(kwargs):
+            return
         slo = kwargs.get("standard_logging_object")
         slo = slo if isinstance(slo, Mapping) else {}
         group = str(slo.get("model_group") or kwargs.get("model") or "")
@@ -478,13 +558,15 @@ class BillingFeed:
         meta = request_metadata(data)
         state = self.ids.state(meta)
         status = self.events.exception_status(exception)[0]
+        if status == "cancelled" and self.cancelled(data):
+            return  # the client went away (LiteLLM's 499): its attempt is the request's outcome
         if state is None:
             if status != "no_route":
                 return  # never routed (validation): not usage
             state = self._unrouted_state(meta)
             if state is None:
                 return  # refused at auth: not usage
-        if state.outcome_recorded or state.success_recorded:
+        if state.outcome_recorded or state.success_recorded or state.cancelled:
             return
         last = state.latest(unrecorded=False)
         if last is not None and last.sent and last.backend and not last.recorded and last.streamed:
@@ -665,6 +747,45 @@ def _prompt_tokens(data: Mapping[str, Any], served: str | None) -> int:
     except Exception:
         log.debug("kvroute billing: prompt tokens of a cut stream unknown", exc_info=True)
     return 0
+
+
+def _client_left(kwargs: Mapping[str, Any]) -> bool:
+    """Whether LiteLLM marked the request's client as gone (``client_disconnected`` in any of its metadata)."""
+    params = kwargs.get("litellm_params")
+    return any(isinstance(m, Mapping) and m.get("client_disconnected") is True
+               for m in (kwargs.get("metadata"), kwargs.get("litellm_metadata"),
+                         params.get("metadata") if isinstance(params, Mapping) else None))
+
+
+def _get_int(obj: Any, name: str) -> int:
+    """``obj.name`` (or ``obj[name]``) when it is a non-negative int, else 0."""
+    value = obj.get(name) if isinstance(obj, Mapping) else getattr(obj, name, None)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def _cancelled_prompt(usage: Any, data: Mapping[str, Any], served: str | None) -> tuple[int, int, str]:
+    """(prompt tokens, cached ones, source) of a cancelled attempt: the provider's early usage when a chunk
+    carried one (``reported``), else the deployment's tokenizer (``counted``), else four characters a token."""
+    plain = as_mapping(usage) if usage is not None else {}
+    reported = plain.get("prompt_tokens") if isinstance(plain, Mapping) else None
+    if isinstance(reported, int) and not isinstance(reported, bool) and reported > 0:
+        details = plain.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
+        return reported, cached if isinstance(cached, int) and not isinstance(cached, bool) else 0, "reported"
+    counted = _prompt_tokens(data, served)
+    if counted > 0:
+        return counted, 0, "counted"
+    text = json.dumps(data.get("messages") or data.get("prompt") or "", default=str)
+    return max(len(text) // 4, 1), 0, "estimated"
+
+
+def _token_cost(usage: Mapping[str, Any], model_info: Mapping[str, Any] | None) -> Decimal | None:
+    """What ``usage``'s prompt and completion tokens cost at the deployment's per-token prices (None without)."""
+    prices = _prices(model_info)
+    rate_in, rate_out = money(prices.get("input_cost_per_token")), money(prices.get("output_cost_per_token"))
+    if rate_in is None or rate_out is None:
+        return None
+    return rate_in * int(usage.get("prompt_tokens") or 0) + rate_out * int(usage.get("completion_tokens") or 0)
 
 
 _PRICE_KEYS = ("input_cost_per_token", "output_cost_per_token")

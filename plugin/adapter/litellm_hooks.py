@@ -208,10 +208,11 @@ class KvrouteCallback(CustomLogger):
 
     async def async_post_call_streaming_iterator_hook(self, user_api_key_dict: Any, response: Any,
                                                       request_data: dict) -> Any:
-        """Proxy streams: mark the first token, and release the pick if the client goes away mid-stream.
+        """Proxy streams: mark the first token; if the client goes away mid-stream, book the attempt as
+        ``cancelled`` with the output relayed so far and release the pick.
 
-        On a client disconnect LiteLLM closes this iterator and never logs the request, so the pick would
-        otherwise hold its load until it expires.
+        On a client disconnect LiteLLM closes this iterator; its own late log of the partial stream finds the
+        request booked, and the pick would otherwise hold its load until it expires.
         """
         done = False
         first = True
@@ -243,7 +244,7 @@ class KvrouteCallback(CustomLogger):
             raise
         finally:
             if not done:  # GeneratorExit / CancelledError: the client went away
-                self._cancelled(request_data)
+                self._cancelled(request_data, relayed, usage_chunk)
 
     def _first_token(self, kwargs: Mapping[str, Any]) -> None:
         try:
@@ -251,8 +252,15 @@ class KvrouteCallback(CustomLogger):
         except Exception:
             self._count_error("stream_chunk")
 
-    def _cancelled(self, kwargs: Mapping[str, Any]) -> None:
-        """The client went away: release load (what was prefilled may stay cached); neutral for health."""
+    def _cancelled(self, kwargs: Mapping[str, Any], relayed: int = 0, usage_chunk: Any = None) -> None:
+        """The client went away: book what its provider bills for the attempt (``relayed`` output chunks, the
+        provider's early usage if a chunk carried one), then release load (what was prefilled may stay cached);
+        neutral for health."""
+        if self.billing is not None:
+            try:
+                self.billing.cancelled(kwargs, relayed, getattr(usage_chunk, "usage", None))
+            except Exception:
+                self._count_error("billing")
         try:
             outcomes.cancelled(self, self.ids.resolve(request_metadata(kwargs)))
         except Exception:

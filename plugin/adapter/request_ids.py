@@ -37,12 +37,12 @@ from typing import TYPE_CHECKING, Any
 
 from kvroute.billing.attribution import AppRule
 from kvroute.plugin.adapter.request_labels import LedgerLabels
+from kvroute.plugin.adapter.signals import REQUEST_KEY
 from kvroute.policies.lifecycle import CANCELLED, RequestOutcome
 
 if TYPE_CHECKING:
     from kvroute.policies.outcomes import Attribution
 
-REQUEST_KEY = "kvroute_request"
 SIG_KEY = "kvroute_sig"
 TICKET_KEY = "kvroute_rid"
 ATTEMPT_KEY = "kvroute_attempt"
@@ -99,6 +99,7 @@ class RequestState:
     session_id: str | None = None  # the session the client names (header or metadata), for its ledger events
     tags: tuple[str, ...] = ()  # the request's metadata tags, for its ledger events
     booked: bool = False  # a ledger event of the request was built
+    cancelled: bool = False  # its client went away and its attempt is booked ``cancelled`` (nothing else is)
     failed: list[str] = field(default_factory=list)  # backends blamed for this request's failed attempts
     judged: list[BaseException] = field(default_factory=list)  # exceptions whose verdict was applied
 

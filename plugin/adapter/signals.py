@@ -19,16 +19,24 @@ from kvroute.policies.errors import ConfigError
 from kvroute.policies.health import BreakerConfig, HealthBoard, Transition
 from kvroute.policies.registry import did_you_mean
 
+#: The metadata key of kvroute's ledger request id (``request_ids`` writes it on a request's first hook).
+REQUEST_KEY = "kvroute_request"
+
 
 def request_metadata(kwargs: Mapping[str, Any], create: bool = False) -> dict[str, Any] | None:
-    """The request's metadata dict (the same object reaches every hook of the request)."""
-    for name in ("metadata", "litellm_metadata"):
-        meta = kwargs.get(name)
-        if isinstance(meta, dict):
-            return meta
+    """The request's metadata dict (the same object reaches every hook of the request): the first of
+    ``metadata``, ``litellm_metadata`` and ``litellm_params.metadata`` that holds kvroute's request id, else the
+    first that exists (LiteLLM may hang a fresh ``metadata`` dict on a late event, e.g. a client disconnect's)."""
     params = kwargs.get("litellm_params")
-    if isinstance(params, Mapping) and isinstance(params.get("metadata"), dict):
-        return params["metadata"]
+    found = None
+    for meta in (kwargs.get("metadata"), kwargs.get("litellm_metadata"),
+                 params.get("metadata") if isinstance(params, Mapping) else None):
+        if isinstance(meta, dict):
+            if REQUEST_KEY in meta:
+                return meta
+            found = found if found is not None else meta
+    if found is not None:
+        return found
     if create and isinstance(kwargs, dict):
         meta = kwargs["metadata"] = {}
         return meta

@@ -64,8 +64,8 @@ PRICES: dict[str, Any] = {
                    {"name": "rest", "markup_pct": "15%", "surcharge_per_mtok": {"output": "0.50"}}]},
         {"app": "delta", "version": 1, "effective_from": "2026-01-01", "platform_fee_pct": "10%",
          "rules": [{"name": "own", "match": {"route_kind": "self_hosted"}, "markup_pct": "30%",
-                    "fee_per_request": "0.001"},
-                   {"name": "rest", "markup_pct": "30%"}]},
+                    "fee_per_request": "0.001", "bill_cancelled": False},
+                   {"name": "rest", "markup_pct": "30%", "bill_cancelled": False}]},
     ],
 }
 
@@ -222,6 +222,11 @@ class IndependentLedger:
         total = (t.uncached * card["input"] + t.read * card["cache_read"] + t.w5 * card["cache_write_5m"]
                  + t.w1 * card["cache_write_1h"] + t.output * card["output"]) / M
         return total.quantize(Decimal("1e-10"), ROUND_HALF_EVEN)
+
+    @staticmethod
+    def absorbs_cancelled(app: str) -> bool:
+        """Whether ``app``'s price book absorbs a request its client left (``bill_cancelled: false``)."""
+        return app == "delta"
 
     def unpriced_reads(self, attempts: list[Attempt]) -> dict[str, int]:
         out: dict[str, int] = defaultdict(int)
