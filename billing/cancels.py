@@ -34,6 +34,9 @@ KNOWN_CANCEL_BILLING: Mapping[str, str] = {
 PROMPT_SOURCES = ("reported", "counted", "estimated")
 #: The ``kvroute_estimate`` of a cancelled attempt's usage (the reports' ``cancelled`` cause reads the status).
 CANCELLED_ESTIMATE = "cancelled"
+#: The ``error_type`` of a request its client left (final) and of a hedge's losing attempt (non-final).
+CLIENT_LEFT = "client_disconnected"
+HEDGE_LOST = "hedge_lost"
 
 
 def check_cancel_billing(value: Any, where: str = "cancel_billing") -> str:

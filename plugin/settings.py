@@ -69,6 +69,7 @@ class GroupSettings(BaseModel):
     precise: dict[str, Any] = Field(default_factory=dict)
     isolation: Isolation = "none"
     hybrid: dict[str, Any] | None = None  # the ``hybrid`` policy's knobs: self-hosted first, overflow to hosted
+    hedge: dict[str, Any] | None = None  # hedged streams on hosted routes (``kvroute.policies.hedging.HedgeConfig``)
 
     @property
     def policy_knobs(self) -> tuple[str | None, dict[str, Any]]:

@@ -18,11 +18,21 @@ from typing import Any
 
 from sqlalchemy import and_, case
 
-#: The ``error_type`` a hedge's losing attempt is booked with (a ``cancelled`` attempt).
-HEDGE_LOST = "hedge_lost"
+from kvroute.billing.cancels import HEDGE_LOST
+
 CAUSES = ("failed", "stream_cut", "cancelled", "hedge")
 #: The report column of each cause's absorbed cost.
 COLUMNS = {cause: f"absorbed_{cause}" for cause in CAUSES}
+
+
+def hedge_lost(event: Any) -> Any:
+    """A SQL condition: the row is a hedge race's losing attempt."""
+    return and_(event.status == "cancelled", event.error_type == HEDGE_LOST)
+
+
+def lost_by_primary(event: Any) -> Any:
+    """A SQL condition: a losing attempt that was the request's first route (so the hedge answered)."""
+    return event.raw_usage["kvroute_hedge"].as_string() == "primary"
 
 
 def cause_of(event: Any) -> Any:

@@ -14,7 +14,7 @@ _LATENCY = tuple(attempts.LATENCY)
 def usage_columns(by: str | Grouping = "backend") -> tuple[str, ...]:
     g = Grouping.parse(by)
     return ("period", "app_id", *g.columns, *_REQUESTS[:3], "error_rate", *FAILED, *_REQUESTS[3:], "sessions",
-            *TOKENS, "cache_hit_ratio", "provider_cost", "absorbed_cost", *ABSORBED, *SPLIT, "spend",
+            *TOKENS, "cache_hit_ratio", "provider_cost", "absorbed_cost", *ABSORBED, "hedge_cost", *SPLIT, "spend",
             "cost_per_request", "cost_per_session_p50", "cost_per_session_p90", *savings.COLUMNS, *_LATENCY,
             "adjustments", "currency")
 

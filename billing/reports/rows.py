@@ -12,6 +12,8 @@ corrections of closed months booked in it; days: re-rate corrections of the atte
 - ``payout_share = markup_amount + fee_amount − platform_fee − payment_fee``; ``payout_amount`` is the share of each
   app's month floored at 0, summed: shown on rows that are whole apps (``--by app``) and on the totals
 - ``absorbed_cost`` = ``absorbed_failed + absorbed_stream_cut + absorbed_cancelled + absorbed_hedge`` (``causes``)
+- ``hedged_requests``: requests raced by a hedge (one losing attempt each); ``hedge_wins``: those the hedge answered;
+  ``hedge_cost``: what the losing attempts cost (billed or absorbed)
 
 ``provider_cost`` is the cost of billed attempts, ``absorbed_cost`` the cost of attempts nobody is billed for.
 Figures that do not add (quantiles, sessions, savings of unpriced attempts) are computed for each row, and for the
@@ -44,13 +46,14 @@ TOKENS = ("input_tokens_uncached", "cache_read_tokens", "cache_write_5m_tokens",
 FAILURES = tuple(s for s in STATUSES if s != "success")
 FAILED = tuple(f"failed_{s}" for s in FAILURES)
 COUNTS = ("requests_total", "requests_success", "requests_failed", "requests_with_fallback", "attempts_absorbed",
-          "late_requests", "unpriced_events", "rerated_events", "self_hosted_requests", "hosted_requests", *FAILED)
+          "late_requests", "unpriced_events", "rerated_events", "self_hosted_requests", "hosted_requests",
+          "hedged_requests", "hedge_wins", *FAILED)
 ABSORBED = tuple(causes.COLUMNS[c] for c in causes.CAUSES)
 #: The spend split: all cost (billed + absorbed) of self-hosted backends vs hosted (overflow) ones, by the route kind
 #: each event was rated with (the price file's for a backend it declares, see ``Catalog.resolve``).
 SPLIT = ("self_hosted_cost", "hosted_cost")
-EVENT_MONEY = ("provider_cost", "absorbed_cost", *ABSORBED, *SPLIT, "markup_amount", "fee_amount", "billed_amount",
-               "adjustments")
+EVENT_MONEY = ("provider_cost", "absorbed_cost", *ABSORBED, "hedge_cost", *SPLIT, "markup_amount", "fee_amount",
+               "billed_amount", "adjustments")
 FEES = ("platform_fee", "payment_fee")
 #: Every column that adds up across rows (the totals of these are sums).
 ADDITIVE = (*COUNTS, *TOKENS, *EVENT_MONEY, *FEES)
@@ -115,6 +118,7 @@ def _event_partials(conn: Connection, lines: Lines) -> dict[tuple, dict[str, Any
 
     final = E.is_final_attempt.is_(True)
     cause = causes.cause_of(E)
+    lost = causes.hedge_lost(E)
     query = lines.events(
         _count(final).label("requests_total"),
         _count(and_(final, E.status == "success")).label("requests_success"),
@@ -126,6 +130,8 @@ def _event_partials(conn: Connection, lines: Lines) -> dict[tuple, dict[str, Any
         _count(E.rerate_run_id.is_not(None)).label("rerated_events"),
         _count(and_(final, _self_hosted())).label("self_hosted_requests"),
         _count(and_(final, ~_self_hosted())).label("hosted_requests"),
+        _count(lost).label("hedged_requests"),  # one losing attempt per hedged request
+        _count(and_(lost, causes.lost_by_primary(E))).label("hedge_wins"),
         *[_count(E.status == s).label(f"failed_{s}") for s in FAILURES],
         *[func.coalesce(func.sum(getattr(E, c if c != "input_tokens_uncached" else "input_uncached_tokens")), 0)
           .label(c) for c in TOKENS],
@@ -133,6 +139,7 @@ def _event_partials(conn: Connection, lines: Lines) -> dict[tuple, dict[str, Any
         own(E.absorbed_cost).label("absorbed_cost"),
         *[own(case((E.absorbed_cost == zero, zero), (cause == c, E.absorbed_cost), else_=zero))  # cause: absorbed only
           .label(causes.COLUMNS[c]) for c in causes.CAUSES],
+        own(case((lost, E.provider_cost), else_=zero)).label("hedge_cost"),  # the losers' cost, billed or not
         own(E.markup_amount + E.surcharge_amount).label("markup_amount"),
         own(E.fee_amount).label("fee_amount"),
         own(E.billed_amount).label("billed_amount"),

@@ -52,7 +52,8 @@ from kvroute.plugin.adapter.signals import deployment_id, request_metadata
 log = logging.getLogger("kvroute.plugin")
 UNATTRIBUTED_WARN_EVERY_S = 60.0
 CATALOG_TTL_S = 60.0  # how long the price file's cancel billing modes are kept before the catalog is read again
-CLIENT_LEFT = "client_disconnected"  # the error type of an attempt whose client went away
+CLIENT_LEFT = cancels.CLIENT_LEFT
+HEDGE_LOST = cancels.HEDGE_LOST
 
 
 class BillingFeed:
@@ -290,7 +291,7 @@ class BillingFeed:
                 _, attempt = self.ids.new_attempt(meta, str(kwargs.get("model") or ""), deployment_id(kwargs))
         else:
             state, attempt = found
-        if state.cancelled or (state.success_recorded and attempt.recorded):
+        if state.cancelled or attempt.hedge_lost or (state.success_recorded and attempt.recorded):
             return  # recorded before the response went out (same event id), or its client left: nothing to add
         if _client_left(kwargs):  # LiteLLM's account of a stream its client left: what it had is what was relayed
             counted = _get_int(getattr(response, "usage", None), "completion_tokens")
@@ -357,16 +358,40 @@ class BillingFeed:
         state = self.ids.state(meta)
         if state is None or state.cancelled or state.outcome_recorded or state.success_recorded:
             return False
-        attempt = next((a for a in reversed(state.attempts) if a.sent and a.backend), None)
+        attempt = next((a for a in reversed(state.attempts) if a.sent and a.backend and not a.hedge_lost), None)
         if attempt is None or attempt.recorded:
             return False
-        backend = attempt.backend
+        state.cancelled = True
+        if self._book_cancel(state, attempt, data, relayed, usage, final=True, error_type=CLIENT_LEFT):
+            state.outcome_recorded = True
+            return True
+        return False
+
+    def hedge_lost(self, data: Mapping[str, Any], attempt: Attempt, produced: int, *, primary: bool) -> bool:
+        """``attempt`` lost a hedge race and was closed after ``produced`` content chunks: book it non-final,
+        ``cancelled`` with ``error_type: hedge_lost``, with what its provider bills for a cancel (absorbed unless
+        the price rule bills failed attempts); ``primary``: it was the request's first route (the hedge won).
+        Whether it was booked."""
+        state = self.ids.state(request_metadata(data))
+        if state is None or attempt.recorded or not attempt.backend:
+            return False
+        attempt.hedge_lost = True
+        return self._book_cancel(state, attempt, data, produced, None, final=False, error_type=HEDGE_LOST,
+                                 role="primary" if primary else "hedge")
+
+    def _book_cancel(self, state: RequestState, attempt: Attempt, data: Mapping[str, Any], relayed: int,
+                     usage: Any, *, final: bool, error_type: str, role: str | None = None) -> bool:
+        """Book ``attempt`` as ``cancelled`` with the tokens its provider bills for a cancel."""
+        meta = request_metadata(data) or {}
+        backend = str(attempt.backend)
         mode = self.cancel_billing_of(backend, attempt.model_info)
         prompt, cached, source = _cancelled_prompt(usage, data, attempt.served)
         max_tokens = _first(data.get("max_completion_tokens"), data.get("max_tokens"))
         billed = cancels.cancelled_usage(mode, prompt_tokens=prompt, cached_tokens=cached, relayed=relayed,
                                          max_tokens=max_tokens if isinstance(max_tokens, int) else None,
                                          prompt_source=source)
+        if role is not None:
+            billed["kvroute_hedge"] = role  # which side of a hedge race lost (the reports' ``hedge_wins``)
         end = datetime.now(UTC)
 
         def read(app: str) -> CallFacts | None:
@@ -377,17 +402,13 @@ class BillingFeed:
             return CallFacts(
                 request_id=state.request_id, app_id=app, served_model=served, backend_id=backend,
                 requested_model=_first(data.get("model"), meta.get("model_group")), provider=provider,
-                route_kind=kind, outcome="cancelled", final=True, attempt=attempt.number, usage=billed,
+                route_kind=kind, outcome="cancelled", final=final, attempt=attempt.number, usage=billed,
                 litellm_cost=_token_cost(billed, attempt.model_info),
-                http_status=499, error_type=CLIENT_LEFT, streamed=bool(data.get("stream")),
+                http_status=499 if final else None, error_type=error_type, streamed=bool(data.get("stream")),
                 start=attempt.started_at, end=end, fallback_depth=meta.get("fallback_depth"),
                 end_user=data.get("user"), api_key_hash=meta.get("user_api_key_hash"))
 
-        state.cancelled = True
-        if self._record(read, state=state, attempt=attempt, outcome="cancelled", final=True, backend=backend):
-            state.outcome_recorded = True
-            return True
-        return False
+        return self._record(read, state=state, attempt=attempt, outcome="cancelled", final=final, backend=backend)
 
     def cancel_billing_of(self, backend: str, model_info: Mapping[str, Any] | None = None) -> str:
         """What ``backend``'s provider bills for a cancelled call: its ``model_info.kvroute_cancel_billing``, else

@@ -27,6 +27,7 @@ from kvroute.plugin.adapter import outcomes, pick, status_view, tenancy, wiring
 from kvroute.plugin.adapter.billing_feed import BillingFeed, chunk_has_output
 from kvroute.plugin.adapter.decision_log import DecisionLog
 from kvroute.plugin.adapter.deployments import Backend, Deployments, litellm_cost_map
+from kvroute.plugin.adapter.hedge import Hedges, hedged
 from kvroute.plugin.adapter.metrics import Metrics
 from kvroute.plugin.adapter.peer_filters import PeerFilters
 from kvroute.plugin.adapter.request_ids import ATTEMPT_KEY, TICKET_KEY, Attempt, RequestIds, RequestState
@@ -65,6 +66,7 @@ class KvrouteCallback(CustomLogger):
         self.ids = RequestIds(MAX_REQUEST_STATES)  # the one per-request store (attempts, failures, verdicts)
         self.peer_filters = PeerFilters(self)  # LiteLLM's other filters (budgets...) narrow before the pick
         self.billing: BillingFeed | None = None
+        self.hedges: Hedges | None = None  # the groups with a ``hedge:`` block (set-up builds it)
         self._apps: tenancy.AppNames | None = None
         self._attached: dict[int, int] = {}
         self.precise: dict[str, Any] = {}
@@ -219,8 +221,16 @@ class KvrouteCallback(CustomLogger):
         usage_chunk = None
         relayed = 0  # chunks with output the client got: what a stream cut upstream still cost
         counts = chunk_has_output if self.billing is not None else None  # decided once, not per chunk
+        source, race = response, None
+        if self.hedges is not None:
+            try:
+                race = self.hedges.call(request_data)
+            except Exception:
+                self._count_error("hedge")
+            if race is not None:
+                source = hedged(response, race)
         try:
-            async for item in response:
+            async for item in source:
                 if first:
                     first = False
                     self._first_token(request_data)
@@ -231,10 +241,11 @@ class KvrouteCallback(CustomLogger):
                 yield item
             done = True
             self._answered(request_data)  # the stream is over: the replica is done with it
+            answered = self.hedges.winner(request_data, response) if race is not None else response
             if self.billing is not None and usage_chunk is not None:  # before the proxy sends [DONE]
                 try:
                     self.billing.pre_response(request_data, usage_chunk,
-                                              hidden=getattr(response, "_hidden_params", None), streamed=True)
+                                              hidden=getattr(answered, "_hidden_params", None), streamed=True)
                 except Exception:
                     self._count_error("billing")
         except Exception:
@@ -243,6 +254,8 @@ class KvrouteCallback(CustomLogger):
                 self.billing.stream_cut(request_data, relayed)
             raise
         finally:
+            if race is not None:
+                self.hedges.winner(request_data, None)  # forget it however the stream ended
             if not done:  # GeneratorExit / CancelledError: the client went away
                 self._cancelled(request_data, relayed, usage_chunk)
 

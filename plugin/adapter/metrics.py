@@ -112,6 +112,8 @@ class Metrics:
                                            ["backend", "to"], registry=r)
         self.fallbacks = Counter("kvroute_fallbacks_total", "Requests handed to LiteLLM fallbacks",
                                  ["group", "reason"], registry=r)
+        self.hedges = Counter("kvroute_hedges_total", "Hedged streams: sent, won by the hedge, lost by either side",
+                              ["group", "event"], registry=r)
         self.errors = Counter("kvroute_plugin_errors_total", "Internal plugin errors (request not affected)",
                               ["hook"], registry=r)
         self.app_requests = Counter("kvroute_app_requests_total", "Completed requests per app", ["app", "outcome"],

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvroute.plugin.adapter import hybrid
+from kvroute.plugin.adapter.hedge import HEDGE_TO_KEY
 from kvroute.plugin.adapter.hosted import forward_cache_key
 from kvroute.plugin.adapter.request_ids import Attempt
 from kvroute.plugin.adapter.request_labels import request_tags
@@ -35,6 +36,11 @@ def pick(cb: KvrouteCallback, model: str, healthy: list, messages: Any, request_
     maybe_expire(cb, now)
     pairs = [(d, cb.fleet.backend(d)) for d in healthy]
     allowed = [(d, b) for d, b in pairs if cb.health.available(b.id, now)]
+    hedge_to = meta.get(HEDGE_TO_KEY)
+    if hedge_to is not None:  # a hedge of a late stream: only its route, or nothing
+        allowed = [(d, b) for d, b in allowed if b.id == hedge_to]
+        if not allowed:
+            return []
     failed = state.failed
     if failed and allowed:  # a retry: avoid what already failed for this request while others remain
         untried = [(d, b) for d, b in allowed if b.id not in failed]

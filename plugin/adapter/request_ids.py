@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 SIG_KEY = "kvroute_sig"
 TICKET_KEY = "kvroute_rid"
 ATTEMPT_KEY = "kvroute_attempt"
-SERVER_KEYS = (REQUEST_KEY, SIG_KEY, TICKET_KEY, ATTEMPT_KEY, "kvroute_trace")
+SERVER_KEYS = (REQUEST_KEY, SIG_KEY, TICKET_KEY, ATTEMPT_KEY, "kvroute_trace", "kvroute_hedge_to")
 MAX_REQUESTS = 100_000
 MAX_FAILED = 16  # backends remembered as failed per request (a retry avoids them)
 MAX_JUDGED = 8  # exceptions remembered as judged per request
@@ -79,6 +79,7 @@ class Attempt:
     policy: Any = None  # that policy (None when it does not learn)
     salt: str | None = None
     verdict: Attribution | None = None  # the failure's attribution, once classified
+    hedge_lost: bool = False  # it raced a hedge and lost: closed, booked ``cancelled`` (``hedge_lost``)
 
     @property
     def rid(self) -> str:

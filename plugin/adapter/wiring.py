@@ -12,6 +12,7 @@ from kvroute.billing.attribution import AppRule
 from kvroute.plugin.adapter import hybrid
 from kvroute.plugin.adapter.billing_feed import BillingFeed, billing_target
 from kvroute.plugin.adapter.decision_log import DecisionLog
+from kvroute.plugin.adapter.hedge import Hedges
 from kvroute.plugin.adapter.hosted import provider_quote
 from kvroute.plugin.adapter.metrics import Metrics
 from kvroute.plugin.adapter.request_labels import LedgerLabels
@@ -23,6 +24,7 @@ from kvroute.plugin.state.hash_secret import fingerprint, resolve_chain_key
 from kvroute.policies import ChainKey, FingerprintConfig, PrefixIndexConfig, Router, RouterConfig
 from kvroute.policies.base import Policy
 from kvroute.policies.errors import ConfigError
+from kvroute.policies.hedging import HedgeConfig
 from kvroute.policies.lifecycle import FleetView, RouteSides
 from kvroute.policies.prompt_index import PromptIndex, PromptIndexConfig
 from kvroute.policies.registry import policy_names
@@ -74,6 +76,7 @@ def build(cb: KvrouteCallback) -> None:
     cb.ids.app_rule = AppRule(tuple(s.app_metadata_keys), operator_calls=not in_proxy)
     cb.ids.labels = LedgerLabels(tuple(s.tag_metadata_keys))
     start_billing(cb, s, in_proxy=in_proxy)
+    cb.hedges = build_hedges(cb, s)
     if cb._mount:
         mount_on_proxy(cb)
     learn_proxy_model_list(cb)
@@ -121,6 +124,24 @@ def connect_shared_state(cb: KvrouteCallback) -> Any:
         log.warning("kvroute: redis shared state unavailable (%s); routing on local state", exc)
         cb._shared = None
     return cb._shared
+
+
+def build_hedges(cb: KvrouteCallback, s: KvrouteSettings) -> Hedges | None:
+    """The groups' hedged streams (``groups.<name>.hedge``; None when no group hedges). A bad block raises
+    ``ConfigError`` naming its key."""
+    configs = {name: HedgeConfig.parse(g.hedge, f"kvroute.groups.{name}.hedge")
+               for name, g in s.groups.items() if g.hedge is not None}
+    if not configs:
+        return None
+
+    def expected_hit(backend: str) -> float:
+        b = cb.fleet.backends.get(backend)
+        router = cb.routers.get(b.group) if b is not None else None
+        learned = getattr(router.policy_for(b.group), "expected_hit", None) if router is not None else None
+        return float(learned(backend)) if callable(learned) else 0.0
+
+    return Hedges(configs, fleet=cb.fleet, ids=cb.ids, available=lambda b: cb.health.available(b, cb.clock()),
+                  billing=lambda: cb.billing, metrics=lambda: cb.metrics, expected_hit=expected_hit, clock=cb.clock)
 
 
 def start_billing(cb: KvrouteCallback, s: KvrouteSettings, *, in_proxy: bool) -> None:

@@ -116,6 +116,7 @@ class EngineStats:
     succeeded: int = 0
     faults: dict[str, int] = field(default_factory=dict)
     cancelled: int = 0
+    stall_closes: list[float] = field(default_factory=list)  # wall times clients left a stalled stream (last 100)
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
@@ -420,6 +421,18 @@ class FakeEngine:
                                  "choices": [choice], "usage": usage, **extra})
         return True
 
+    async def _stall(self, ex: Exchange, delay_s: float) -> None:
+        """Hold the first token ``delay_s``, watching the client: one that leaves is noted (``stall_closes``, wall
+        time) and ends the stream at once, as a provider stops generating for a closed connection."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + delay_s
+        while (left := end - loop.time()) > 0:
+            if ex.peer_gone():
+                self.stats.stall_closes.append(time.time())
+                del self.stats.stall_closes[:-100]
+                raise ConnectionDropped()
+            await asyncio.sleep(min(0.005, left))
+
     async def _stream(self, ex: Exchange, rid: str, model: str, chat: bool, pieces: list[str], usage: dict | None,
                       fault: FaultPlan | None, extra: dict, context: int = 0) -> bool:
         """Send the SSE stream; False when a ``cut`` fault ended it early."""
@@ -444,6 +457,8 @@ class FakeEngine:
         if chat:
             await ex.chunk(event([choice(None, None, first=True)]))
             sent += 1
+        if fault is not None and fault.mode == "stall_first_token":  # the stream started, its first token is late
+            await self._stall(ex, fault.delay_s)
         for i, piece in enumerate(pieces):
             if fault is not None and fault.mode == "cut" and sent >= fault.cut_after_chunks:
                 ex.abort()

@@ -1,6 +1,8 @@
 """Fault injection for the fake engine: the plan a replica follows, and the client calls that set it.
 
-Modes: ``500``; ``429`` with ``Retry-After``; ``slow_first_token`` (``delay_s``); ``drop`` (connection reset before
+Modes: ``500``; ``429`` with ``Retry-After``; ``slow_first_token`` (``delay_s`` before the response starts);
+``stall_first_token`` (a stream: headers and the role chunk at once, the first content chunk ``delay_s`` later);
+``drop`` (connection reset before
 any response byte); ``cut`` (stream or body cut after ``cut_after_chunks`` chunks). A plan holds for ``count``
 completion requests, or until cleared when ``count`` is None.
 """
@@ -11,7 +13,7 @@ from dataclasses import dataclass, replace
 
 from kvroute.policies.errors import ConfigError
 
-FAULT_MODES = ("500", "429", "slow_first_token", "drop", "cut")
+FAULT_MODES = ("500", "429", "slow_first_token", "stall_first_token", "drop", "cut")
 
 
 @dataclass
@@ -71,7 +73,7 @@ def _admin(base_url: str) -> str:
 def inject_fault(base_url: str, mode: str, count: int | None = None, **params: float) -> dict:
     """Ask the replica at ``base_url`` to fail its next ``count`` completions (None: until cleared) with ``mode``.
 
-    ``params``: ``retry_after`` (429), ``delay_s`` (slow_first_token), ``cut_after_chunks`` (cut).
+    ``params``: ``retry_after`` (429), ``delay_s`` (slow_first_token, stall_first_token), ``cut_after_chunks`` (cut).
     """
     import httpx
 

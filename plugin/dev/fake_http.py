@@ -42,9 +42,11 @@ class ConnectionDropped(Exception):
 class Exchange:
     """Writes one response: ``send`` a whole body, or ``start`` + ``chunk``... + ``end``; ``abort`` kills the socket."""
 
-    def __init__(self, conn: h11.Connection, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, conn: h11.Connection, writer: asyncio.StreamWriter,
+                 reader: asyncio.StreamReader | None = None) -> None:
         self._conn = conn
         self._writer = writer
+        self._reader = reader
         self.status: int | None = None
         self.aborted = False
 
@@ -83,6 +85,10 @@ class Exchange:
 
     async def send_json(self, status: int, value: object, headers: dict[str, str] | None = None) -> None:
         await self.send(status, json.dumps(value).encode(), {"content-type": "application/json", **(headers or {})})
+
+    def peer_gone(self) -> bool:
+        """Whether the client closed its side (its request was read whole, so end of input means it left)."""
+        return self._writer.is_closing() or (self._reader is not None and self._reader.at_eof())
 
     def abort(self) -> None:
         """Reset the connection at once (RST), whatever was sent so far."""
@@ -140,7 +146,7 @@ async def serve_connection(handler: Handler, reader: asyncio.StreamReader, write
                 return
             if request is None:
                 return
-            exchange = Exchange(conn, writer)
+            exchange = Exchange(conn, writer, reader)
             try:
                 await handler(request, exchange)
             except ConnectionDropped:
