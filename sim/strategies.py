@@ -25,7 +25,8 @@ from typing import Any
 
 from kvroute.billing.pricing import GpuRateCard
 from kvroute.policies import FleetView, Marketplace, MarketplaceConfig, RouteSides
-from kvroute.policies.hybrid import Hybrid, HybridConfig, SelfHostedRate
+from kvroute.policies.hybrid import Hybrid, HybridConfig
+from kvroute.policies.rates import SelfHostedRate
 from kvroute.policies.rolling import percentile
 from kvroute.sim.engine import FleetConfig, make_policy
 from kvroute.sim.hosted import HostedSpec
