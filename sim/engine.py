@@ -104,8 +104,8 @@ def _backend_names(n: int) -> list[str]:
 
 
 def make_policy(name: str, knobs: dict | None = None, preset: Preset | None = None) -> Policy:
-    """Build ``name`` from the shared registry (importing the baselines registers them), with ``engine_knobs``."""
-    import kvroute.sim.baselines  # noqa: F401  (registers baseline policies)
+    """Build ``name`` from the shared registry (importing the lineup registers the baselines), with ``engine_knobs``."""
+    import kvroute.sim.lineup  # noqa: F401  (registers the baselines and anchors)
 
     knobs = {**engine_knobs(name, preset), **(knobs or {})}
     return build_policy(name, knobs, where=f"policies.{name}")
