@@ -108,7 +108,7 @@ class AppSettings(BaseModel):
     @field_validator("keys")
     @classmethod
     def _hashed(cls, v: list[str | None]) -> list[str]:
-        from kvroute.plugin.adapter.app_keys import hash_entries
+        from kvroute.plugin.adapter.key_hashes import hash_entries
 
         return hash_entries(v)
 
@@ -239,14 +239,14 @@ class KvrouteSettings(BaseSettings):
     @field_validator("apps")
     @classmethod
     def _one_app_per_key(cls, v: dict[str, AppSettings]) -> dict[str, AppSettings]:
-        from kvroute.plugin.adapter.app_keys import key_map
+        from kvroute.plugin.adapter.key_hashes import key_map
 
         key_map(v)
         return v
 
     @model_validator(mode="after")
     def _key_map(self) -> KvrouteSettings:
-        from kvroute.plugin.adapter.app_keys import key_map
+        from kvroute.plugin.adapter.key_hashes import key_map
 
         self._app_keys = key_map(self.apps)
         return self
