@@ -109,11 +109,8 @@ def connect_shared_state(cb: CallbackHost) -> Any:
     s = cb._settings
     if s is None or not s.redis_url:
         return None
-    try:
-        from kvroute.plugin.state import shared_state  # written by the resilience engineer
-    except ImportError:
-        log.warning("kvroute: KVROUTE_REDIS_URL set but kvroute.plugin.state.shared_state is not available")
-        return None
+    from kvroute.plugin.state import shared_state
+
     try:
         cb._shared = shared_state.connect(s.redis_url,
                                           shared_state.SharedStateConfig(namespace=s.redis_namespace))
