@@ -139,8 +139,8 @@ class Check:
 
 
 def check_targets(figs: Mapping[str, Figures]) -> list[Check]:
-    """Issue 14's targets for ``hybrid``: >= 99 % meet the target through the spike, cheaper than
-    always-hosted, within 10 % of self-hosted-only cost outside the spike."""
+    """The targets ``hybrid`` must meet: >= 99 % of requests meet the TTFT target through the spike, cheaper
+    than always-hosted, within 10 % of self-hosted-only cost outside the spike."""
     out: list[Check] = []
     h = figs.get("hybrid")
     if h is None:
