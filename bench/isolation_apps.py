@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from peers_workloads import Size, apps, replay, replica_capacity_tokens
 
-from kvroute.plugin.adapter.app_keys import key_hash
+from kvroute.plugin.adapter.key_hashes import key_hash
 from kvroute.plugin.dev.fleet import Fleet, ReplicaOptions
 from kvroute.plugin.dev.proxy_process import ModelGroup, ProxyProcess, build_proxy_config
 from kvroute.plugin.dev.workloads import Conversation

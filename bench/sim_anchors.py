@@ -20,8 +20,8 @@ import sys
 import time
 
 from kvroute.policies import DEFAULT_POLICY
-from kvroute.sim.baselines import DEFAULT_LINEUP
 from kvroute.sim.engine import FleetConfig, simulate
+from kvroute.sim.lineup import DEFAULT_LINEUP
 from kvroute.sim.metrics import summarize
 from kvroute.sim.presets import get_preset
 from kvroute.sim.runner import compare

@@ -32,9 +32,9 @@ import time
 from pathlib import Path
 
 from kvroute.policies import DEFAULT_POLICY
-from kvroute.sim.baselines import DEFAULT_LINEUP
-from kvroute.sim.baselines import REFERENCES as SIM_REFERENCES
 from kvroute.sim.engine import FleetConfig
+from kvroute.sim.lineup import DEFAULT_LINEUP
+from kvroute.sim.lineup import REFERENCES as SIM_REFERENCES
 from kvroute.sim.metrics import requests_short
 from kvroute.sim.presets import get_preset
 from kvroute.sim.runner import compare

@@ -11,42 +11,9 @@ from typing import Any
 
 import typer
 
+from kvroute.billing.ledger_option import DB_HELP, fail, open_ledger
+
 billing_app = typer.Typer(no_args_is_help=True, help="Usage ledger: ingest events, load price books, close periods.")
-
-DB_HELP = ("SQLAlchemy URL or SQLite path (default: the proxy's ledger, KVROUTE_BILLING_DB, else "
-           "billing.db in KVROUTE_DATA_DIR, default .kvroute).")
-
-
-def _ledger(db: str | None, must_exist: bool = False) -> Any:
-    """Open the ledger ``--db`` names, else the one the proxy writes (``kvroute.billing.location``)."""
-    from kvroute.billing.ledger import Ledger
-    from kvroute.billing.location import location_from
-    from kvroute.billing.settings import BillingSettings
-    from kvroute.policies.errors import ConfigError
-    url = db
-    if url is None:
-        try:
-            url = location_from(BillingSettings()).db_url
-        except ConfigError as exc:
-            _fail(f"error: {exc}")
-        if url is None:
-            _fail("error: billing is off (KVROUTE_BILLING_DB=off); pass --db to name a ledger")
-    if must_exist:
-        from sqlalchemy.engine import make_url
-
-        from kvroute.billing.db import database_url
-        parsed = make_url(database_url(url))
-        if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:") \
-                and not Path(parsed.database).exists():
-            _fail(f"error: no usage ledger at {parsed.database} (set KVROUTE_DATA_DIR or KVROUTE_BILLING_DB as "
-                  "the proxy has them, or pass --db)")
-    return Ledger.open(url)
-
-
-def _fail(message: str, code: int = 2) -> None:
-    typer.echo(message, err=True)
-    raise typer.Exit(code)
-
 
 @billing_app.command("ingest")
 def ingest(file: Path = typer.Argument(..., help="JSONL file of usage events (schema: kvroute.billing.events)."),
@@ -66,13 +33,13 @@ def ingest(file: Path = typer.Argument(..., help="JSONL file of usage events (sc
     window = EventWindow(settings.late_event_days if late_days is None else late_days, settings.future_skew_s)
     if progress is None:
         progress = sys.stderr.isatty() and file.is_file() and file.stat().st_size > 1_000_000
-    ledger = _ledger(db)
+    ledger = open_ledger(db)
     try:
         with _ingest_progress(progress) as tick:
             result = ingest_file(ledger, file, batch_size=batch_size, skip_invalid=skip_invalid, window=window,
                                  progress=tick)
     except InputError as exc:
-        _fail(f"error: {exc}")
+        fail(f"error: {exc}")
     finally:
         ledger.close()
     for err in result.errors[:200]:
@@ -80,7 +47,7 @@ def ingest(file: Path = typer.Argument(..., help="JSONL file of usage events (sc
     if len(result.errors) > 200:
         typer.echo(f"... and {len(result.errors) - 200} more bad lines", err=True)
     if result.errors and not skip_invalid:
-        _fail(f"{len(result.errors)} bad line(s); nothing was inserted (fix them or pass --skip-invalid)")
+        fail(f"{len(result.errors)} bad line(s); nothing was inserted (fix them or pass --skip-invalid)")
     for backend, count in sorted(result.unpriced.items()):
         typer.echo(f"warning: {count} event(s) on backend {backend!r} have no reported cost and no rate card: "
                    "booked at cost 0 and flagged unpriced in reports (load a rate card, then kvroute billing rerate "
@@ -128,15 +95,15 @@ def load_prices(file: Path = typer.Argument(..., help="YAML or TOML price file (
     try:
         pf = read_price_file(file)
     except ConfigError as exc:
-        _fail(_in_file(file, exc))
+        fail(_in_file(file, exc))
     if check:
         typer.echo(f"{file}: ok ({len(pf.backends)} backends, {len(pf.rates)} rate cards, {len(pf.books)} books)")
         return
-    ledger = _ledger(db)
+    ledger = open_ledger(db)
     try:
         summary = store_prices(ledger, pf)
     except ConfigError as exc:
-        _fail(_in_file(file, exc))
+        fail(_in_file(file, exc))
     finally:
         ledger.close()
     updated = f" ({summary.backends_updated} redeclared)" if summary.backends_updated else ""
@@ -155,12 +122,12 @@ def close_period_cmd(period: str = typer.Option(..., "--period", help="YYYY-MM")
     from kvroute.billing.settings import BillingSettings
     from kvroute.policies.errors import InputError
     settings = BillingSettings()
-    ledger = _ledger(db)
+    ledger = open_ledger(db)
     try:
         result = close_period(ledger, period, app=app, force=force,
                               grace_hours=settings.grace_hours if grace_hours is None else grace_hours)
     except InputError as exc:
-        _fail(f"error: {exc}")
+        fail(f"error: {exc}")
     finally:
         ledger.close()
     if result.status == "closing":
@@ -188,8 +155,8 @@ def rerate_cmd(month: str = typer.Option(..., "--month", "--period", help="YYYY-
     try:
         check_period(month)
     except InputError as exc:
-        _fail(f"error: {str(exc).replace('--period', '--month')}")
-    ledger = _ledger(db, must_exist=True)
+        fail(f"error: {str(exc).replace('--period', '--month')}")
+    ledger = open_ledger(db, must_exist=True)
     try:
         if apply:
             result = apply_rerate(ledger, month, app, created_by=who or getpass.getuser())
@@ -198,7 +165,7 @@ def rerate_cmd(month: str = typer.Option(..., "--month", "--period", help="YYYY-
             with ledger.engine.connect() as conn:
                 plan = plan_rerate(conn, ledger.catalog(refresh=True), month, app)
     except InputError as exc:
-        _fail(f"error: {exc}")
+        fail(f"error: {exc}")
     finally:
         ledger.close()
     scope = f"{month}" + (f" · app {app}" if app else "")

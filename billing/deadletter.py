@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvroute.billing.events import UsageEvent, event_from_json
+from kvroute.billing.unavailable import is_unavailable
 
 FILE_NAME = "dead-letter.jsonl"
 
@@ -106,7 +107,6 @@ class DeadLetter:
                     insert([event])
                     inserted += 1
                 except Exception as exc:
-                    from kvroute.billing.recorder import is_unavailable
                     if is_unavailable(exc):
                         raise  # the database is down: nothing about this entry is known yet
                     error = str(exc)

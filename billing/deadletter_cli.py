@@ -19,7 +19,7 @@ def _location(data_dir: Path | None) -> Any:
     from kvroute.policies.errors import ConfigError
     s = BillingSettings()
     try:
-        return ledger_location(data_dir or s.data_dir, s.db, s.spool)
+        return ledger_location(data_dir or s.ledger.data_dir, s.ledger.billing_db, s.ledger.billing_spool)
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None

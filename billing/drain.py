@@ -34,6 +34,7 @@ from typing import Any
 from kvroute.billing.deadletter import DeadLetter
 from kvroute.billing.events import UsageEvent, event_from_json
 from kvroute.billing.spool import LOCK_FILE, PASS_FILE, STATS_FILE, as_documented, opened_segment, segment_paths
+from kvroute.billing.unavailable import is_unavailable
 from kvroute.policies.errors import InputError
 
 log = logging.getLogger("kvroute.billing")
@@ -51,15 +52,6 @@ class DrainStats:
     dead_lettered: int = 0
     db_errors: int = 0
     batches: int = 0
-
-
-def is_unavailable(exc: BaseException) -> bool:
-    """A connection-level failure (retry later) as opposed to a row the database refuses."""
-    from sqlalchemy import exc as sa_exc
-    if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.DisconnectionError, OSError,
-                        sa_exc.TimeoutError)):
-        return True
-    return isinstance(exc, sa_exc.DBAPIError) and bool(exc.connection_invalidated)
 
 
 def read_stats(journal_dir: Path) -> dict[str, Any]:

@@ -2,9 +2,9 @@
 
 The proxy (``kvroute.plugin.adapter.billing_feed``), ``kvroute report``, ``kvroute billing`` and ``kvroute billing
 dead-letter`` all call ``ledger_location`` with the same settings (``KVROUTE_DATA_DIR``, ``KVROUTE_BILLING_DB``,
-``KVROUTE_BILLING_SPOOL``, over ``data_dir``/``billing_db``/``billing_spool`` in the ``KVROUTE_CONFIG`` file's
-``kvroute:`` block), so a report run beside a proxy reads the ledger that proxy writes:
-``KVROUTE_BILLING_DB`` when set, else ``<data dir>/billing.db``.
+``KVROUTE_BILLING_SPOOL``, over ``data_dir``/``billing_db``/``billing_spool`` in the ``kvroute:`` block of the
+file ``kvroute.billing.settings.config_file`` finds), so a report run beside a proxy reads the ledger that proxy
+writes: ``KVROUTE_BILLING_DB`` when set, else ``<data dir>/billing.db``.
 """
 
 from __future__ import annotations
@@ -59,8 +59,8 @@ def ledger_location(data_dir: str | Path, db: str | None = None, spool: str | Pa
 
 
 def location_from(settings: Any) -> LedgerLocation:
-    """``ledger_location`` of a ``BillingSettings`` (``data_dir``, ``db``, ``spool``)."""
-    return ledger_location(settings.data_dir, settings.db, settings.spool)
+    """``ledger_location`` of a ``BillingSettings`` (its ``ledger``: the proxy's ``LedgerSettings``)."""
+    return settings.ledger.ledger_location()
 
 
 def check_data_dir(data_dir: str | Path) -> None:

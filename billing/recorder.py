@@ -29,13 +29,13 @@ from kvroute.billing.drain import (
     Drainer,
     drain_env,
     drainer_running,
-    is_unavailable,
     read_stats,
     request_pass,
     spawn_command,
 )
 from kvroute.billing.events import UsageEvent
 from kvroute.billing.spool import Journal, encode_event, is_live, segment_paths
+from kvroute.billing.unavailable import is_unavailable
 
 log = logging.getLogger("kvroute.billing")
 

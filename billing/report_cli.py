@@ -11,7 +11,7 @@ from typing import Any
 
 import typer
 
-from kvroute.billing.cli import DB_HELP, _fail, _ledger
+from kvroute.billing.ledger_option import DB_HELP, fail, open_ledger
 
 report_app = typer.Typer(no_args_is_help=True, help="Usage, margin, payouts, statements and a page, per app.")
 
@@ -26,7 +26,7 @@ PERIOD_HELP = "A billing month YYYY-MM, as booked (what its statement bills)."
 def _opened(db: str | None) -> Iterator[tuple[Any, Any]]:
     """(connection, catalog) of the ledger; a user's mistake (``InputError``) ends the command with its line."""
     from kvroute.policies.errors import InputError
-    ledger = _ledger(db, must_exist=True)
+    ledger = open_ledger(db, must_exist=True)
     if db is None:  # the proxy's own ledger: what its drainer holds from the journal goes in first
         from kvroute.billing.drain import catch_up
         from kvroute.billing.location import location_from
@@ -37,7 +37,7 @@ def _opened(db: str | None) -> Iterator[tuple[Any, Any]]:
         with ledger.engine.connect() as conn:
             yield conn, ledger.catalog(refresh=True)
     except InputError as exc:
-        _fail(f"error: {exc}")
+        fail(f"error: {exc}")
     finally:
         ledger.close()
 
@@ -47,7 +47,7 @@ def _checked(check: Callable[[], Any]) -> Any:
     try:
         return check()
     except InputError as exc:
-        _fail(f"error: {exc}")
+        fail(f"error: {exc}")
 
 
 def _write(text: str, out: Path | None, rows: int) -> None:
@@ -64,9 +64,9 @@ def _report(kind: str, period: str | None, start: str | None, end: str | None, a
     from kvroute.billing.reports import Grouping, Scope, build_report
     from kvroute.billing.reports.columns import chosen_columns
     if fmt not in export.FORMATS:
-        _fail(f"error: --format must be one of {', '.join(export.FORMATS)}")
+        fail(f"error: --format must be one of {', '.join(export.FORMATS)}")
     if fmt == "parquet" and out is None:
-        _fail("error: --format parquet needs --out FILE")
+        fail("error: --format parquet needs --out FILE")
     scope = _checked(lambda: Scope.parse(period, start, end))
     grouping = _checked(lambda: Grouping.parse(by))
     shown = _checked(lambda: chosen_columns(kind, grouping, columns))
@@ -165,7 +165,7 @@ def compare_cmd(before: str = typer.Option(..., "--before", help="Days before th
     from kvroute.billing.reports.compare import COLUMNS, compare
     from kvroute.billing.reports.scope import Scope
     if fmt not in ("table", "csv", "json"):
-        _fail("error: --format must be one of table, csv, json")
+        fail("error: --format must be one of table, csv, json")
     a = _checked(lambda: Scope.parse_range(before, "--before"))
     b = _checked(lambda: Scope.parse_range(after, "--after"))
     with _opened(db) as (conn, catalog):
@@ -202,7 +202,7 @@ def statement_cmd(app: str = typer.Option(..., "--app", help="The app whose cust
     from kvroute.billing import export
     from kvroute.billing.reports.statement import CSV_COLUMNS, build_statement, statement_rows
     if fmt not in ("json", "csv", "html"):
-        _fail("error: --format must be one of json, csv, html")
+        fail("error: --format must be one of json, csv, html")
     with _opened(db) as (conn, catalog):
         statement = build_statement(conn, catalog, app, period, customer, currency)
     if fmt == "json":

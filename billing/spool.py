@@ -207,15 +207,6 @@ def is_live(path: Path) -> bool:
         return seg is not None and seg[1]
 
 
-def read_lines(fd: int) -> Iterator[tuple[int, bytes]]:
-    """(line number, line) of a whole file; a torn last line (no newline) is skipped."""
-    with os.fdopen(os.dup(fd), "rb") as f:
-        f.seek(0)
-        for lineno, raw in enumerate(f, 1):
-            if raw.endswith(b"\n"):
-                yield lineno, raw.rstrip(b"\n")
-
-
 def _fsync_dir(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:

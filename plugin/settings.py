@@ -1,6 +1,7 @@
 """kvroute settings: declared once, from env (``KVROUTE_*``) over a YAML ``kvroute:`` block.
 
-The YAML block lives in the file named by ``KVROUTE_CONFIG`` or in the LiteLLM proxy's own config.yaml.
+The YAML block lives in the file ``kvroute.billing.settings.config_file`` finds (the one the commands read too):
+``KVROUTE_CONFIG``'s, else the LiteLLM proxy's own config.yaml.
 Every validation error is raised as ``ConfigError`` whose key names the bad setting (``kvroute.groups.x.policy``).
 With ``kvroute.billing.settings`` (the billing commands and the drainer) the only module of kvroute that reads
 environment variables: ``KvrouteSettings`` for the proxy, ``CliSettings`` for the CLI's own switches,
@@ -15,7 +16,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 from types import UnionType
-from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -31,14 +32,11 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from kvroute.billing.settings import DEFAULT_DATA_DIR
+from kvroute.billing.settings import LedgerSettings, config_file
 from kvroute.plugin.state.redis_url import FROM_LITELLM, from_litellm
 from kvroute.plugin.state.redis_url import check as check_redis_url
 from kvroute.policies.errors import ConfigError
 from kvroute.policies.registry import DEFAULT_POLICY, build_config, did_you_mean
-
-if TYPE_CHECKING:
-    from kvroute.billing.location import LedgerLocation
 
 
 def _load_optional_policies() -> None:
@@ -109,13 +107,14 @@ class AppSettings(BaseModel):
     @field_validator("keys")
     @classmethod
     def _hashed(cls, v: list[str | None]) -> list[str]:
-        from kvroute.plugin.adapter.app_keys import hash_entries
+        from kvroute.plugin.adapter.key_hashes import hash_entries
 
         return hash_entries(v)
 
 
-class KvrouteSettings(BaseSettings):
-    """Everything the plugin is configured with; env ``KVROUTE_<FIELD>`` overrides the YAML block."""
+class KvrouteSettings(LedgerSettings):
+    """Everything the plugin is configured with; env ``KVROUTE_<FIELD>`` overrides the YAML block. Where the ledger
+    lives (``data_dir``, ``billing_db``, ``billing_spool``) is billing's ``LedgerSettings``, extended here."""
 
     model_config = SettingsConfigDict(env_prefix="KVROUTE_", extra="forbid", env_nested_delimiter="__")
 
@@ -138,9 +137,6 @@ class KvrouteSettings(BaseSettings):
     _app_keys: dict[str, str] = PrivateAttr(default_factory=dict)
     _default_group: GroupSettings | None = PrivateAttr(default=None)
     billing: bool = False
-    billing_db: str | None = None
-    billing_spool: Path | None = None  # the journal folder (default <data_dir>/journal)
-    data_dir: Path = DEFAULT_DATA_DIR  # KVROUTE_DATA_DIR: embedded ledger, journal, dead letters
     billing_fsync_interval_s: float = Field(default=1.0, gt=0, le=60)  # the machine-crash window of the journal
     max_apps_per_key: int = Field(default=20, ge=1, le=10_000)  # app labels one key can claim in metrics
     metrics_port: int | None = None
@@ -240,14 +236,14 @@ class KvrouteSettings(BaseSettings):
     @field_validator("apps")
     @classmethod
     def _one_app_per_key(cls, v: dict[str, AppSettings]) -> dict[str, AppSettings]:
-        from kvroute.plugin.adapter.app_keys import key_map
+        from kvroute.plugin.adapter.key_hashes import key_map
 
         key_map(v)
         return v
 
     @model_validator(mode="after")
     def _key_map(self) -> KvrouteSettings:
-        from kvroute.plugin.adapter.app_keys import key_map
+        from kvroute.plugin.adapter.key_hashes import key_map
 
         self._app_keys = key_map(self.apps)
         return self
@@ -292,13 +288,6 @@ class KvrouteSettings(BaseSettings):
         if self._default_group is None:
             self._default_group = GroupSettings(isolation=self.default_isolation)
         return self._default_group
-
-    def ledger_location(self) -> LedgerLocation:
-        """Where the proxy's ledger, journal and dead letters live (``kvroute.billing.location.ledger_location``,
-        the function every billing command resolves them with)."""
-        from kvroute.billing.location import ledger_location
-
-        return ledger_location(self.data_dir, self.billing_db, self.billing_spool)
 
 
 class CliSettings(BaseSettings):
@@ -380,8 +369,7 @@ def env_problems(environ: Mapping[str, str]) -> list[ConfigError]:
     from kvroute.billing.settings import BillingSettings
 
     fields = set(KvrouteSettings.model_fields) - {"prometheus_multiproc_dir"}
-    billing = {"KVROUTE_BILLING_" + name.upper() for name, f in BillingSettings.model_fields.items()
-               if f.validation_alias is None}  # data_dir is KVROUTE_DATA_DIR, this class's own field
+    billing = {"KVROUTE_BILLING_" + name.upper() for name in BillingSettings.model_fields}
     problems = []
     for name in sorted(environ):
         if not name.startswith("KVROUTE_") or name in _OTHER_ENV or name in billing:
@@ -470,12 +458,13 @@ def read_block(path: Path) -> dict[str, Any]:
 
 
 def load_settings(proxy_config: str | Path | None = None, **overrides: Any) -> KvrouteSettings:
-    """Settings from env, the YAML named by ``KVROUTE_CONFIG`` (else ``proxy_config``), then ``overrides``."""
+    """Settings from env, the YAML ``config_file`` finds (``KVROUTE_CONFIG``, else the proxy's own config
+    ``proxy_config``, else ``CONFIG_FILE_PATH``'s), then ``overrides``."""
     check_env(kvroute_environment())
     try:
         first = KvrouteSettings(**overrides)
         block: dict[str, Any] = {}
-        source = first.config or (Path(proxy_config) if proxy_config else None)
+        source = first.config or config_file(proxy_config)
         if source is not None:
             block = read_block(Path(source))
             block.pop("config", None)

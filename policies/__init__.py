@@ -16,14 +16,15 @@ from kvroute.policies.fingerprint import (
     token_keys,
 )
 from kvroute.policies.health import BreakerConfig, BreakerState, CircuitBreaker, HealthBoard, Outcome
-from kvroute.policies.hybrid import HostedQuote, Hybrid, HybridConfig, OverflowGuard, SelfHostedRate
+from kvroute.policies.hybrid import HostedQuote, Hybrid, HybridConfig, OverflowGuard
 from kvroute.policies.least_load import LeastLoad
 from kvroute.policies.lifecycle import FleetView, RequestOutcome, RouteSides
 from kvroute.policies.load import BackendLoad, ExternalSignal, LoadTracker
-from kvroute.policies.marketplace import Marketplace, MarketplaceConfig, ProviderQuote
+from kvroute.policies.marketplace import Marketplace, MarketplaceConfig
 from kvroute.policies.outcomes import Attribution, FailureKind, classify
 from kvroute.policies.prefix_hash import PrefixHash, PrefixHashConfig
 from kvroute.policies.prefix_index import PrefixIndex, PrefixIndexConfig, PrefixLocator
+from kvroute.policies.rates import ProviderQuote, SelfHostedRate
 from kvroute.policies.registry import DEFAULT_POLICY, build_policy, policy_names, register_policy
 from kvroute.policies.request import RoutingRequest
 from kvroute.policies.round_robin import RoundRobin

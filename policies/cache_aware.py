@@ -30,15 +30,17 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import itemgetter
+from typing import Any
 
 from kvroute.policies.balance import Rotation, is_idle, least_waiting
 from kvroute.policies.base import Policy, RoutingState
+from kvroute.policies.class_scores import ClassScores
 from kvroute.policies.decision import Decision
 from kvroute.policies.filters import hot_limit, hot_load
 from kvroute.policies.hashing import Rendezvous
 from kvroute.policies.load import SCORING_FIELDS, BackendLoad
 from kvroute.policies.request import RoutingRequest
-from kvroute.policies.scorers import FLEET_SCORERS, SCORERS, Candidate, eviction, own_prefill, slot_wait
+from kvroute.policies.scorers import FLEET_SCORERS, SCORERS, Candidate, own_prefill, slot_wait
 from kvroute.policies.sessions import SessionStarts
 from kvroute.policies.speed import EngineSpeed
 from kvroute.policies.tiers import TieredMatch
@@ -49,8 +51,7 @@ _PRIOR = EngineSpeed()
 #: (tests/policies/test_scorer_properties.py checks it), so backends equal in those share their values
 RESIDENT_SCORERS = frozenset({"evict"})  # (and ``Candidate.evicts``, also per backend)
 _IDLE = BackendLoad(0, 0, 0.0, 0, 0.0, float("-inf"))
-_INFLIGHT, _QTOKENS, _WORK, _QUEUED, _DECODE = (
-    SCORING_FIELDS.index(n) for n in ("inflight", "queue_tokens", "work_s", "queued", "decode_s"))
+_INFLIGHT, _QTOKENS, _WORK = (SCORING_FIELDS.index(n) for n in ("inflight", "queue_tokens", "work_s"))
 _VALUE = itemgetter(1)  # a (backend, score) item's score
 _MEMO_MAX = 4096  # entries per memo of pure functions (cleared when full)
 
@@ -255,17 +256,118 @@ class CacheAware(Policy):
             backend = min(tied)
         return backend, "cold" if top_holder == 0 else "prefix_spill"
 
+    def _short_prompt(self, request: RoutingRequest, candidates: Sequence[str], state: RoutingState,
+                      now: float) -> Decision:
+        """Too short a prompt to route on: the pure load balancer picks (least waiting, then the rotation)."""
+        backend = self._rotation.next_of(least_waiting(candidates, state.load, now, self.speed.chunk_tokens),
+                                          state.load)
+        self._rotation.record(backend)
+        return Decision(backend=backend, policy=self.name, reason="least_load", prompt_tokens=request.prompt_tokens,
+                        skipped="short_prompt", request_id=request.request_id,
+                        predicted_prefill_tokens=request.prompt_tokens)
+
+    def _hot_bound(self, candidates: Sequence[str], busy: list[float], states: list[tuple[object, ...]],
+                   matches: dict[str, int]) -> tuple[float | None, dict[str, float]]:
+        """(the hot-spot bound, each backend's hot load): None, {} when the bound is off or no backend is within it
+        (then every backend passes)."""
+        cfg = self.config
+        if cfg.epsilon == math.inf:  # off by default: an infinite limit passes every backend, so skip it
+            return None, {}
+        hot = [hot_load(v, st[_INFLIGHT] > 0 or st[_QTOKENS] > 0, b in matches)
+               for b, v, st in zip(candidates, busy, states, strict=True)]
+        limit: float | None = hot_limit(busy, cfg.epsilon, cfg.busy_floor_s)
+        hot_of = dict(zip(candidates, hot, strict=True))
+        if not min(hot) <= limit:  # none within (NaN too, as in ``within_hot_bound``): all pass (None)
+            limit = None
+        return limit, hot_of
+
+    @staticmethod
+    def _matched_tokens(request: RoutingRequest, candidates: Sequence[str], matches: Any,
+                        credited: dict[str, float] | None, index: Any, state: RoutingState) -> dict[str, int]:
+        """Each candidate's matched prompt tokens (a slower tier's blocks at their credit; never the last token),
+        the session's home raised to the tail it holds."""
+        matched = dict.fromkeys(candidates, 0)
+        prompt = request.prompt_tokens
+        if prompt <= 0:
+            return matched
+        bt = request.block_tokens
+        top = prompt - 1
+        for b, blocks in matches.items():
+            m = int((credited.get(b, blocks) if credited else blocks) * bt)
+            m = top if m > top else m
+            matched[b] = m if m > 0 else 0
+        grain = getattr(index, "tail_block_tokens", None)
+        home = (state.homes.home(request.session_key, request.keys)
+                if request.session_key and grain else None)
+        if home is not None and home.backend in matches and matches[home.backend] >= home.blocks:
+            # the session's home holds its tail too (the last partial block and the answer, in the engine's
+            # own blocks), which the index's blocks cannot show: every holder of the shared system prompt
+            # would tie with it
+            held = home.tokens // grain * grain
+            held = held if held < top else top
+            if held > matched[home.backend]:
+                matched[home.backend] = held
+        return matched
+
+    def _balance(self, request: RoutingRequest, costs: dict[str, float], weigh_sessions: bool, state: RoutingState,
+                 now: float) -> str:
+        """Every backend holds the same prefix: the cache tells them apart by nothing, so the pure load balancer
+        picks (``policies/balance.py``: least prefill queued). Equal waits of idle backends go to the prefix's
+        rendezvous order (an idle fleet keeps the prefix on one home, routers agree without talking); of working
+        ones, to the rotation (equal loads spread like round robin). A session's first request goes to the
+        backend that started fewest sessions: its later turns stay where it starts, so sessions, not the queue
+        of the moment, are the load it brings."""
+        load = state.load
+        if weigh_sessions:
+            tied = [self._starts.next_of(list(costs), load)]
+            self._starts.record(tied[0])
+        else:
+            tied = least_waiting(list(costs), load, now)
+        if len(tied) == 1:
+            return tied[0]
+        if is_idle(tied[0], load, now):
+            return self._first_in_order(state.rendezvous, request.keys[0], tied)
+        return self._rotation.next_of(tied, load)
+
+    def _decision(self, request: RoutingRequest, backend: str, reason: str, costs: dict[str, float],
+                  chosen: Candidate, matches: Any, credited: dict[str, float] | None, best_matched: int) -> Decision:
+        """The decision for ``chosen``: its predicted work, TTFT and fixed wait, the reported scores, the prefill
+        it wastes."""
+        cfg, speed = self.config, self.speed
+        prompt = request.prompt_tokens
+        work = chosen.own_s
+        fixed = slot_wait(chosen, speed) * cfg.slot_weight
+        factor = chosen.factor or 1.0
+        scores = (
+            costs if len(costs) <= cfg.max_scores
+            else dict(sorted(costs.items(), key=_VALUE)[: cfg.max_scores])
+        )
+        own = own_prefill(chosen, speed) / factor
+        queued = max(chosen.work_s, chosen.view.queue_tokens / speed.prefill_tok_s)
+        return Decision(
+            backend=backend,
+            policy=self.name,
+            reason=reason,
+            # tokens held in any tier (what the engine will report cached); the cost above read them credited
+            matched_tokens=(chosen.matched if not credited
+                            else min(int(matches[backend] * request.block_tokens), max(prompt - 1, 0))),
+            matched_blocks=matches.get(backend, 0),
+            prompt_tokens=prompt,
+            scores=scores,
+            request_id=request.request_id,
+            predicted_prefill_tokens=chosen.uncached,
+            work_s=work,
+            predicted_ttft_s=queued + own,
+            fixed_wait_s=fixed,
+            wasted_prefill_tokens=best_matched - chosen.matched,
+        )
+
     def select(
         self, request: RoutingRequest, candidates: Sequence[str], state: RoutingState, now: float
     ) -> Decision:
         cfg = self.config
         if request.routable_tokens < cfg.min_prefix_tokens:
-            backend = self._rotation.next_of(least_waiting(candidates, state.load, now, self.speed.chunk_tokens),
-                                              state.load)
-            self._rotation.record(backend)
-            return Decision(backend=backend, policy=self.name, reason="least_load", prompt_tokens=request.prompt_tokens,
-                            skipped="short_prompt", request_id=request.request_id,
-                            predicted_prefill_tokens=request.prompt_tokens)
+            return self._short_prompt(request, candidates, state, now)
         load = state.load
         speed = self.speed
         index = state.index
@@ -273,7 +375,6 @@ class CacheAware(Policy):
         # blocks a slower cache tier holds count at their credit: GPU-equivalent blocks (policies/tiers.py)
         credited = matches.credited if type(matches) is TieredMatch else None
         prompt = request.prompt_tokens
-        bt = request.block_tokens
         capacity_of = getattr(index, "capacity_blocks", None) or getattr(getattr(index, "fallback", None),
                                                                            "capacity_blocks", None)
         factor = load.factor(candidates[0])  # fleet-wide (see LoadTracker.factor)
@@ -284,136 +385,21 @@ class CacheAware(Policy):
         busy = load.busy_many(candidates, now)
         busy_of = dict(zip(candidates, busy, strict=True))
         session_start = self._sessions.first(request.session_key)
-        limit: float | None = None  # the hot-spot bound, below (None: every backend passes)
-        hot_of: dict[str, float] = {}
-        if cfg.epsilon != math.inf:  # off by default: an infinite limit passes every backend, so skip it
-            hot = [hot_load(v, st[_INFLIGHT] > 0 or st[_QTOKENS] > 0, b in matches)
-                   for b, v, st in zip(candidates, busy, all_states, strict=True)]
-            limit = hot_limit(busy, cfg.epsilon, cfg.busy_floor_s)
-            hot_of = dict(zip(candidates, hot, strict=True))
-            if not min(hot) <= limit:  # none within (NaN too, as in ``within_hot_bound``): all pass (None)
-                limit = None
+        limit, hot_of = self._hot_bound(candidates, busy, all_states, matches)
         holders = [b for b in candidates if b in matches]
-        matched = dict.fromkeys(candidates, 0)
-        if prompt > 0:
-            top = prompt - 1
-            for b, blocks in matches.items():
-                m = int((credited.get(b, blocks) if credited else blocks) * bt)
-                m = top if m > top else m
-                matched[b] = m if m > 0 else 0
-            grain = getattr(index, "tail_block_tokens", None)
-            home = (state.homes.home(request.session_key, request.keys)
-                    if request.session_key and grain else None)
-            if home is not None and home.backend in matches and matches[home.backend] >= home.blocks:
-                # the session's home holds its tail too (the last partial block and the answer, in the engine's
-                # own blocks), which the index's blocks cannot show: every holder of the shared system prompt
-                # would tie with it
-                held = home.tokens // grain * grain
-                held = held if held < top else top
-                if held > matched[home.backend]:
-                    matched[home.backend] = held
+        matched = self._matched_tokens(request, candidates, matches, credited, index, state)
         best_matched = max(map(matched.__getitem__, holders)) if holders else 0
         best_own = speed.prefill_s(prompt - best_matched, best_matched)
         reserved = cfg.reserve_in_flight and best_matched > 0 and self._still_computing(request, matches, matched,
                                                                                         best_matched, state)
         weigh_sessions = session_start and best_matched > 0
         own_by_match: dict[int, float] = {best_matched: best_own}
-        prefill_s = speed.prefill_s
-        blocks_of = index.blocks
-        view_of = load.view
-        class_ttft, class_more, member_ttft, member_more = self._terms
-        # Backends whose scorer inputs are equal but for the cache they hold form a class: one Candidate and
-        # one pass of the scorers before the first that reads ``resident_tokens`` (``RESIDENT_SCORERS``) per
-        # class, the rest per backend; every sum adds the same terms in the same order as scoring each alone.
-        classes: dict[tuple[object, ...], tuple[Candidate, float, float, tuple[tuple[object, float], ...]]] = {}
-        ttft_of: dict[str, float] = {}
-        cost_of: dict[str, float] = {}
-        cand_of: dict[str, Candidate] = {}
-        resident: dict[str, float] = {}
-
-        member_resident = self._member_resident
-        # one pass over the index for every scored backend's residency and capacity where it offers one
-        holdings = getattr(index, "holdings", None) if capacity_of is not None else None
-
-        evictions_of = getattr(index, "evictions", None)
-        evicts: dict[str, float] = {}
-
-        def score(backends: Sequence[str], states: Sequence[tuple[object, ...]]) -> None:
-            if holdings is not None:
-                blocks, caps = holdings(backends)
-            else:
-                blocks, caps = [], []
-                for b in backends:  # capacity first, then blocks, per backend (as the index is asked alone)
-                    caps.append(capacity_of(b) if capacity_of is not None else 0)
-                    blocks.append(blocks_of(b))
-            last_key: tuple[object, ...] | None = None
-            got = None
-            for b, st, nblocks, cap_blocks in zip(backends, states, blocks, caps, strict=True):
-                m = matched[b]
-                res = resident[b] = nblocks * bt
-                ev = evicts[b] = evictions_of(b, request.keys, now) if evictions_of is not None else -1.0
-                key = (m, cap_blocks, st)
-                # neighbours are mostly of one class: an equality test is cheaper than hashing the key
-                if last_key is None or key != last_key:
-                    got = classes.get(key)
-                    last_key = key
-                if got is None:
-                    own_s = own_by_match.get(m)
-                    if own_s is None:
-                        own_s = own_by_match[m] = prefill_s(prompt - m, m)
-                    c = Candidate(b, prompt, m, view_of(b, now), factor, st[_WORK], st[_QUEUED], st[_DECODE],
-                                  res, cap_blocks * bt, best_matched, own_s, best_own, output, reserved, ev)
-                    t = 0.0
-                    for f, w in class_ttft:
-                        t += w * f(c, speed)
-                    u = t
-                    for f, w in class_more:
-                        u += w * f(c, speed)
-                    # per-backend cost terms: (scorer, weight) where it reads the residency, else (None, value)
-                    tail = tuple((f, w) if per_backend else (None, w * f(c, speed))
-                                 for (f, w), per_backend in zip(member_more, member_resident, strict=True))
-                    # the class's cost where the eviction term is 0 (new blocks fit): the same sum, once
-                    u0 = None
-                    if not member_ttft and all(f is None or f is eviction for f, _ in tail):
-                        u0 = u
-                        for f, w in tail:
-                            u0 += w if f is None else w * 0.0
-                    cap_t = cap_blocks * bt
-                    unc = prompt - m
-                    classes[key] = got = (c, t, u, tail, u0, cap_t, unc)
-                else:
-                    c, t, u, tail, u0, cap_t, unc = got
-                    c.resident_tokens = res
-                    c.evicts = ev
-                if u0 is not None:
-                    free = cap_t - res
-                    if ev == 0.0 if ev >= 0 else cap_t <= 0 or (free if free > 0.0 else 0.0) >= unc:  # eviction() 0
-                        ttft_of[b] = t
-                        cost_of[b] = u0
-                        cand_of[b] = c
-                        continue
-                if member_ttft:
-                    for f, w in member_ttft:
-                        t += w * f(c, speed)
-                    u = t
-                for f, w in tail:
-                    if f is None:
-                        u += w
-                    elif f is eviction:  # eviction(c, speed) inline, the same arithmetic (tests/policies check it)
-                        cap_t = c.capacity_tokens
-                        if ev >= 0:
-                            u += w * (0.0 if ev <= 0 else c.factor * prefill_s(ev))
-                        elif cap_t <= 0:
-                            u += w * 0.0
-                        else:
-                            free = cap_t - res
-                            evicted = c.uncached - (free if free > 0.0 else 0.0)
-                            u += w * (0.0 if evicted <= 0 else c.factor * prefill_s(evicted))
-                    else:
-                        u += w * f(c, speed)
-                ttft_of[b] = t
-                cost_of[b] = u
-                cand_of[b] = c
+        scored = ClassScores(keys=request.keys, now=now, index=index, capacity_of=capacity_of, matched=matched,
+                             block_tokens=request.block_tokens, prompt=prompt, own_by_match=own_by_match,
+                             speed=speed, view_of=load.view, factor=factor, best_matched=best_matched,
+                             best_own=best_own, output=output, reserved=reserved, terms=self._terms,
+                             member_resident=self._member_resident)
+        score, ttft_of, cost_of = scored.score, scored.ttft, scored.cost
 
         if holders and len(holders) < len(candidates) and len(candidates) > cfg.max_scored:
             # large fleets only (smaller ones report a score for every backend, as they always did)
@@ -446,7 +432,6 @@ class CacheAware(Policy):
             score(rest_of, states)
         ttft = {b: ttft_of[b] for b in candidates}
         costs = {b: cost_of[b] for b in candidates}
-        top_holder = best_matched
         # Hot-spot bound (``filters.hot_load``): working backends over the bound are left out unless that
         # costs this request more than ``bound_cost_s`` of predicted TTFT (a session whose long context is
         # cached there stays: moving it would recompute that whole context; new or short work spreads).
@@ -462,52 +447,11 @@ class CacheAware(Policy):
             # before queues form); a lightly used one keeps them with their prefix. Later turns stay home.
             costs = {b: cost + busy_of[b] * min(1.0, load.utilization(busy_of[b])) for b, cost in costs.items()}
         if best_matched > 0 and len(set(matched.values())) == 1:
-            # every backend holds the same prefix: the cache tells them apart by nothing, so the pure load
-            # balancer picks (``policies/balance.py``: least prefill queued). Equal waits of idle backends go to
-            # the prefix's rendezvous order (an idle fleet keeps the prefix on one home, routers agree without
-            # talking); of working ones, to the rotation (equal loads spread like round robin). A session's first
-            # request goes to the backend that started fewest sessions: its later turns stay where it starts, so
-            # sessions, not the queue of the moment, are the load it brings
-            if weigh_sessions:
-                tied = [self._starts.next_of(list(costs), load)]
-                self._starts.record(tied[0])
-            else:
-                tied = least_waiting(list(costs), load, now)
-            if len(tied) == 1:
-                backend = tied[0]
-            elif is_idle(tied[0], load, now):
-                backend = self._first_in_order(state.rendezvous, request.keys[0], tied)
-            else:
-                backend = self._rotation.next_of(tied, load)
-            reason = "prefix_match"
+            backend, reason = self._balance(request, costs, weigh_sessions, state, now), "prefix_match"
         else:
-            backend, reason = self._pick_by_cost(request, costs, matched, top_holder, state, now)
+            backend, reason = self._pick_by_cost(request, costs, matched, best_matched, state, now)
         self._rotation.record(backend)
-        chosen = cand_of[backend]
-        chosen.resident_tokens = resident[backend]
-        chosen.evicts = evicts[backend]
-        work = chosen.own_s
-        fixed = slot_wait(chosen, speed) * cfg.slot_weight
-        factor = chosen.factor or 1.0
-        scores = (
-            costs if len(costs) <= cfg.max_scores
-            else dict(sorted(costs.items(), key=_VALUE)[: cfg.max_scores])
-        )
-        own = own_prefill(chosen, speed) / factor
-        queued = max(chosen.work_s, chosen.view.queue_tokens / speed.prefill_tok_s)
-        return Decision(
-            backend=backend,
-            policy=self.name,
-            reason=reason,
-            # tokens held in any tier (what the engine will report cached); the cost above read them credited
-            matched_tokens=chosen.matched if not credited else min(int(matches[backend] * bt), max(prompt - 1, 0)),
-            matched_blocks=matches.get(backend, 0),
-            prompt_tokens=prompt,
-            scores=scores,
-            request_id=request.request_id,
-            predicted_prefill_tokens=chosen.uncached,
-            work_s=work,
-            predicted_ttft_s=queued + own,
-            fixed_wait_s=fixed,
-            wasted_prefill_tokens=best_matched - chosen.matched,
-        )
+        chosen = scored.candidate[backend]
+        chosen.resident_tokens = scored.resident[backend]
+        chosen.evicts = scored.evicts[backend]
+        return self._decision(request, backend, reason, costs, chosen, matches, credited, best_matched)

@@ -520,10 +520,6 @@ class HealthBoard:
     def add_listener(self, listener: Callable[[Transition], None]) -> None:
         self._listeners.append(listener)
 
-    def remove_listener(self, listener: Callable[[Transition], None]) -> None:
-        if listener in self._listeners:
-            self._listeners.remove(listener)
-
     def _notify(self, event: Transition) -> None:
         for listener in list(self._listeners):
             try:

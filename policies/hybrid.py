@@ -34,12 +34,13 @@ from kvroute.policies.cache_aware import CacheAware, CacheAwareConfig
 from kvroute.policies.decision import Decision
 from kvroute.policies.health import HealthBoard
 from kvroute.policies.lifecycle import FleetView, RequestOutcome
-from kvroute.policies.marketplace import Marketplace, MarketplaceConfig, ProviderQuote, to_price
+from kvroute.policies.marketplace import Marketplace, MarketplaceConfig
 from kvroute.policies.overflow_guard import OverflowGuard
 from kvroute.policies.prediction_error import PredictionError
+from kvroute.policies.rates import ProviderQuote, SelfHostedRate, to_price
 from kvroute.policies.request import RoutingRequest
 
-__all__ = ["HostedQuote", "Hybrid", "HybridConfig", "OverflowGuard", "SelfHostedRate"]
+__all__ = ["HostedQuote", "Hybrid", "HybridConfig", "OverflowGuard"]
 
 REASONS = ("self_hosted", "overflow_latency", "session_hosted", "guard_share", "guard_spend",
            "no_hosted_meets_target", "self_hosted_unavailable", "no_acceptable_provider:no_acceptable_route",
@@ -144,18 +145,6 @@ class HybridConfig:
         if request.app is not None and request.app in self.app_targets:
             return float(self.app_targets[request.app])
         return float(self.ttft_target_s)
-
-
-@dataclass(frozen=True, slots=True)
-class SelfHostedRate:
-    """What one self-hosted token costs (from the rate card or the price book), per token in ``currency``."""
-
-    input_price: Decimal
-    output_price: Decimal
-    currency: str = "USD"
-
-    def price(self, prompt_tokens: int, output_tokens: float) -> Decimal:
-        return self.input_price * max(0, prompt_tokens) + self.output_price * Decimal(str(round(output_tokens, 3)))
 
 
 @dataclass(frozen=True, slots=True)

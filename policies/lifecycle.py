@@ -9,8 +9,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from kvroute.policies.health import HealthBoard
-    from kvroute.policies.hybrid import SelfHostedRate
-    from kvroute.policies.marketplace import ProviderQuote
+    from kvroute.policies.rates import ProviderQuote, SelfHostedRate
 
 SUCCESS, FAILURE, CANCELLED = "success", "failure", "cancelled"
 

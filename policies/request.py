@@ -29,11 +29,6 @@ class RoutingRequest:
     key_space: str = "bytes"
 
     @property
-    def routable_blocks(self) -> int:
-        """Full blocks worth routing on (the trailing partial block is never hashed)."""
-        return len(self.keys)
-
-    @property
     def routable_tokens(self) -> int:
         return int(len(self.keys) * self.block_tokens)
 

@@ -1,7 +1,7 @@
 """The 2026 anchors: SMG 1.9, llm-d 0.10 guides, Dynamo 1.6 and vllm-router's ``sticky_least_loaded``.
 
 Each class is a reading of its upstream source with that source's defaults, named in its docstring; the
-simulator builds them from the shared policy registry like every other baseline (``kvroute.sim.baselines``
+simulator builds them from the shared policy registry like every other baseline (``kvroute.sim.lineup``
 registers them). Like the 2025 anchors they learn cache state from their own picks (approximate index), load
 from the router's in-flight counts, and completions through ``observe``.
 

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvroute.policies import (
-    DEFAULT_POLICY,
     CacheAware,
     CacheAwareConfig,
     Decision,
@@ -453,17 +452,3 @@ BASELINES: dict[str, tuple[type, type]] = {
 }
 for _name, (_cls, _cfg) in BASELINES.items():
     register_policy(_name, _cls, _cfg)
-
-import kvroute.sim.anchors2026  # noqa: E402,F401  (registers the 2026 anchors, which build on the classes above)
-
-#: the anchors as their projects ship them in 2026 (``kvroute.sim.anchors2026``)
-ANCHORS_2026 = ("smg_2026", "llmd_2026", "dynamo_2026", "vllm_sticky_least_loaded")
-
-#: kvroute's default first, then every baseline, in the order reports list them.
-DEFAULT_LINEUP = (DEFAULT_POLICY, "round_robin", "random", "least_load", "litellm_prompt_caching",
-                  "sglang_cache_aware", "llmd_approx", "dynamo", *ANCHORS_2026, "oracle")
-
-#: upper references reported beside the baselines (exact engine state; not counted as baselines to beat)
-REFERENCES = ("oracle_ttft", "kvroute_precise")
-#: policies that read ``sim/replica.py``'s block replicas (not a ``llamacpp`` preset's)
-BLOCK_REPLICAS_ONLY = frozenset({"oracle", "oracle_ttft"})

@@ -125,8 +125,8 @@ def simulate_command(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from kvroute.policies.errors import ConfigError
-    from kvroute.sim.baselines import BLOCK_REPLICAS_ONLY, DEFAULT_LINEUP
     from kvroute.sim.engine import FleetConfig
+    from kvroute.sim.lineup import BLOCK_REPLICAS_ONLY, DEFAULT_LINEUP
     from kvroute.sim.presets import get_preset
     from kvroute.sim.report import dumps_json, print_table, to_csv, to_html
     from kvroute.sim.runner import compare

@@ -43,7 +43,7 @@ from kvroute.sim.presets import Preset
 from kvroute.sim.prompt_cache import PromptCacheConfig
 from kvroute.sim.replica import Live, Replica
 from kvroute.sim.replica_llamacpp import LlamaCppReplica, SharedCores
-from kvroute.sim.workload import Workload
+from kvroute.sim.workload import SimRequest, Workload
 
 _ARRIVE = CALLER_KINDS
 
@@ -104,8 +104,8 @@ def _backend_names(n: int) -> list[str]:
 
 
 def make_policy(name: str, knobs: dict | None = None, preset: Preset | None = None) -> Policy:
-    """Build ``name`` from the shared registry (importing the baselines registers them), with ``engine_knobs``."""
-    import kvroute.sim.baselines  # noqa: F401  (registers baseline policies)
+    """Build ``name`` from the shared registry (importing the lineup registers the baselines), with ``engine_knobs``."""
+    import kvroute.sim.lineup  # noqa: F401  (registers the baselines and anchors)
 
     knobs = {**engine_knobs(name, preset), **(knobs or {})}
     return build_policy(name, knobs, where=f"policies.{name}")
@@ -135,6 +135,71 @@ def build_replicas(fleet: FleetConfig, names: list[str], block_tokens: int) -> l
             for n in names]
 
 
+class EventTransit:
+    """KV events on their way from the simulated engines to kvroute's precise index, ``delay_s`` after the step
+    that caused them."""
+
+    def __init__(self, index: PreciseIndex, delay_s: float) -> None:
+        self.index, self.delay_s = index, delay_s
+        self.pending: deque[tuple[float, str, list[tuple[bool, int]]]] = deque()
+
+    def ship(self, rep: Replica, at: float) -> None:
+        """Take the replica's events of the step that ended ``at`` (its list starts empty again)."""
+        if rep.events:
+            self.pending.append((at + self.delay_s, rep.name, rep.events))
+            rep.events = []
+
+    def deliver(self, at: float) -> None:
+        """Apply every event due by ``at`` to the index, oldest first."""
+        pending, index = self.pending, self.index
+        while pending and pending[0][0] <= at:
+            _, source, batch = pending.popleft()
+            for stored, key in batch:
+                if stored:
+                    index.stored_keys(source, [key], [key])
+                else:
+                    index.removed(source, [key])
+
+
+def routing_index(policy: Policy, fleet: FleetConfig, replicas: list[Replica | LlamaCppReplica],
+                  index_config: PrefixIndexConfig) -> tuple[PreciseIndex | PromptIndex | None, EventTransit | None]:
+    """The router's index for ``policy`` (None: the approximate one ``index_config`` builds) and, for a policy that
+    reads KV events (``event_delay_s``), the transit that feeds them to it (every replica then records events)."""
+    if policy.event_delay_s is not None:  # kvroute's precise index, fed by the simulated engines' KV events
+        precise = PreciseIndex(PreciseIndexConfig(fallback=index_config))
+        for rep in replicas:
+            precise.attach(rep.name, rep.name)
+            rep.events = []
+        return precise, EventTransit(precise, policy.event_delay_s)
+    if fleet.preset.engine == "llamacpp":  # llama.cpp keeps whole prompts, not blocks
+        return PromptIndex(PromptIndexConfig(cache_tokens=fleet.capacity_tokens, slots=fleet.preset.cost.max_running,
+                                             block_tokens=index_config.block_tokens)), None
+    return None, None
+
+
+def routing_request(spec: SimRequest, idx: int, block_tokens: int) -> RoutingRequest:
+    """The ``RoutingRequest`` the plugin would build for workload request ``idx`` (id ``r<idx>``)."""
+    tags = {} if spec.cache_prefix_blocks is None else {"cache_prefix_blocks": str(spec.cache_prefix_blocks)}
+    return RoutingRequest(model="sim", keys=spec.keys, block_tokens=block_tokens, prompt_tokens=spec.prompt_tokens,
+                          session_key=spec.session, app=spec.app, request_id=f"r{idx}", tags=tags,
+                          kind="completion", key_space="tokens")
+
+
+def mark_held(replicas: list[Replica | LlamaCppReplica], live: Live, ri: int) -> None:
+    """What the fleet held of this prompt at arrival: another replica's cached prefix (wasted-prefill figure) and
+    the floor (prefill of what no replica held, alone on replica ``ri``)."""
+    other = held_any = 0
+    for j, rep in enumerate(replicas):
+        held = rep.held_tokens(live)  # an engine never reuses a prompt's last token
+        if j != ri and held > other:
+            other = held
+        if held > held_any:
+            held_any = held
+    live.held_elsewhere = other
+    cached = held_any
+    live.floor_s = replicas[ri].cost.prefill_alone_s(cached, live.prompt - cached)
+
+
 def simulate(workload: Workload, policy: Policy | str, fleet: FleetConfig,
              progress: Callable[[int, int], None] | None = None) -> RunResult:
     """Replay ``workload`` on ``fleet`` with ``policy`` picking through a fresh ``Router``."""
@@ -142,41 +207,13 @@ def simulate(workload: Workload, policy: Policy | str, fleet: FleetConfig,
     if isinstance(policy, str):
         policy = make_policy(policy, preset=fleet.preset)
     bt = workload.block_tokens
-    capacity = fleet.capacity_tokens
     names = _backend_names(fleet.replicas)
     replicas = build_replicas(fleet, names, bt)
     loop = ReplicaLoop(replicas, fleet.metrics_interval_s,
                        replicas[0].cores if isinstance(replicas[0], LlamaCppReplica) else None)
-    index_config = PrefixIndexConfig(capacity_tokens=capacity, block_tokens=float(bt))
-    event_delay = policy.event_delay_s
-    precise = None
-    index: PreciseIndex | PromptIndex | None = None
-    if event_delay is not None:  # kvroute's precise index, fed by the simulated engines' KV events
-        index = precise = PreciseIndex(PreciseIndexConfig(fallback=index_config))
-        for name in names:
-            precise.attach(name, name)
-    elif fleet.preset.engine == "llamacpp":  # llama.cpp keeps whole prompts, not blocks
-        index = PromptIndex(PromptIndexConfig(cache_tokens=capacity, slots=fleet.preset.cost.max_running,
-                                              block_tokens=float(bt)))
+    index_config = PrefixIndexConfig(capacity_tokens=fleet.capacity_tokens, block_tokens=float(bt))
+    index, transit = routing_index(policy, fleet, replicas, index_config)
     router = Router(RouterConfig(index=index_config), clock=lambda: loop.now, index=index)
-    in_transit: deque[tuple[float, str, list[tuple[bool, int]]]] = deque()
-    if precise is not None:
-        for rep in replicas:
-            rep.events = []
-
-    def ship_events(rep: Replica, at: float) -> None:
-        if rep.events:
-            in_transit.append((at + event_delay, rep.name, rep.events))
-            rep.events = []
-
-    def deliver_events(at: float) -> None:
-        while in_transit and in_transit[0][0] <= at:
-            _, source, batch = in_transit.popleft()
-            for stored, key in batch:
-                if stored:
-                    precise.stored_keys(source, [key], [key])
-                else:
-                    precise.removed(source, [key])
     by_name = {r.name: i for i, r in enumerate(replicas)}
     policy.bind(FleetView(replicas=dict(zip(names, replicas, strict=True)), preset=fleet.preset))
 
@@ -211,11 +248,10 @@ def simulate(workload: Workload, policy: Policy | str, fleet: FleetConfig,
             return
         in_flight += 1
         spec = reqs[x]
-        rid = f"r{x}"
-        if in_transit:
-            deliver_events(now)
+        if transit is not None and transit.pending:
+            transit.deliver(now)
         loop.scrape(router, now)
-        live = Live(x, rid, spec.prompt_tokens, max(1, spec.output_tokens), spec.keys, now, tokens=spec.tokens,
+        live = Live(x, f"r{x}", spec.prompt_tokens, max(1, spec.output_tokens), spec.keys, now, tokens=spec.tokens,
                     answer_tokens=spec.answer_tokens)
         lives[x] = live
         if spec.prompt_tokens + spec.output_tokens > max_tokens:
@@ -225,10 +261,7 @@ def simulate(workload: Workload, policy: Policy | str, fleet: FleetConfig,
             live.done_at = now
             release_successors(x, now)
             return
-        tags = {} if spec.cache_prefix_blocks is None else {"cache_prefix_blocks": str(spec.cache_prefix_blocks)}
-        request = RoutingRequest(model="sim", keys=spec.keys, block_tokens=bt, prompt_tokens=spec.prompt_tokens,
-                                 session_key=spec.session, app=spec.app, request_id=rid, tags=tags,
-                                 kind="completion", key_space="tokens")
+        request = routing_request(spec, x, bt)
         decision = router.pick(request, names, policy=policy)
         reasons[decision.reason] += 1
         routed += 1
@@ -240,26 +273,12 @@ def simulate(workload: Workload, policy: Policy | str, fleet: FleetConfig,
             return
         routed_as[x] = request
         ri = by_name[decision.backend]
-        mark_held(live, ri)
+        mark_held(replicas, live, ri)
         replica_requests[ri] += 1
         queue_samples.append(sum(len(r.waiting) for r in replicas))
         loop.admit(ri, live, now)
         if progress is not None and routed % 2000 == 0:
             progress(routed, n)
-
-    def mark_held(live: Live, ri: int) -> None:
-        """What the fleet held of this prompt at arrival: another replica's cached prefix (wasted-prefill
-        figure) and the floor (prefill of what no replica held, alone on this replica)."""
-        other = held_any = 0
-        for j, rep in enumerate(replicas):
-            held = rep.held_tokens(live)  # an engine never reuses a prompt's last token
-            if j != ri and held > other:
-                other = held
-            if held > held_any:
-                held_any = held
-        live.held_elsewhere = other
-        cached = held_any
-        live.floor_s = replicas[ri].cost.prefill_alone_s(cached, live.prompt - cached)
 
     def step_done(rep: Replica, first: list[Live], done: list[Live], now: float) -> None:
         for r in first:
@@ -271,7 +290,7 @@ def simulate(workload: Workload, policy: Policy | str, fleet: FleetConfig,
                                                   output_tokens=r.output), policy=policy)
             release_successors(r.idx, now)
 
-    sim_end = loop.run(arrive, step_done, ship_events if precise is not None else None)
+    sim_end = loop.run(arrive, step_done, transit.ship if transit is not None else None)
     if progress is not None:
         progress(n, n)
     finished = [r for r in lives if r is not None]

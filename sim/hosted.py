@@ -28,7 +28,8 @@ from typing import Any
 
 from kvroute.billing.pricing import CostRate, token_cost
 from kvroute.policies.errors import ConfigError
-from kvroute.policies.marketplace import MILLION, ProviderQuote, to_price
+from kvroute.policies.marketplace import MILLION
+from kvroute.policies.rates import ProviderQuote, to_price
 
 _Z90 = NormalDist().inv_cdf(0.9)
 _EPOCH_RATE = "1970-01-01"

@@ -91,7 +91,7 @@ class PolicyMetrics:
     ttfts: array = field(default_factory=lambda: array("d"), repr=False)
 
     def public(self) -> dict[str, float]:
-        """The issue's JSON fields for this policy."""
+        """This policy's figures in ``kvroute simulate --json`` (``report.to_json``)."""
         return {
             "hit_rate": round(self.hit_rate, 4),
             "ttft_p50_s": _r(self.ttft_p50_s),

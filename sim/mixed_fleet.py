@@ -36,7 +36,7 @@ from kvroute.policies import (
     RoutingRequest,
 )
 from kvroute.policies.lifecycle import FAILURE, SUCCESS
-from kvroute.sim.engine import FleetConfig, max_request_tokens, successors_of
+from kvroute.sim.engine import FleetConfig, max_request_tokens, routing_request, successors_of
 from kvroute.sim.event_loop import CALLER_KINDS, ReplicaLoop
 from kvroute.sim.hosted import HostedBackend, HostedSpec
 from kvroute.sim.replica import Live, Replica
@@ -123,173 +123,201 @@ def replica_names(fleet: FleetConfig) -> list[str]:
 def simulate_mixed(workload: Workload, strategy: Strategy, fleet: FleetConfig, hosted: Sequence[HostedSpec],
                    replica_rate: CostRate, *, seed: int = 0, health: HealthBoard | None = None) -> MixedResult:
     """Replay ``workload`` under ``strategy`` on ``fleet`` plus the ``hosted`` routes (see the module doc)."""
-    bt = workload.block_tokens
-    capacity = fleet.capacity_tokens
-    names = _names(fleet.replicas)
-    replicas = [Replica(n, fleet.preset.cost, capacity // bt, bt) for n in names]
-    loop = ReplicaLoop(replicas, fleet.metrics_interval_s)
-    health = health if health is not None else HealthBoard()
-    router = Router(RouterConfig(index=PrefixIndexConfig(capacity_tokens=capacity, block_tokens=float(bt))),
-                    clock=lambda: loop.now, health=health)
-    by_replica = {r.name: i for i, r in enumerate(replicas)}
-    routes = {s.name: HostedBackend(s, bt, seed) for s in hosted}
-    known = set(by_replica) | set(routes)
-    for tier in strategy.tiers:
-        for b in tier.backends:
-            if b not in known:
-                raise ValueError(f"strategy {strategy.name}: unknown backend {b!r}")
-    view = FleetView(health=health, replicas=dict(zip(names, replicas, strict=True)), preset=fleet.preset)
-    for tier in strategy.tiers:
-        tier.policy.bind(view)
-    all_backends = [b for tier in strategy.tiers for b in tier.backends]
-    reqs = workload.requests
-    tracks: list[Track] = []
-    requests: list[RoutingRequest | None] = [None] * len(reqs)
-    tracks.extend(Track(i, spec.arrival, spec.prompt_tokens, max(1, spec.output_tokens))
-                  for i, spec in enumerate(reqs))
-    successors = successors_of(workload, loop, _ARRIVE)
-    max_tokens = max_request_tokens(replicas[0], fleet.preset.max_model_len)
-    reasons: Counter[str] = Counter()
-    failures: Counter[str] = Counter()
-    pending_attempt: dict[int, tuple[str, object]] = {}
-    schedule = loop.schedule
+    return MixedRun(workload, strategy, fleet, hosted, replica_rate, seed=seed, health=health).run()
 
-    def finish(tr: Track, at: float) -> None:
-        for j in successors.pop(tr.idx, ()):
-            tracks[j].arrival = at + reqs[j].delay
-            schedule(tracks[j].arrival, _ARRIVE, j)
 
-    def succeeded(tr: Track, backend: str, at: float) -> None:
+class MixedRun:
+    """One ``simulate_mixed`` run: the fleet, the router and every request's ``Track``, stepped by events."""
+
+    def __init__(self, workload: Workload, strategy: Strategy, fleet: FleetConfig, hosted: Sequence[HostedSpec],
+                 replica_rate: CostRate, *, seed: int = 0, health: HealthBoard | None = None) -> None:
+        bt = workload.block_tokens
+        capacity = fleet.capacity_tokens
+        names = _names(fleet.replicas)
+        self.workload, self.strategy, self.fleet, self.replica_rate = workload, strategy, fleet, replica_rate
+        self.replicas = [Replica(n, fleet.preset.cost, capacity // bt, bt) for n in names]
+        self.loop = ReplicaLoop(self.replicas, fleet.metrics_interval_s)
+        self.health = health if health is not None else HealthBoard()
+        self.router = Router(RouterConfig(index=PrefixIndexConfig(capacity_tokens=capacity, block_tokens=float(bt))),
+                             clock=lambda: self.loop.now, health=self.health)
+        self.by_replica = {r.name: i for i, r in enumerate(self.replicas)}
+        self.routes = {s.name: HostedBackend(s, bt, seed) for s in hosted}
+        known = set(self.by_replica) | set(self.routes)
+        for tier in strategy.tiers:
+            for b in tier.backends:
+                if b not in known:
+                    raise ValueError(f"strategy {strategy.name}: unknown backend {b!r}")
+        view = FleetView(health=self.health, replicas=dict(zip(names, self.replicas, strict=True)),
+                         preset=fleet.preset)
+        for tier in strategy.tiers:
+            tier.policy.bind(view)
+        self.all_backends = [b for tier in strategy.tiers for b in tier.backends]
+        self.reqs = workload.requests
+        self.tracks = [Track(i, spec.arrival, spec.prompt_tokens, max(1, spec.output_tokens))
+                       for i, spec in enumerate(self.reqs)]
+        self.requests: list[RoutingRequest | None] = [None] * len(self.reqs)
+        self.successors = successors_of(workload, self.loop, _ARRIVE)
+        self.max_tokens = max_request_tokens(self.replicas[0], fleet.preset.max_model_len)
+        self.reasons: Counter[str] = Counter()
+        self.failures: Counter[str] = Counter()
+        self.pending_attempt: dict[int, tuple[str, object]] = {}
+        self.schedule = self.loop.schedule
+
+    def run(self) -> MixedResult:
+        """Run every event; what each request went through, and the counters."""
+        now = self.loop.run(self.on_event, self.on_step)
+        return MixedResult(self.strategy.name, self.workload.name, self.tracks, self.fleet.replicas, now,
+                           self.reasons, self.failures, [r.busy_time for r in self.replicas],
+                           list(self.workload.notes))
+
+    def finish(self, tr: Track, at: float) -> None:
+        """The request is over: the requests that follow it arrive."""
+        for j in self.successors.pop(tr.idx, ()):
+            self.tracks[j].arrival = at + self.reqs[j].delay
+            self.schedule(self.tracks[j].arrival, _ARRIVE, j)
+
+    def succeeded(self, tr: Track, backend: str, at: float) -> None:
         """The attempt answered: one ``finish`` for load, index, the tier's policy and the breaker."""
-        request = requests[tr.idx]
+        request = self.requests[tr.idx]
         assert request is not None
-        router.finish(request, RequestOutcome(SUCCESS, backend, at, cached_tokens=tr.cached_tokens,
-                                              ttft_s=tr.attempt_ttft, output_tokens=tr.output,
-                                              duration_s=tr.done_at - tr.sent_at, prompt_tokens=tr.prompt,
-                                              health=Outcome.SUCCESS), policy=strategy.tiers[tr.tier].policy)
+        self.router.finish(request, RequestOutcome(SUCCESS, backend, at, cached_tokens=tr.cached_tokens,
+                                                   ttft_s=tr.attempt_ttft, output_tokens=tr.output,
+                                                   duration_s=tr.done_at - tr.sent_at, prompt_tokens=tr.prompt,
+                                                   health=Outcome.SUCCESS),
+                           policy=self.strategy.tiers[tr.tier].policy)
 
-    def failed(tr: Track, backend: str, at: float, health_word: str, retry_after: float | None) -> None:
-        request = requests[tr.idx]
+    def failed(self, tr: Track, backend: str, at: float, health_word: str, retry_after: float | None) -> None:
+        request = self.requests[tr.idx]
         assert request is not None
-        router.finish(request, RequestOutcome(FAILURE, backend, at, health=health_word, retry_after_s=retry_after),
-                      policy=strategy.tiers[tr.tier].policy)
+        self.router.finish(request, RequestOutcome(FAILURE, backend, at, health=health_word,
+                                                   retry_after_s=retry_after),
+                           policy=self.strategy.tiers[tr.tier].policy)
 
-    def fail_attempt(tr: Track, backend: str, at: float, kind: str, retry_after: float | None) -> None:
-        failed(tr, backend, at, Outcome.CAPACITY if kind != "error" else Outcome.PROVIDER_FAILURE, retry_after)
-        failures[f"{backend}:{kind}"] += 1
+    def fail_attempt(self, tr: Track, backend: str, at: float, kind: str, retry_after: float | None) -> None:
+        """A hosted attempt failed (``kind``: rate limited or an error): count it, then route the next one."""
+        self.failed(tr, backend, at, Outcome.CAPACITY if kind != "error" else Outcome.PROVIDER_FAILURE, retry_after)
+        self.failures[f"{backend}:{kind}"] += 1
         tr.failures += 1
         tr.tried.add(backend)
         if retry_after is not None:
             tr.retry_after = retry_after if tr.retry_after is None else min(tr.retry_after, retry_after)
-        route(tr, at)
+        self.route(tr, at)
 
-    def route(tr: Track, at: float) -> None:
+    def pick(self, tr: Track, request: RoutingRequest, at: float) -> str | None:
+        """The backend of the request's next attempt: an untried, available one of its tier, else of the tiers
+        after it (None: every tier tried)."""
+        strategy = self.strategy
+        while tr.tier < len(strategy.tiers):
+            tier = strategy.tiers[tr.tier]
+            cands = self.health.filter([b for b in tier.backends if b not in tr.tried], at)
+            if cands:
+                decision = self.router.pick(request, cands, policy=tier.policy)
+                self.reasons[f"{tier.policy.name}:{decision.reason}"] += 1
+                if decision.backend is not None:
+                    return decision.backend
+            tr.tier += 1
+        return None
+
+    def start_over(self, tr: Track, at: float) -> None:
+        """Every tier tried: wait for the soonest Retry-After, then start over (or give up without one)."""
+        health = self.health
+        if tr.retry_after is None:  # nothing answered 429 but breakers are open (LiteLLM's 429 "no
+            tripped = [b for b in self.all_backends if not health.available(b, at)]  # deployments": Retry-After =
+            _, wait = health.soonest(tripped, at)  # the soonest cooldown of an open breaker)
+            tr.retry_after = wait if 0 < wait < math.inf else None
+        if tr.retry_after is None:
+            self.failures["no_backend"] += 1
+            tr.done_at = at
+            self.finish(tr, at)
+            return
+        wait, tr.retry_after = tr.retry_after, None
+        tr.tried.clear()
+        tr.tier = 0
+        self.schedule(at + wait, _ARRIVE, tr.idx, 1)
+
+    def send_hosted(self, tr: Track, backend: str, request: RoutingRequest, at: float) -> None:
+        """Send the attempt to hosted route ``backend``: its answer, or its failure, is scheduled."""
+        att = self.routes[backend].attempt(at, tr.prompt, tr.output, request.keys)
+        if att.kind != "ok":
+            self.pending_attempt[tr.idx] = (backend, att)
+            self.schedule(att.answered_at, _FAILED, tr.idx)
+            return
+        tr.backend, tr.hosted = backend, True
+        tr.first_token_at, tr.done_at = att.first_token_at, att.done_at
+        tr.cached_tokens, tr.cost = att.cached_tokens, att.cost
+        self.schedule(att.first_token_at, _HOSTED_FIRST, tr.idx)
+        self.schedule(att.done_at, _HOSTED_DONE, tr.idx)
+
+    def route(self, tr: Track, at: float) -> None:
         """Pick a backend for the request's next attempt and send it there (or give up)."""
-        request = requests[tr.idx]
+        request = self.requests[tr.idx]
         assert request is not None
         rid = request.request_id or ""
+        strategy = self.strategy
         while True:
             if tr.attempts >= strategy.max_attempts:
-                failures["gave_up"] += 1
+                self.failures["gave_up"] += 1
                 tr.done_at = at
-                finish(tr, at)
+                self.finish(tr, at)
                 return
-            backend = None
-            while tr.tier < len(strategy.tiers):
-                tier = strategy.tiers[tr.tier]
-                cands = health.filter([b for b in tier.backends if b not in tr.tried], at)
-                if cands:
-                    decision = router.pick(request, cands, policy=tier.policy)
-                    reasons[f"{tier.policy.name}:{decision.reason}"] += 1
-                    if decision.backend is not None:
-                        backend = decision.backend
-                        break
-                tr.tier += 1
-            if backend is None:  # every tier tried: wait for the soonest Retry-After, then start over
-                if tr.retry_after is None:  # nothing answered 429 but breakers are open (LiteLLM's 429 "no
-                    tripped = [b for b in all_backends if not health.available(b, at)]  # deployments": Retry-After =
-                    _, wait = health.soonest(tripped, at)  # the soonest cooldown of an open breaker)
-                    tr.retry_after = wait if 0 < wait < math.inf else None
-                if tr.retry_after is None:
-                    failures["no_backend"] += 1
-                    tr.done_at = at
-                    finish(tr, at)
-                    return
-                wait, tr.retry_after = tr.retry_after, None
-                tr.tried.clear()
-                tr.tier = 0
-                schedule(at + wait, _ARRIVE, tr.idx, 1)
+            backend = self.pick(tr, request, at)
+            if backend is None:
+                self.start_over(tr, at)
                 return
             tr.attempts += 1
             tr.sent_at = at
-            if backend in routes:
-                att = routes[backend].attempt(at, tr.prompt, tr.output, request.keys)
-                if att.kind != "ok":
-                    pending_attempt[tr.idx] = (backend, att)
-                    schedule(att.answered_at, _FAILED, tr.idx)
-                    return
-                tr.backend, tr.hosted = backend, True
-                tr.first_token_at, tr.done_at = att.first_token_at, att.done_at
-                tr.cached_tokens, tr.cost = att.cached_tokens, att.cost
-                schedule(att.first_token_at, _HOSTED_FIRST, tr.idx)
-                schedule(att.done_at, _HOSTED_DONE, tr.idx)
+            if backend in self.routes:
+                self.send_hosted(tr, backend, request, at)
                 return
-            ri = by_replica[backend]
-            rep = replicas[ri]
+            ri = self.by_replica[backend]
+            rep = self.replicas[ri]
             if strategy.queue_limit is not None and len(rep.waiting) >= strategy.queue_limit:
-                failed(tr, backend, at, Outcome.CAPACITY, 1.0)
-                failures[f"{backend}:queue_full"] += 1
+                self.failed(tr, backend, at, Outcome.CAPACITY, 1.0)
+                self.failures[f"{backend}:queue_full"] += 1
                 tr.failures += 1
                 tr.tried.add(backend)
                 tr.retry_after = 1.0 if tr.retry_after is None else min(tr.retry_after, 1.0)
                 continue
             live = Live(tr.idx, rid, tr.prompt, tr.output, request.keys, tr.arrival)
             tr.live, tr.backend, tr.hosted = live, backend, False
-            loop.admit(ri, live, at)
+            self.loop.admit(ri, live, at)
             return
 
-    def on_event(kind: int, x: int, ver: int, now: float) -> None:
+    def on_event(self, kind: int, x: int, ver: int, now: float) -> None:
+        """An arrival (first or after a wait), a hosted failure, first token or answer."""
         if kind == _ARRIVE:
-            tr = tracks[x]
-            spec = reqs[x]
+            tr = self.tracks[x]
+            spec = self.reqs[x]
             if ver == 0:
-                loop.scrape(router, now)
-                if spec.prompt_tokens + spec.output_tokens > max_tokens:
-                    failures["too_long"] += 1
+                self.loop.scrape(self.router, now)
+                if spec.prompt_tokens + spec.output_tokens > self.max_tokens:
+                    self.failures["too_long"] += 1
                     tr.done_at = now
-                    finish(tr, now)
+                    self.finish(tr, now)
                     return
-                tags = {} if spec.cache_prefix_blocks is None else {
-                    "cache_prefix_blocks": str(spec.cache_prefix_blocks)}
-                requests[x] = RoutingRequest(model="sim", keys=spec.keys, block_tokens=bt,
-                                             prompt_tokens=spec.prompt_tokens, session_key=spec.session,
-                                             app=spec.app, request_id=f"r{x}", tags=tags, kind="completion",
-                                             key_space="tokens")
-            route(tr, now)
+                self.requests[x] = routing_request(spec, x, self.workload.block_tokens)
+            self.route(tr, now)
         elif kind == _FAILED:
-            backend, att = pending_attempt.pop(x)
-            fail_attempt(tracks[x], backend, now, att.kind, att.retry_after_s)  # type: ignore[attr-defined]
+            backend, att = self.pending_attempt.pop(x)
+            self.fail_attempt(self.tracks[x], backend, now, att.kind, att.retry_after_s)  # type: ignore[attr-defined]
         elif kind == _HOSTED_FIRST:
-            router.on_first_token(f"r{x}")
+            self.router.on_first_token(f"r{x}")
         else:  # _HOSTED_DONE
-            tr = tracks[x]
+            tr = self.tracks[x]
             assert tr.backend is not None
-            succeeded(tr, tr.backend, now)
-            finish(tr, now)
+            self.succeeded(tr, tr.backend, now)
+            self.finish(tr, now)
 
-    def on_step(rep: Replica, first: list[Live], done: list[Live], now: float) -> None:
+    def on_step(self, rep: Replica, first: list[Live], done: list[Live], now: float) -> None:
+        """A replica's step ended: first tokens, and the answers it finished (priced on the replica's card)."""
         for r in first:
-            router.on_first_token(r.rid)
-            tracks[r.idx].first_token_at = now
+            self.router.on_first_token(r.rid)
+            self.tracks[r.idx].first_token_at = now
         for r in done:
-            tr = tracks[r.idx]
+            tr = self.tracks[r.idx]
             tr.done_at = now
             tr.cached_tokens = max(0, r.hit_tokens)
-            tr.cost = token_cost(replica_rate, input_uncached=r.prompt - tr.cached_tokens,
+            tr.cost = token_cost(self.replica_rate, input_uncached=r.prompt - tr.cached_tokens,
                                  cache_read=tr.cached_tokens, output=r.output)
-            succeeded(tr, rep.name, now)
-            finish(tr, now)
-
-    now = loop.run(on_event, on_step)
-    return MixedResult(strategy.name, workload.name, tracks, fleet.replicas, now, reasons, failures,
-                       [r.busy_time for r in replicas], list(workload.notes))
+            self.succeeded(tr, rep.name, now)
+            self.finish(tr, now)

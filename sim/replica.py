@@ -164,11 +164,6 @@ class Replica:
                        + sum(r.prompt for r in self.waiting)) // cost.chunk_tokens)
         return total + steps * (cost.step_overhead_s + cost.decode_s_per_seq * self.dec_n)
 
-    def queued_prefill_tokens(self) -> int:
-        """Prompt tokens still to compute: running prefills plus the whole waiting queue (exact state)."""
-        total = sum(r.target - r.computed for r in self.prefilling.values())
-        return total + sum(r.prompt for r in self.waiting)
-
     def track_scheduled(self) -> None:
         """Keep a count of the keys of every queued or running request (what an exact observer knows)."""
         if self.scheduled is None:

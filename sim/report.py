@@ -1,4 +1,5 @@
-"""Render a ``Comparison``: terminal table (rich), the issue's JSON shape, CSV, one self-contained HTML page."""
+"""Render a ``Comparison``: terminal table (rich), JSON (``to_json``: each policy's ``PolicyMetrics.public``), CSV,
+one self-contained HTML page."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from sqlalchemy import Connection, and_, func, or_, type_coerce
 from kvroute.billing.models import Money, UsageEventRow
 
 if TYPE_CHECKING:
-    from kvroute.billing.reports.rows import Lines
+    from kvroute.billing.reports.lines import Lines
 
 E = UsageEventRow
 LATENCY = {"ttft_p50_ms": ("ttft_ms", Decimal("0.5")), "ttft_p90_ms": ("ttft_ms", Decimal("0.9")),

@@ -36,7 +36,8 @@ from kvroute.billing.events import STATUSES
 from kvroute.billing.models import Money, UsageAdjustmentRow, UsageEventRow, UsageEventTagRow
 from kvroute.billing.money import ZERO, fix
 from kvroute.billing.reports import attempts, causes, savings
-from kvroute.billing.reports.grouping import NONE, Grouping, column_expr, column_sql
+from kvroute.billing.reports.grouping import NONE, Grouping, column_sql
+from kvroute.billing.reports.lines import Lines
 from kvroute.billing.reports.scope import Scope
 
 E, A, T = UsageEventRow, UsageAdjustmentRow, UsageEventTagRow
@@ -75,37 +76,6 @@ def _self_hosted(event: Any = E) -> Any:
     """True where the event was rated as self-hosted: its own ``route_kind``, which the ledger took from the price
     file's backend entry when there was one (``Catalog.resolve``), so the split and the row's rule agree."""
     return event.route_kind == "self_hosted"
-
-
-class Lines:
-    """The scope's events (and adjustments) as SQL: filters, the month a line's money is booked in, the columns.
-
-    A *partial* is one (app, row columns, currency, month): the finest grain a report adds up at (fees need the
-    app's book of the month)."""
-
-    def __init__(self, scope: Scope, grouping: Grouping, app: str | None) -> None:
-        self.scope, self.grouping, self.app = scope, grouping, app
-        self.columns = grouping.columns
-        self.month = E.booked_period if scope.is_month else E.period
-
-    def event_where(self) -> list[Any]:
-        where = [E.booked_period == self.scope.period] if self.scope.is_month else self.scope.occurred(E.occurred_at)
-        return where + ([E.app_id == self.app] if self.app is not None else [])
-
-    def key_columns(self) -> list[Any]:
-        """app, the row columns, currency, month: the columns every partial query starts with."""
-        return [E.app_id.label("app_id"), *[column_expr(c) for c in self.columns], E.currency.label("currency"),
-                self.month.label("month")]
-
-    def events(self, *columns: Any) -> Any:
-        """``SELECT key columns, *columns FROM usage_event [LEFT JOIN usage_event_tag]`` over the scope."""
-        query = select(*self.key_columns(), *columns).select_from(E)
-        if self.grouping.by_tag:
-            query = query.outerjoin(T, T.event_id == E.event_id)
-        return query.where(*self.event_where())
-
-    def width(self) -> int:
-        return len(self.columns) + 3
 
 
 def _event_partials(conn: Connection, lines: Lines) -> dict[tuple, dict[str, Any]]:

@@ -25,7 +25,7 @@ from kvroute.billing.models import UsageEventRow
 from kvroute.billing.money import MILLION, ZERO, fix
 
 if TYPE_CHECKING:
-    from kvroute.billing.reports.rows import Lines
+    from kvroute.billing.reports.lines import Lines
 
 E = UsageEventRow
 COLUMNS = ("cache_savings", "cache_write_premium", "cache_savings_net", "unpriced_cache_tokens",

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from kvroute.plugin.adapter.deployments import Backend
-from kvroute.policies.marketplace import ProviderQuote
+from kvroute.policies.rates import ProviderQuote
 
 CACHE_KEY_PROVIDERS = frozenset({"openai", "openai_compatible", "marketplace", "azure", "deepseek"})
 

@@ -20,8 +20,9 @@ from kvroute.plugin.adapter.deployments import Backend
 from kvroute.plugin.adapter.metrics import Metrics
 from kvroute.policies.base import Policy
 from kvroute.policies.decision import Decision
-from kvroute.policies.hybrid import Hybrid, SelfHostedRate
+from kvroute.policies.hybrid import Hybrid
 from kvroute.policies.lifecycle import RouteSides
+from kvroute.policies.rates import SelfHostedRate
 
 log = logging.getLogger("kvroute.plugin")
 

@@ -37,7 +37,6 @@ from kvroute.plugin.settings import GroupSettings, KvrouteSettings
 from kvroute.policies import ChainKey, Router
 from kvroute.policies.base import Policy
 from kvroute.policies.errors import ConfigError
-from kvroute.policies.outcomes import Attribution
 
 log = logging.getLogger("kvroute.plugin")
 
@@ -342,12 +341,6 @@ class KvrouteCallback(CustomLogger):
             log.debug("kvroute failure hook failed", exc_info=True)
             self._count_error("attempt_failure")
 
-    def on_attempt_failure(self, request_data: Mapping[str, Any], exception: BaseException) -> Attribution:
-        """One attempt failed: release its pick and feed the breaker what ``outcomes.classify`` blames."""
-        found = self.ids.resolve(request_metadata(request_data))
-        verdict = outcomes.attempt_verdict(self, request_data, exception, found)
-        return outcomes.attempt_failed(self, request_data, exception, found, verdict)
-
     async def async_log_failure_event(self, kwargs: dict, response_obj: Any, start_time: Any, end_time: Any) -> None:
         try:
             exc = kwargs.get("exception")
@@ -360,13 +353,6 @@ class KvrouteCallback(CustomLogger):
             outcomes.request_failed(self, kwargs, error, found, verdict)
         except Exception:
             self._count_error("failure")
-
-    def on_request_failure(self, kwargs: Mapping[str, Any]) -> Attribution | None:
-        """LiteLLM's request-level failure event (``outcomes.request_failed``)."""
-        exc = kwargs.get("exception")
-        exc = exc if isinstance(exc, BaseException) else RuntimeError(str(exc))
-        found = self.ids.resolve(request_metadata(kwargs))
-        return outcomes.request_failed(self, kwargs, exc, found, outcomes.request_verdict(self, kwargs, exc, found))
 
     async def log_success_fallback_event(self, original_model_group: str, kwargs: dict,
                                          original_exception: Exception) -> None:

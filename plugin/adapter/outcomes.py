@@ -23,19 +23,19 @@ from kvroute.policies.lifecycle import CANCELLED, FAILURE, SUCCESS, RequestOutco
 from kvroute.policies.outcomes import Attribution, FailureKind, classify
 
 if TYPE_CHECKING:
-    from kvroute.plugin.adapter.litellm_hooks import KvrouteCallback
+    from kvroute.plugin.adapter.callback_host import CallbackHost
 
 Found = tuple[RequestState, Attempt] | None
 
 
-def answered(cb: KvrouteCallback, found: Found) -> None:
+def answered(cb: CallbackHost, found: Found) -> None:
     """The whole answer is back: release the pick's load now (the success event may come much later)."""
     ticket = cb.ids.open_attempt(found)
     if ticket is not None:
         ticket.router.on_answered(ticket.rid)
 
 
-def first_token(cb: KvrouteCallback, meta: Any) -> None:
+def first_token(cb: CallbackHost, meta: Any) -> None:
     """A streamed chunk arrived: on the attempt's first, prefill is over (later chunks return before any check:
     the attempt their metadata names has already seen its first token, so there is nothing to do)."""
     named = meta.get(TICKET_KEY) if isinstance(meta, dict) else None
@@ -48,7 +48,7 @@ def first_token(cb: KvrouteCallback, meta: Any) -> None:
         ticket.router.on_first_token(ticket.rid)
 
 
-def cancelled(cb: KvrouteCallback, found: Found) -> None:
+def cancelled(cb: CallbackHost, found: Found) -> None:
     """The client went away: release load (what was prefilled may stay cached); neutral for health."""
     ticket = cb.ids.open_attempt(found)
     if ticket is None:
@@ -60,7 +60,7 @@ def cancelled(cb: KvrouteCallback, found: Found) -> None:
         cb.metrics.failed(ticket.backend, "cancelled", app=ticket.app)
 
 
-def success(cb: KvrouteCallback, kwargs: Mapping[str, Any], response_obj: Any, start_time: Any, end_time: Any,
+def success(cb: CallbackHost, kwargs: Mapping[str, Any], response_obj: Any, start_time: Any, end_time: Any,
             found: Found) -> None:
     """A successful attempt: settle the pick with the cached tokens seen, teach the policy, record health."""
     ticket = cb.ids.open_attempt(found)
@@ -92,7 +92,7 @@ def success(cb: KvrouteCallback, kwargs: Mapping[str, Any], response_obj: Any, s
         cb.metrics.set_inflight([(backend_id, ticket.router.load.inflight(backend_id))])
 
 
-def attempt_verdict(cb: KvrouteCallback, request_data: Mapping[str, Any], exception: BaseException,
+def attempt_verdict(cb: CallbackHost, request_data: Mapping[str, Any], exception: BaseException,
                     found: Found) -> Attribution:
     """The verdict on the failed attempt ``found`` names (classified once; kept on its record)."""
     ticket = cb.ids.open_attempt(found)
@@ -104,7 +104,7 @@ def attempt_verdict(cb: KvrouteCallback, request_data: Mapping[str, Any], except
     return verdict
 
 
-def attempt_failed(cb: KvrouteCallback, request_data: Mapping[str, Any], exception: BaseException,
+def attempt_failed(cb: CallbackHost, request_data: Mapping[str, Any], exception: BaseException,
                    found: Found, verdict: Attribution) -> Attribution:
     """One attempt failed: release its pick and feed the breaker what the verdict blames."""
     state = found[0] if found is not None else None
@@ -131,7 +131,7 @@ def attempt_failed(cb: KvrouteCallback, request_data: Mapping[str, Any], excepti
     return verdict
 
 
-def request_verdict(cb: KvrouteCallback, kwargs: Mapping[str, Any], exception: BaseException,
+def request_verdict(cb: CallbackHost, kwargs: Mapping[str, Any], exception: BaseException,
                     found: Found) -> Attribution:
     """The verdict on a request-level failure event (classified once, for the breaker and the ledger alike)."""
     ticket = cb.ids.open_attempt(found)
@@ -142,7 +142,7 @@ def request_verdict(cb: KvrouteCallback, kwargs: Mapping[str, Any], exception: B
     return verdict if ticket is not None and ticket.backend is not None else verdict.unsent()
 
 
-def request_failed(cb: KvrouteCallback, kwargs: Mapping[str, Any], exception: BaseException, found: Found,
+def request_failed(cb: CallbackHost, kwargs: Mapping[str, Any], exception: BaseException, found: Found,
                    verdict: Attribution) -> Attribution | None:
     """LiteLLM's request-level failure event: judge it only when no per-attempt hook did (a bare SDK call,
     a cancellation). Its metadata may already name a newer attempt (a fallback's pick runs before this
@@ -165,7 +165,7 @@ def request_failed(cb: KvrouteCallback, kwargs: Mapping[str, Any], exception: Ba
     return verdict
 
 
-def judge(cb: KvrouteCallback, backend_id: str, verdict: Attribution, started: float | None) -> None:
+def judge(cb: CallbackHost, backend_id: str, verdict: Attribution, started: float | None) -> None:
     """Give the breaker and the metrics one attempt's verdict (a neutral one hands a half-open probe back)."""
     outcome = verdict.outcome.value
     cb.health.record(backend_id, outcome, cb.clock(), retry_after_s=verdict.retry_after_s,

@@ -15,10 +15,10 @@ from kvroute.plugin.adapter.tenancy import SALT_ENGINES, set_engine_salt
 from kvroute.policies.lifecycle import FAILURE, RequestOutcome
 
 if TYPE_CHECKING:
-    from kvroute.plugin.adapter.litellm_hooks import KvrouteCallback
+    from kvroute.plugin.adapter.callback_host import CallbackHost
 
 
-def pick(cb: KvrouteCallback, model: str, healthy: list, messages: Any, request_kwargs: dict | None,
+def pick(cb: CallbackHost, model: str, healthy: list, messages: Any, request_kwargs: dict | None,
          precise: Any = None) -> list:
     """The deployments LiteLLM may use for this attempt: the policy's pick, or ``healthy`` when kvroute is off.
     ``precise``: the (request, salt) a precise group's tokenizer already built."""
@@ -99,7 +99,7 @@ def pin(attempt: Attempt, router: Any, backend: str, app: str | None, predicted:
     attempt.started, attempt.request, attempt.policy, attempt.salt = now, request, policy, salt
 
 
-def close_previous(cb: KvrouteCallback, meta: Mapping[str, Any], request: Mapping[str, Any]) -> None:
+def close_previous(cb: CallbackHost, meta: Mapping[str, Any], request: Mapping[str, Any]) -> None:
     """A new pick for the same request (``request``: its data) means the previous attempt is over (retry or
     fallback)."""
     prev = cb.ids.ticket_of(meta)
@@ -113,7 +113,7 @@ def close_previous(cb: KvrouteCallback, meta: Mapping[str, Any], request: Mappin
         cb.billing.superseded(prev, request)
 
 
-def maybe_expire(cb: KvrouteCallback, now: float) -> None:
+def maybe_expire(cb: CallbackHost, now: float) -> None:
     """Every ``expire_every_s``: expire the routers' old picks and the attempts that never got an outcome."""
     if now - cb._last_expire < cb.settings.expire_every_s:
         return
@@ -125,7 +125,7 @@ def maybe_expire(cb: KvrouteCallback, now: float) -> None:
                             for b in cb.fleet.backends.values() if b.group in cb.routers)
 
 
-def pre_call(cb: KvrouteCallback, kwargs: dict) -> dict | None:
+def pre_call(cb: CallbackHost, kwargs: dict) -> dict | None:
     """The deployment really used for the attempt: move the pick there if LiteLLM chose another, and set the
     engine salt or the provider cache key on the upstream request (the changed ``kwargs``, or None)."""
     found = cb.ids.resolve(request_metadata(kwargs))

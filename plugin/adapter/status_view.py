@@ -9,16 +9,16 @@ from typing import TYPE_CHECKING, Any
 from kvroute.plugin.adapter import hybrid
 
 if TYPE_CHECKING:
-    from kvroute.plugin.adapter.litellm_hooks import KvrouteCallback
+    from kvroute.plugin.adapter.callback_host import CallbackHost
 
 
-def worker_status(cb: KvrouteCallback) -> dict[str, Any]:
+def worker_status(cb: CallbackHost) -> dict[str, Any]:
     """This worker's own counters (the shared state publishes them so any worker can answer for all)."""
     return {"pending": len(cb.ids.open),
             "errors": {name: router.errors for name, router in list(cb.routers.items())}}
 
 
-def status(cb: KvrouteCallback, show_api_base: bool = False) -> dict[str, Any]:
+def status(cb: CallbackHost, show_api_base: bool = False) -> dict[str, Any]:
     """Breaker and routing state for ``kvroute status`` (ids, numbers and states only; ``api_base`` only
     when asked). Breakers, in-flight and index are shared through Redis; pending and errors are summed over
     the workers that published theirs within the last heartbeat TTL."""
@@ -58,7 +58,7 @@ def status(cb: KvrouteCallback, show_api_base: bool = False) -> dict[str, Any]:
     return out
 
 
-def shared_state_status(cb: KvrouteCallback, peers: Mapping[str, Any]) -> dict[str, Any]:
+def shared_state_status(cb: CallbackHost, peers: Mapping[str, Any]) -> dict[str, Any]:
     """The Redis link (stream entries applied, re-seeds after an emptied Redis, errors) and every live worker's
     replication lag (seconds), this one first; ``replication`` is this worker's, with recent percentiles."""
     shared = cb._shared

@@ -30,13 +30,13 @@ from kvroute.policies.prompt_index import PromptIndex, PromptIndexConfig
 from kvroute.policies.registry import policy_names
 
 if TYPE_CHECKING:
+    from kvroute.plugin.adapter.callback_host import CallbackHost
     from kvroute.plugin.adapter.deployments import Backend
-    from kvroute.plugin.adapter.litellm_hooks import KvrouteCallback
 
 log = logging.getLogger("kvroute.plugin")
 
 
-def build(cb: KvrouteCallback) -> None:
+def build(cb: CallbackHost) -> None:
     """Load settings, metrics, the hash key, health, rules, billing and the proxy routes (once, at set-up)."""
     if cb._settings is None:
         cb._settings = load_settings(cb._proxy_config or proxy_config_path())
@@ -83,7 +83,7 @@ def build(cb: KvrouteCallback) -> None:
     log_startup(cb)
 
 
-def learn_proxy_model_list(cb: KvrouteCallback) -> None:
+def learn_proxy_model_list(cb: CallbackHost) -> None:
     """Classify the proxy's ``model_list`` up front so status shows every backend before traffic."""
     path = cb._proxy_config or proxy_config_path()
     if not path:
@@ -107,16 +107,13 @@ def learn_proxy_model_list(cb: KvrouteCallback) -> None:
         cb.router_for(group, backends)
 
 
-def connect_shared_state(cb: KvrouteCallback) -> Any:
+def connect_shared_state(cb: CallbackHost) -> Any:
     """The Redis-shared state of ``redis_url`` (None when not configured or unreachable)."""
     s = cb._settings
     if s is None or not s.redis_url:
         return None
-    try:
-        from kvroute.plugin.state import shared_state  # written by the resilience engineer
-    except ImportError:
-        log.warning("kvroute: KVROUTE_REDIS_URL set but kvroute.plugin.state.shared_state is not available")
-        return None
+    from kvroute.plugin.state import shared_state
+
     try:
         cb._shared = shared_state.connect(s.redis_url,
                                           shared_state.SharedStateConfig(namespace=s.redis_namespace))
@@ -126,7 +123,7 @@ def connect_shared_state(cb: KvrouteCallback) -> Any:
     return cb._shared
 
 
-def build_hedges(cb: KvrouteCallback, s: KvrouteSettings) -> Hedges | None:
+def build_hedges(cb: CallbackHost, s: KvrouteSettings) -> Hedges | None:
     """The groups' hedged streams (``groups.<name>.hedge``; None when no group hedges). A bad block raises
     ``ConfigError`` naming its key."""
     configs = {name: HedgeConfig.parse(g.hedge, f"kvroute.groups.{name}.hedge")
@@ -144,7 +141,7 @@ def build_hedges(cb: KvrouteCallback, s: KvrouteSettings) -> Hedges | None:
                   billing=lambda: cb.billing, metrics=lambda: cb.metrics, expected_hit=expected_hit, clock=cb.clock)
 
 
-def start_billing(cb: KvrouteCallback, s: KvrouteSettings, *, in_proxy: bool) -> None:
+def start_billing(cb: CallbackHost, s: KvrouteSettings, *, in_proxy: bool) -> None:
     """On by default in the proxy (embedded SQLite in the data directory); see ``billing_feed.billing_target``."""
     cb.billing_target = billing_target(s, in_proxy=in_proxy)  # where it records (the startup line says)
     cb.billing = BillingFeed.start(s, cb.ids, in_proxy=in_proxy, on_error=cb._count_error)
@@ -159,7 +156,7 @@ def start_billing(cb: KvrouteCallback, s: KvrouteSettings, *, in_proxy: bool) ->
             cb.metrics.registry.register(RecorderCollector(cb.billing))
 
 
-def mount_on_proxy(cb: KvrouteCallback) -> None:
+def mount_on_proxy(cb: CallbackHost) -> None:
     """Add ``GET <status_path>`` and ``<status_path>/metrics`` to the running proxy app (if any)."""
     proxy = sys.modules.get("litellm.proxy.proxy_server")
     app = getattr(proxy, "app", None) if proxy else None
@@ -173,7 +170,7 @@ def mount_on_proxy(cb: KvrouteCallback) -> None:
         log.warning("kvroute: could not mount status routes: %s", exc)
 
 
-def router_for(cb: KvrouteCallback, group: str, backends: Sequence[Backend]) -> Router:
+def router_for(cb: CallbackHost, group: str, backends: Sequence[Backend]) -> Router:
     """One ``kvroute.policies.Router`` per model group, built on first use."""
     router = cb.routers.get(group)
     if router is not None:
@@ -234,7 +231,7 @@ def router_for(cb: KvrouteCallback, group: str, backends: Sequence[Backend]) -> 
     return router
 
 
-def start_precise(cb: KvrouteCallback, group: str, block: Mapping[str, Any], index: Any, router: Router) -> None:
+def start_precise(cb: CallbackHost, group: str, block: Mapping[str, Any], index: Any, router: Router) -> None:
     """Start the precise group's KV-event feed and metrics scraper (approximate keys until it has a tokenizer)."""
     try:
         from kvroute.plugin.feeds.precise import group_from_config
@@ -248,7 +245,7 @@ def start_precise(cb: KvrouteCallback, group: str, block: Mapping[str, Any], ind
         cb._count_error("precise_setup")
 
 
-def start_scraper(cb: KvrouteCallback, group: str, backends: Sequence[Backend], router: Router) -> None:
+def start_scraper(cb: CallbackHost, group: str, backends: Sequence[Backend], router: Router) -> None:
     """Scrape the replicas' ``metrics_url``: queue depth and KV usage feed the load tracker (with their age),
     the engine's block count sets the approximate index's capacity. Unreachable pages leave router-side load."""
     known = {b.id: b for b in (*cb.fleet.backends.values(), *backends) if b.group == group}
@@ -266,7 +263,7 @@ def start_scraper(cb: KvrouteCallback, group: str, backends: Sequence[Backend], 
         cb._count_error("metrics_setup")
 
 
-def attach(cb: KvrouteCallback, router: Router, policy: Policy, backends: Sequence[Backend]) -> None:
+def attach(cb: CallbackHost, router: Router, policy: Policy, backends: Sequence[Backend]) -> None:
     """Bind a policy to its group's fleet: the breakers, the priced backends' rate cards, which side each
     deployment is on (the ledger is read only when the policy asks) and, with shared state, the fleet's guard."""
     def sides() -> RouteSides:

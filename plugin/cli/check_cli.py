@@ -16,7 +16,7 @@ def check_command(
 ) -> None:
     """Validate the kvroute block, model_info, the callbacks line and KVROUTE_* overrides (offline)."""
     from kvroute.plugin.cli.check import check_config, probe
-    from kvroute.plugin.cli.cli import USAGE_ERROR as FIXABLE
+    from kvroute.plugin.cli.exit_codes import USAGE_ERROR as FIXABLE
 
     report = check_config(config)
     for note in report.notes:

@@ -14,13 +14,12 @@ from dataclasses import dataclass
 
 import typer
 
+from kvroute.plugin.cli.exit_codes import USAGE_ERROR
 from kvroute.plugin.extras import MissingExtra, extra_for_module, require
 from kvroute.policies.errors import KvrouteError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="kvroute: KV-cache-aware routing, failover and usage billing for LiteLLM.")
-
-USAGE_ERROR = 2
 
 
 @dataclass(frozen=True)

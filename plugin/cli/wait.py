@@ -54,7 +54,7 @@ def wait_command(
     """Wait until every URL (or every deployment of a proxy config) answers HTTP; exit 2 if time runs out."""
     import httpx
 
-    from kvroute.plugin.cli.cli import USAGE_ERROR
+    from kvroute.plugin.cli.exit_codes import USAGE_ERROR
 
     pending = list(dict.fromkeys(url for target in targets for url in urls_of(target)))
     total, start = len(pending), time.monotonic()

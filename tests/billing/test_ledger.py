@@ -173,8 +173,8 @@ def test_settings_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
     from kvroute.billing.settings import BillingSettings
     monkeypatch.setenv("KVROUTE_BILLING_DB", "postgresql://billing@db/ledger")
     monkeypatch.setenv("KVROUTE_BILLING_SPOOL", "/var/spool/kvroute")
-    s = BillingSettings()
-    assert s.db == "postgresql://billing@db/ledger" and str(s.spool) == "/var/spool/kvroute"
+    s = BillingSettings().ledger
+    assert s.billing_db == "postgresql://billing@db/ledger" and str(s.billing_spool) == "/var/spool/kvroute"
     monkeypatch.delenv("KVROUTE_BILLING_DB")
     monkeypatch.delenv("KVROUTE_DATA_DIR", raising=False)
     from kvroute.billing.location import location_from

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvroute.plugin.adapter.app_keys import app_of, key_hash
+from kvroute.plugin.adapter.key_hashes import app_of, key_hash
 from kvroute.plugin.settings import load_settings
 from kvroute.policies.errors import ConfigError
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvroute.billing.location import location_from
-from kvroute.billing.settings import BillingSettings, DrainSettings
+from kvroute.billing.settings import BillingSettings, DrainSettings, config_file
 from kvroute.plugin.settings import CliSettings, KvrouteSettings, load_settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,6 +64,30 @@ def test_commands_read_the_ledger_keys_of_the_proxys_yaml(tmp_path, monkeypatch)
     monkeypatch.setenv("KVROUTE_DATA_DIR", str(tmp_path / "env"))
     assert location_from(BillingSettings()) == load_settings().ledger_location()
     assert location_from(BillingSettings()).data_dir == tmp_path / "env"
+
+
+def test_proxy_and_commands_find_the_config_the_same_way(tmp_path, monkeypatch):
+    """One function finds the ``kvroute:`` block for the proxy and the commands: ``KVROUTE_CONFIG``'s file, else
+    LiteLLM's own config (the file the proxy loaded; for a command, the file LiteLLM's ``CONFIG_FILE_PATH`` names)."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("KVROUTE_DATA_DIR", "KVROUTE_BILLING_DB", "KVROUTE_BILLING_SPOOL", "KVROUTE_CONFIG",
+                 "CONFIG_FILE_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    assert config_file() is None
+    litellm = tmp_path / "config.yaml"
+    litellm.write_text("model_list: []\nkvroute:\n  data_dir: from-litellm\n")
+    assert config_file(litellm) == litellm
+    monkeypatch.setenv("CONFIG_FILE_PATH", str(litellm))
+    assert config_file() == litellm
+    proxy = load_settings(litellm).ledger_location()  # the proxy passes the config it loaded
+    assert proxy.data_dir == tmp_path / "from-litellm"
+    assert location_from(BillingSettings()) == proxy == load_settings().ledger_location()
+    own = tmp_path / "kvroute.yaml"
+    own.write_text("kvroute:\n  data_dir: from-kvroute\n")
+    monkeypatch.setenv("KVROUTE_CONFIG", str(own))
+    assert config_file(litellm) == own
+    assert location_from(BillingSettings()) == load_settings(litellm).ledger_location()
+    assert location_from(BillingSettings()).data_dir == tmp_path / "from-kvroute"
 
 
 @pytest.mark.parametrize(("value", "debug"), [("1", True), ("yes", True), ("TRUE", True), ("0", False),

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from kvroute.policies import FleetView, Router, build_policy
 from kvroute.policies.errors import ConfigError
 from kvroute.policies.health import BreakerConfig, HealthBoard, Outcome
-from kvroute.policies.hybrid import Hybrid, HybridConfig, OverflowGuard, SelfHostedRate
-from kvroute.policies.marketplace import ProviderQuote
+from kvroute.policies.hybrid import Hybrid, HybridConfig, OverflowGuard
+from kvroute.policies.rates import ProviderQuote, SelfHostedRate
 from kvroute.policies.request import RoutingRequest
 
 SELF = ["s1", "s2"]

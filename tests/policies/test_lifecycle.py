@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-import kvroute.sim.baselines  # noqa: F401  (registers the simulator baselines)
+import kvroute.sim.lineup  # noqa: F401  (registers the simulator baselines)
 from kvroute.policies import (
     Decision,
     FleetView,

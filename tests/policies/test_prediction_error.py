@@ -10,8 +10,8 @@ from kvroute.policies import RoutingRequest
 from kvroute.policies.base import RoutingState
 from kvroute.policies.decision import Decision
 from kvroute.policies.hybrid import Hybrid, HybridConfig
-from kvroute.policies.marketplace import ProviderQuote
 from kvroute.policies.prediction_error import PredictionError
+from kvroute.policies.rates import ProviderQuote
 
 
 def test_margin_is_the_quantile_of_observed_over_predicted_in_the_window() -> None:

@@ -15,8 +15,8 @@ from kvroute.sim.anchors2026 import (
     Smg2026Config,
     VllmStickyLeastLoaded,
 )
-from kvroute.sim.baselines import DEFAULT_LINEUP
 from kvroute.sim.engine import make_policy
+from kvroute.sim.lineup import DEFAULT_LINEUP
 
 B = ["a", "b", "c"]
 

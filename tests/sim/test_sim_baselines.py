@@ -17,7 +17,6 @@ from kvroute.policies import (
 )
 from kvroute.sim.baselines import (
     BASELINES,
-    DEFAULT_LINEUP,
     DynamoApprox,
     LiteLLMPromptCaching,
     LlmdApprox,
@@ -26,6 +25,7 @@ from kvroute.sim.baselines import (
     SGLangCacheAwareConfig,
 )
 from kvroute.sim.engine import make_policy
+from kvroute.sim.lineup import DEFAULT_LINEUP
 
 B = ["a", "b", "c"]
 

@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvroute.plugin.cli.cli import app
-from kvroute.sim.baselines import DEFAULT_LINEUP
+from kvroute.sim.lineup import DEFAULT_LINEUP
 
 SMALL = ["-p", "groups=6", "-p", "prompts_per_group=4", "-r", "3", "--preset", "llama-3.1-8b-a100", "-q"]
 FIELDS = {"hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "ttft_mean_s", "output_tok_s", "hotspot",

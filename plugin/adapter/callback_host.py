@@ -1,0 +1,76 @@
+"""``CallbackHost``: what the callback's delegates (``pick``, ``outcomes``, ``status_view``, ``wiring``) read and
+write on ``KvrouteCallback``, stated as a Protocol so that they need not import the callback that calls them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from kvroute.plugin.adapter.billing_feed import BillingFeed
+    from kvroute.plugin.adapter.decision_log import DecisionLog
+    from kvroute.plugin.adapter.deployments import Backend, Deployments
+    from kvroute.plugin.adapter.hedge import Hedges
+    from kvroute.plugin.adapter.metrics import Metrics
+    from kvroute.plugin.adapter.request_ids import RequestIds, RequestState
+    from kvroute.plugin.adapter.rules import RuleBook
+    from kvroute.plugin.adapter.signals import HealthAdapter
+    from kvroute.plugin.settings import GroupSettings, KvrouteSettings
+    from kvroute.policies import ChainKey, Router
+    from kvroute.policies.base import Policy
+
+
+class CallbackHost(Protocol):
+    """The callback's state and the few methods its delegates call back; ``wiring`` fills the set-up fields once."""
+
+    # set-up (``wiring.build``): given to the constructor or built on first use
+    _settings: KvrouteSettings | None
+    _proxy_config: str | None
+    _metrics: Metrics | None
+    _health: HealthAdapter | None
+    _mount: bool
+    _shared: Any
+    clock: Callable[[], float]
+    chain: ChainKey | None
+    chain_source: str
+    chain_fingerprint: str
+    billing: BillingFeed | None
+    hedges: Hedges | None
+    billing_target: tuple[str, Path, Path] | None
+    recorder: Any
+    decision_log: DecisionLog | None
+    mounted: list[str]
+
+    # per model group and per request
+    ids: RequestIds
+    routers: dict[str, Router]
+    fleet: Deployments
+    rules: RuleBook
+    precise: dict[str, Any]
+    scrapers: dict[str, Any]
+    _attached: dict[int, int]
+    _last_expire: float
+
+    @property
+    def settings(self) -> KvrouteSettings: ...
+
+    @property
+    def metrics(self) -> Metrics: ...
+
+    @property
+    def health(self) -> HealthAdapter: ...
+
+    def router_for(self, group: str, backends: Sequence[Backend]) -> Router: ...
+
+    def _attach(self, router: Router, policy: Policy, backends: Sequence[Backend]) -> None: ...
+
+    def tenant_salt(self, gs: GroupSettings, meta: Mapping[str, Any],
+                    kwargs: Mapping[str, Any]) -> tuple[str | None, str | None]: ...
+
+    def _app(self, meta: Mapping[str, Any], kwargs: Mapping[str, Any],
+             state: RequestState | None = None) -> str | None: ...
+
+    def _count_error(self, hook: str) -> None: ...
+
+    def worker_status(self) -> dict[str, Any]: ...
