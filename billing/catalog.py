@@ -90,7 +90,8 @@ class Catalog:
             rules[r.price_book_id].append(PriceRule(
                 r.name, r.priority, r.match_provider, r.match_model, r.match_backend, r.match_route_kind,
                 r.markup_pct, surcharge, r.fee_per_request, r.min_charge_per_request, r.max_charge_per_request,
-                r.bill_failed_attempts, r.bill_zero_completion, r.price_rule_id, bill_cancelled=r.bill_cancelled))
+                r.bill_failed_attempts, r.bill_zero_completion, r.price_rule_id, bill_cancelled=r.bill_cancelled,
+                bill_hedge_lost=r.bill_hedge_lost))
         books = [PriceBook(b.app_id, b.version, b.effective_from, b.currency, tuple(rules[b.price_book_id]),
                            b.platform_fee_pct, b.payment_fee_pct, b.price_book_id)
                  for b in conn.execute(select(PriceBookRow.__table__))]

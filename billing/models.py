@@ -24,6 +24,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    false,
     true,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -164,6 +165,7 @@ class PriceRuleRow(Base):
     bill_failed_attempts: Mapped[bool] = mapped_column(Boolean, default=False)
     bill_zero_completion: Mapped[bool] = mapped_column(Boolean, default=False)
     bill_cancelled: Mapped[bool] = mapped_column(Boolean, default=True, server_default=true())
+    bill_hedge_lost: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
 
 class UsageEventRow(Base):

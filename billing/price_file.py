@@ -30,6 +30,7 @@ price_books:
         bill_failed_attempts: false
         bill_zero_completion: false
         bill_cancelled: true         # a request its client left is billed like an answer (false: absorbed)
+        bill_hedge_lost: false       # a hedge's losing attempt is absorbed (true: passed on)
 ```
 """
 
@@ -58,7 +59,7 @@ RATE_FIELDS = ("input_per_mtok", "cache_read_per_mtok", "cache_write_5m_per_mtok
 GPU_FIELDS = ("gpu_hour", "tokens_per_s", "prefill_tok_s", "decode_tok_s", "gpus")
 RATE_SOURCES = ("manual", "provider_reported", "litellm_model_cost", "self_hosted_amortized")
 RULE_FIELDS = {"name", "match", "markup_pct", "surcharge_per_mtok", "fee_per_request", "min_per_request",
-               "max_per_request", "bill_failed_attempts", "bill_zero_completion", "bill_cancelled"}
+               "max_per_request", "bill_failed_attempts", "bill_zero_completion", "bill_cancelled", "bill_hedge_lost"}
 
 
 @dataclass(frozen=True)
@@ -359,16 +360,18 @@ def _rule(item: Mapping[str, Any], key: str, priority: int) -> PriceRule:
                      opt["min_per_request"], opt["max_per_request"],
                      _flag(item.get("bill_failed_attempts", False), f"{key}.bill_failed_attempts"),
                      _flag(item.get("bill_zero_completion", False), f"{key}.bill_zero_completion"),
-                     bill_cancelled=_flag(item.get("bill_cancelled", True), f"{key}.bill_cancelled"))
+                     bill_cancelled=_flag(item.get("bill_cancelled", True), f"{key}.bill_cancelled"),
+                     bill_hedge_lost=_flag(item.get("bill_hedge_lost", False), f"{key}.bill_hedge_lost"))
 
 
 def book_hash(book: PriceBook) -> str:
     """A content hash of a book (without database ids): loading the same version twice must match it."""
     plain = _jsonable(replace(book, price_book_id=None,
                               rules=tuple(replace(r, price_rule_id=None) for r in book.rules)))
-    for rule in plain["rules"]:  # a book stored before the flag existed hashes as it did: the default is left out
-        if rule.get("bill_cancelled") is True:
-            del rule["bill_cancelled"]
+    for rule in plain["rules"]:  # a book stored before these flags existed hashes as it did: defaults left out
+        for flag, default in (("bill_cancelled", True), ("bill_hedge_lost", False)):
+            if rule.get(flag) is default:
+                del rule[flag]
     return hashlib.sha256(json.dumps(plain, sort_keys=True).encode()).hexdigest()
 
 

@@ -94,7 +94,8 @@ def store_prices(ledger: Ledger, pf: PriceFile) -> LoadSummary:
                     surcharge_cache_write_per_mtok=s.get("cache_write"), surcharge_output_per_mtok=s.get("output"),
                     fee_per_request=rule.fee_per_request, min_charge_per_request=rule.min_per_request,
                     max_charge_per_request=rule.max_per_request, bill_failed_attempts=rule.bill_failed_attempts,
-                    bill_zero_completion=rule.bill_zero_completion, bill_cancelled=rule.bill_cancelled))
+                    bill_zero_completion=rule.bill_zero_completion, bill_cancelled=rule.bill_cancelled,
+                    bill_hedge_lost=rule.bill_hedge_lost))
             books_added += 1
     ledger.catalog(refresh=True)
     return LoadSummary(backends_added, rates_added, books_added, unchanged, backends_updated)

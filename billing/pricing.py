@@ -8,7 +8,8 @@ self-hosted cost the ledger and the hybrid router share;
 ``billed`` = clamp(cost + cost × markup + Σ tokens × surcharge / 1e6 + fee, min, max), or 0 for non-final attempts
 unless the rule has ``bill_failed_attempts`` and for zero completions unless it has ``bill_zero_completion`` (a
 retried zero completion needs both); a request its client walked away from (a final ``cancelled`` attempt) is
-billed like an answer unless the rule sets ``bill_cancelled: false``.
+billed like an answer unless the rule sets ``bill_cancelled: false``; a hedge's losing attempt only under
+``bill_hedge_lost``.
 
 Currencies are never mixed: the amounts an event is rated with (its reported cost in the event's ``currency``,
 or the rate card in the card's currency) must be in the price book's currency, else ``rate_event`` raises
@@ -24,6 +25,7 @@ from datetime import UTC, datetime
 from decimal import ROUND_HALF_EVEN, Decimal
 from fnmatch import fnmatchcase
 
+from kvroute.billing.cancels import HEDGE_LOST
 from kvroute.billing.events import UsageEvent
 from kvroute.billing.money import MILLION, ZERO, check_currency, fix, to_decimal
 from kvroute.billing.usage import TokenBuckets
@@ -170,6 +172,9 @@ class PriceRule:
     #: a request whose client went away (a final ``cancelled`` attempt) is billed like an answer: the provider
     #: bills it; false absorbs it (shown under the ``cancelled`` cause)
     bill_cancelled: bool = True
+    #: a hedge race's losing attempt (non-final ``cancelled``, ``error_type: hedge_lost``) is passed on to the app;
+    #: false (the default) absorbs it, shown under the ``hedge`` cause
+    bill_hedge_lost: bool = False
 
     def matches(self, e: UsageEvent) -> bool:
         return ((self.match_provider is None or self.match_provider == e.provider)
@@ -192,6 +197,8 @@ class PriceRule:
             parts.append(f"max {self.max_per_request.normalize():f}")
         if not self.bill_cancelled:
             parts.append("cancelled requests absorbed")
+        if self.bill_hedge_lost:
+            parts.append("hedges billed")
         return f"{self.name}: " + (" · ".join(parts) if parts else "at cost")
 
 
@@ -282,6 +289,8 @@ def rate_event(e: UsageEvent, cost_rate: CostRate | None, book: PriceBook | None
         bill_it = True
     elif e.status == "cancelled" and e.is_final:  # the client went away; the provider still bills the call
         bill_it = rule is None or rule.bill_cancelled
+    elif e.status == "cancelled" and e.error_type == HEDGE_LOST:  # our hedge's loser: absorbed unless passed on
+        bill_it = rule is not None and rule.bill_hedge_lost
     elif e.status == "zero_completion":  # an empty answer, final or retried, bills only under this flag
         bill_it = rule is not None and rule.bill_zero_completion and (e.is_final or rule.bill_failed_attempts)
     else:  # a failed or superseded attempt

@@ -268,6 +268,16 @@ class Hybrid(Policy):
             0, output_tokens or 0)
         self.guard.record_spend(now, cost, request.request_id)
 
+    def record_extra_spend(self, now: float, backend: str, prompt_tokens: int, output_tokens: int,
+                           spend_id: str) -> None:
+        """Spend no request reserved (a hedge's losing attempt on hosted ``backend``, ``spend_id`` naming it): it
+        counts in the cap, fleet-wide with shared state."""
+        q = self.market.quote(backend)
+        if not self.is_hosted(backend) or q is None or q.currency != self.config.currency:
+            return
+        cost = q.input_price * max(0, prompt_tokens) + q.output_price * max(0, output_tokens)
+        self.guard.record_spend(now, cost, spend_id)
+
     def observe_hosted_ttft(self, backend: str, ttft_s: float, at: float) -> None:
         """Another instance saw ``ttft_s`` from hosted ``backend`` at ``at`` (this instance's clock)."""
         if self.is_hosted(backend):

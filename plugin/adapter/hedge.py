@@ -233,6 +233,9 @@ class Hedges:
             metrics.hedges.labels(group, "lost").inc()
             if billing is not None:
                 billing.hedge_lost(request_data, loser, produced, primary=backend == primary.backend)
+            spend = getattr(loser.policy, "record_extra_spend", None)  # a hybrid group's spend cap counts it
+            if callable(spend):
+                spend(self.clock(), backend, loser.prompt_tokens, produced, f"{loser.ticket}:hedge_lost")
             loser.hedge_lost = True
             self.ids.close(loser.ticket, cancel=True)  # release its pick's load
 

@@ -2,9 +2,8 @@
 
 Modes: ``500``; ``429`` with ``Retry-After``; ``slow_first_token`` (``delay_s`` before the response starts);
 ``stall_first_token`` (a stream: headers and the role chunk at once, the first content chunk ``delay_s`` later);
-``drop`` (connection reset before
-any response byte); ``cut`` (stream or body cut after ``cut_after_chunks`` chunks). A plan holds for ``count``
-completion requests, or until cleared when ``count`` is None.
+``drop`` (connection reset before any response byte); ``cut`` (stream or body cut after ``cut_after_chunks``
+chunks). A plan holds for ``count`` completion requests, or until cleared when ``count`` is None.
 """
 
 from __future__ import annotations

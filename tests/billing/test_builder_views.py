@@ -199,6 +199,10 @@ def test_errors_failures_by_status_and_absorbed_cost_by_cause(built) -> None:  #
                          and a.line.get("error_type") != "hedge_lost"
                          and (not a.final or ledger.absorbs_cancelled(app))), Decimal(0))
         assert (causes["stream_cut"], causes["hedge"], causes["cancelled"]) == (cut, hedge, cancelled), app
+        losers = [a for a in mine if a.line.get("error_type") == "hedge_lost"]
+        assert row["hedged_requests"] == len(losers) and Decimal(row["hedge_cost"]) == hedge, app
+        assert row["hedge_wins"] == sum((a.line.get("raw_usage") or {}).get("kvroute_hedge") == "primary"
+                                        for a in losers), app
         spend = sum((ledger.spend(a) for a in mine), Decimal(0))
         assert Decimal(row["spend"]) == spend, app  # every attempt's cost, as the ledger rated it
         assert Decimal(row["cost_per_request"]) == (spend / len(final)).quantize(Decimal("1e-10"))

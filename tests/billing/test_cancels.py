@@ -85,3 +85,12 @@ def test_a_book_stored_before_the_flag_existed_keeps_its_hash():
     # the hash the ledger stored for this book before ``bill_cancelled`` existed: reloading it must not conflict
     assert book_hash(book) == "d049d37e0781e47845270695dac8802200185579b55db7f0833f9b857250a3da"
     assert book_hash(book) != book_hash(absorbing)
+
+
+def test_a_hedges_losing_attempt_is_absorbed_unless_the_rule_passes_it_on():
+    loser = UsageEvent("r1", "acme", T0, "m", "openai", "b", normalize_usage({"prompt_tokens": 1000}),
+                       status="cancelled", is_final=False, error_type="hedge_lost")
+    book = PriceBook("acme", 1, T0, rules=(PriceRule("r", 0, markup_pct=Decimal("0.5")),))
+    assert rate_event(loser, RATE, book).absorbed_cost == Decimal("0.001")
+    passing = PriceBook("acme", 1, T0, rules=(PriceRule("r", 0, markup_pct=Decimal("0.5"), bill_hedge_lost=True),))
+    assert rate_event(loser, RATE, passing).billed_amount == Decimal("0.0015")

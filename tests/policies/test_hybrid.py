@@ -289,3 +289,12 @@ def test_guard_never_lets_share_or_spend_past_its_caps(steps, max_share, min_req
         assert g.spent(now) <= g.budget()
         n = len(g._decisions)
         assert g._hosted <= max(max_share * max(n, min_requests), 0) + 1e-9
+
+
+def test_a_hedges_losing_attempt_counts_in_the_spend_cap():
+    hy, _ = setup(max_hosted_spend_per_hour="3.6", spend_window_s=60.0)
+    hy.record_extra_spend(1.0, "h1", 4000, 3, "r:2:hedge_lost")
+    assert hy.guard.total_spent == Decimal("0.000002") * 4000 + Decimal("0.000008") * 3
+    assert hy.guard.spent(1.0) == hy.guard.total_spent  # inside the window: it holds back the next overflow
+    hy.record_extra_spend(1.0, "s1", 4000, 3, "r:3:hedge_lost")  # a replica is not hosted spend
+    assert hy.guard.total_spent == Decimal("0.000002") * 4000 + Decimal("0.000008") * 3
