@@ -34,7 +34,7 @@ from kvroute.billing.call_facts import as_dict as _dict
 from kvroute.billing.call_facts import first_given as _first
 from kvroute.billing.events import STATUSES, UsageEvent
 from kvroute.billing.usage import as_mapping
-from kvroute.policies.outcomes import classify
+from kvroute.policies.outcomes import classify, classify_fields
 
 __all__ = ["APP_HEADER", "APP_KEY", "LIMITS", "ROUTER_BACKEND", "ROUTER_PROVIDER", "STATUSES", "TRUSTED_KEY",
            "UNATTRIBUTED", "CallFacts", "cut_stream_usage", "event_from_callback", "event_from_facts",
@@ -63,21 +63,10 @@ def is_router_error(error_class: str | None, message: str | None = None) -> bool
 
 def failure_status(http_status: int | None = None, error_class: str | None = None,
                    message: str | None = None, *, backend_called: bool | None = None) -> str:
-    """The ledger status of a failed attempt or request -- the one place that maps an error to a status.
-
-    ``no_route``: LiteLLM refused to route (no upstream call; never when ``backend_called``); ``cancelled``: the
-    client went away; ``capacity``: 429/503/529 or a rate limit; ``client_error``: other 4xx but 408/409; else
-    ``provider_failure``. For exception objects ``exception_status`` asks ``kvroute.policies.outcomes`` instead.
-    """
-    if not backend_called and is_router_error(error_class, message):
-        return "no_route"
-    if error_class and "cancel" in error_class.lower():
-        return "cancelled"
-    if http_status in (429, 503, 529) or (error_class and "RateLimit" in error_class):
-        return "capacity"
-    if http_status is not None and 400 <= http_status < 500 and http_status not in (408, 409):
-        return "client_error"
-    return "provider_failure"
+    """The ledger status of a failure known by its logged fields: the view of ``policies.outcomes`` verdict the
+    breaker gets (``classify_fields``: the same table as ``classify`` for exception objects) -- ``no_route``,
+    ``cancelled``, ``capacity``, ``client_error`` or ``provider_failure``."""
+    return classify_fields(http_status, error_class, message, backend_called=backend_called).ledger_status
 
 
 def exception_status(exc: Any, *, backend_called: bool | None = None) -> tuple[str, int | None, str | None]:

@@ -183,6 +183,39 @@ def _by_status(status: int, retry_after: float | None, mid_stream: bool) -> tupl
     return FailureKind.BACKEND_ERROR, True
 
 
+#: The kind an error type's words give when nothing else in the failure does.
+_TYPED_KIND = {Outcome.CAPACITY: FailureKind.CAPACITY, Outcome.CONFIG_FAILURE: FailureKind.BACKEND_CONFIG,
+               Outcome.CLIENT_ERROR: FailureKind.REQUEST_INVALID, Outcome.CANCELLED: FailureKind.CANCELLED}
+
+
+def classify_fields(http_status: int | None, error_class: str | None = None, message: str | None = None, *,
+                    backend_called: bool | None = None) -> Attribution:
+    """Attribute a failure known only by its logged fields (an HTTP status, an error class name, a message), by
+    the same rules as ``classify``: a cancellation, the router's own refusal, the status, then the class name."""
+    name, text = _norm(error_class or ""), (message or "").lower()[:300]
+    retry_after = None
+
+    def verdict(kind: FailureKind, blamed: bool) -> Attribution:
+        return Attribution(kind, blamed and backend_called is not False, http_status)
+
+    if any(w in name for w in _CANCEL_WORDS) or "client disconnected" in text:
+        return verdict(FailureKind.CANCELLED, False)
+    if any(w in name for w in _ROUTER_WORDS) or (not backend_called and any(t in text for t in _ROUTER_TEXT)):
+        return verdict(FailureKind.ROUTER, False)
+    if name not in _WRAPPERS and any(w in name for w in _TIMEOUT_WORDS):
+        return verdict(FailureKind.TIMEOUT, True)
+    if name not in _WRAPPERS and (any(w in name for w in _CONNECT_WORDS) or name == "connectionerror"):
+        return verdict(FailureKind.CONNECT_ERROR, True)
+    typed = status_outcome(None, error_class) if error_class else None
+    if http_status is not None:  # as ``classify`` reads an exception's ``status_code``
+        kind, blamed = _by_status(http_status, retry_after, False)
+        if kind in (FailureKind.BACKEND_ERROR, FailureKind.REQUEST_INVALID) and typed is Outcome.CAPACITY:
+            kind, blamed = FailureKind.CAPACITY, True
+        return verdict(kind, blamed)
+    kind = _TYPED_KIND.get(typed, FailureKind.BACKEND_ERROR) if typed is not None else FailureKind.BACKEND_ERROR
+    return verdict(kind, kind in BLAMING)
+
+
 def classify(exc: BaseException | None, *, backend_called: bool | None = None,
              first_token: bool = False) -> Attribution:
     """Attribute one failed attempt. ``backend_called=False`` (known not sent) never blames a backend;
@@ -237,7 +270,5 @@ def classify(exc: BaseException | None, *, backend_called: bool | None = None,
                 kind, blamed = FailureKind.CAPACITY, True
         return verdict(kind, blamed)
     typed = status_outcome(None, type(exc), mid_stream=mid_stream)
-    kind = {Outcome.CAPACITY: FailureKind.CAPACITY, Outcome.CONFIG_FAILURE: FailureKind.BACKEND_CONFIG,
-            Outcome.CLIENT_ERROR: FailureKind.REQUEST_INVALID, Outcome.CANCELLED: FailureKind.CANCELLED}.get(
-        typed, FailureKind.STREAM_CUT if mid_stream else FailureKind.BACKEND_ERROR)
+    kind = _TYPED_KIND.get(typed, FailureKind.STREAM_CUT if mid_stream else FailureKind.BACKEND_ERROR)
     return verdict(kind, kind in BLAMING)

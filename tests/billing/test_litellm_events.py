@@ -133,7 +133,8 @@ def test_failure_payload() -> None:
                       "error_information": {"error_code": "503", "error_class": "ServiceUnavailableError"}})
     kw["response_cost"] = None
     e = event_from_callback(kw, None, outcome="failure")
-    assert e is not None and e.status == "capacity" and e.http_status == 503 and not e.is_final
+    # a 503 without Retry-After: the provider failed (the breaker's verdict of the same exception, ``classify``)
+    assert e is not None and e.status == "provider_failure" and e.http_status == 503 and not e.is_final
     assert e.tokens == TokenBuckets()
     kw["standard_logging_object"]["error_information"] = {"error_code": "500", "error_class": "InternalServerError"}
     e = event_from_callback(kw, None, outcome="failure", final=True)
@@ -197,3 +198,20 @@ def test_failure_status_is_one_function() -> None:
     assert failure_status(500, "InternalServerError") == "provider_failure"
     assert failure_status(400, "BadRequestError") == "client_error"
     assert failure_status(None, "CancelledError") == "cancelled"
+
+
+@pytest.mark.parametrize(("status", "cls"), [
+    (409, "ConflictError"), (503, "ServiceUnavailableError"), (529, "APIError"), (503, "OverloadedError"),
+    (429, "RateLimitError"), (404, "NotFoundError"), (408, "Timeout"), (400, "BadRequestError"),
+    (499, "HTTPException"), (500, "InternalServerError"), (None, "APIConnectionError"), (None, "ReadTimeout"),
+    (None, "RateLimitError"), (None, "AuthenticationError"), (None, "CancelledError"), (None, "WeirdError")])
+def test_the_logged_fields_get_the_verdict_the_breaker_gets_for_the_same_exception(status, cls) -> None:
+    """One classifier: a failure known by its logged fields is booked as ``classify`` judges the exception."""
+    from kvroute.billing.litellm_events import failure_status
+    from kvroute.policies.outcomes import classify
+
+    error = type(cls, (Exception,), {"__module__": "litellm.exceptions"})("upstream said no")
+    if status is not None:
+        error.status_code = status
+    assert failure_status(status, cls, "upstream said no", backend_called=True) == \
+        classify(error, backend_called=True).ledger_status
