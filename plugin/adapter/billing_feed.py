@@ -330,20 +330,12 @@ class BillingFeed:
         end = datetime.now(UTC)
 
         def read(app: str) -> CallFacts | None:
-            served = self.served_of(backend) or _served_model(attempt.served)
-            if served is None:
-                return None
-            kind, provider = self._deployment(backend, attempt.model_info, meta.get("model_info"))
             usage, reported, finish = self.events.read_response(response)
-            return CallFacts(
-                request_id=state.request_id, app_id=app, served_model=served, backend_id=backend,
-                requested_model=_first(data.get("model"), meta.get("model_group")),
-                provider=_first(provider, hidden.get("custom_llm_provider")), route_kind=kind, final=True,
-                attempt=attempt.number, usage=as_mapping(usage), usage_provider=hidden.get("custom_llm_provider"),
+            return self._attempt_facts(
+                state, attempt, backend, data, meta, app, end, provider=hidden.get("custom_llm_provider"),
+                final=True, usage=as_mapping(usage), usage_provider=hidden.get("custom_llm_provider"),
                 reported_cost=reported, litellm_cost=money(_first(hidden.get("response_cost"))),
-                finish_reason=finish, streamed=streamed, start=attempt.started_at, end=end,
-                fallback_depth=meta.get("fallback_depth"), end_user=data.get("user"),
-                api_key_hash=meta.get("user_api_key_hash"))
+                finish_reason=finish, streamed=streamed)
 
         if self._record(read, state=state, attempt=attempt, outcome="success", final=True, backend=backend):
             self.before_response += 1
@@ -395,20 +387,29 @@ class BillingFeed:
         end = datetime.now(UTC)
 
         def read(app: str) -> CallFacts | None:
-            served = self.served_of(backend) or _served_model(attempt.served)
-            if served is None:
-                return None
-            kind, provider = self._deployment(backend, attempt.model_info, meta.get("model_info"))
-            return CallFacts(
-                request_id=state.request_id, app_id=app, served_model=served, backend_id=backend,
-                requested_model=_first(data.get("model"), meta.get("model_group")), provider=provider,
-                route_kind=kind, outcome="cancelled", final=final, attempt=attempt.number, usage=billed,
-                litellm_cost=_token_cost(billed, attempt.model_info),
-                http_status=499 if final else None, error_type=error_type, streamed=bool(data.get("stream")),
-                start=attempt.started_at, end=end, fallback_depth=meta.get("fallback_depth"),
-                end_user=data.get("user"), api_key_hash=meta.get("user_api_key_hash"))
+            return self._attempt_facts(
+                state, attempt, backend, data, meta, app, end, outcome="cancelled", final=final, usage=billed,
+                litellm_cost=_token_cost(billed, attempt.model_info), http_status=499 if final else None,
+                error_type=error_type, streamed=bool(data.get("stream")))
 
         return self._record(read, state=state, attempt=attempt, outcome="cancelled", final=final, backend=backend)
+
+    def _attempt_facts(self, state: RequestState, attempt: Attempt, backend: str, data: Mapping[str, Any],
+                       meta: Mapping[str, Any], app: str, end: datetime, *, provider: str | None = None,
+                       **observed: Any) -> CallFacts | None:
+        """The facts of an attempt kvroute saw end itself (an answer before the response, a cancel): the
+        deployment's served model, route kind and provider (``provider``: the payload's, when the deployment
+        declares none), the request's ids and client, and ``observed`` (None without a served model)."""
+        served = self.served_of(backend) or _served_model(attempt.served)
+        if served is None:
+            return None
+        kind, declared = self._deployment(backend, attempt.model_info, meta.get("model_info"))
+        return CallFacts(
+            request_id=state.request_id, app_id=app, served_model=served, backend_id=backend,
+            requested_model=_first(data.get("model"), meta.get("model_group")), provider=_first(declared, provider),
+            route_kind=kind, attempt=attempt.number, start=attempt.started_at, end=end,
+            fallback_depth=meta.get("fallback_depth"), end_user=data.get("user"),
+            api_key_hash=meta.get("user_api_key_hash"), **observed)
 
     def cancel_billing_of(self, backend: str, model_info: Mapping[str, Any] | None = None) -> str:
         """What ``backend``'s provider bills for a cancelled call: its ``model_info.kvroute_cancel_billing``, else
@@ -823,16 +824,3 @@ def _prices(model_info: Mapping[str, Any] | None) -> dict[str, Any]:
             entry = litellm.model_cost.get(str(info["id"])) or {}
             found = {k: found.get(k, entry.get(k)) for k in _PRICE_KEYS}
     return {k: v for k, v in found.items() if v is not None}
-
-
-def chunk_has_output(chunk: Any) -> bool:
-    """Whether a stream chunk carries output tokens (text, reasoning or a tool call); one such chunk ≈ one token."""
-    choices = getattr(chunk, "choices", None)
-    if not choices:
-        return False
-    first = choices[0]
-    delta = getattr(first, "delta", None)
-    if delta is None:
-        return bool(getattr(first, "text", None))
-    return bool(getattr(delta, "content", None) or getattr(delta, "reasoning_content", None)
-                or getattr(delta, "tool_calls", None))

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvroute.plugin.adapter.signals import chunk_has_output
 from kvroute.policies.hedging import HedgeConfig, Hedger, HedgeRoute
 
 log = logging.getLogger("kvroute.plugin")
@@ -29,19 +30,6 @@ HEDGE_TO_KEY = "kvroute_hedge_to"
 NOT_COPIED = frozenset({"model", "messages", "stream", "metadata", "litellm_metadata", "litellm_logging_obj",
                         "litellm_call_id", "proxy_server_request", "secret_fields", "user_api_key_dict",
                         "litellm_parent_otel_span", "headers", "num_retries", "fallbacks", "mock_response"})
-
-
-def has_content(chunk: Any) -> bool:
-    """Whether a stream chunk carries output (text, reasoning or a tool call)."""
-    choices = getattr(chunk, "choices", None)
-    if not choices:
-        return False
-    first = choices[0]
-    delta = getattr(first, "delta", None)
-    if delta is None:
-        return bool(getattr(first, "text", None))
-    return bool(getattr(delta, "content", None) or getattr(delta, "reasoning_content", None)
-                or getattr(delta, "tool_calls", None))
 
 
 async def close_stream(stream: Any) -> None:
@@ -130,7 +118,7 @@ async def hedged(primary: Any, call: HedgeCall) -> AsyncIterator[Any]:
                 await _drop(side, sides, call)
                 continue
             side.buffered.append(chunk)
-            if has_content(chunk):
+            if chunk_has_output(chunk):
                 side.content += 1
                 winner = side
         if late:

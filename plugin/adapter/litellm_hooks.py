@@ -24,7 +24,7 @@ from typing import Any
 from litellm.integrations.custom_logger import CustomLogger
 
 from kvroute.plugin.adapter import outcomes, pick, status_view, tenancy, wiring
-from kvroute.plugin.adapter.billing_feed import BillingFeed, chunk_has_output
+from kvroute.plugin.adapter.billing_feed import BillingFeed
 from kvroute.plugin.adapter.decision_log import DecisionLog
 from kvroute.plugin.adapter.deployments import Backend, Deployments, litellm_cost_map
 from kvroute.plugin.adapter.hedge import Hedges, hedged
@@ -32,7 +32,7 @@ from kvroute.plugin.adapter.metrics import Metrics
 from kvroute.plugin.adapter.peer_filters import PeerFilters
 from kvroute.plugin.adapter.request_ids import ATTEMPT_KEY, TICKET_KEY, Attempt, RequestIds, RequestState
 from kvroute.plugin.adapter.rules import RuleBook
-from kvroute.plugin.adapter.signals import HealthAdapter, request_metadata
+from kvroute.plugin.adapter.signals import HealthAdapter, chunk_has_output, request_metadata
 from kvroute.plugin.settings import GroupSettings, KvrouteSettings
 from kvroute.policies import ChainKey, Router
 from kvroute.policies.base import Policy

@@ -216,3 +216,16 @@ class HealthAdapter:
 
     def snapshot(self, now: float) -> dict[str, dict[str, Any]]:
         return self.board.snapshot(now)
+
+
+def chunk_has_output(chunk: Any) -> bool:
+    """Whether a stream chunk carries output tokens (text, reasoning or a tool call); one such chunk ≈ one token."""
+    choices = getattr(chunk, "choices", None)
+    if not choices:
+        return False
+    first = choices[0]
+    delta = getattr(first, "delta", None)
+    if delta is None:
+        return bool(getattr(first, "text", None))
+    return bool(getattr(delta, "content", None) or getattr(delta, "reasoning_content", None)
+                or getattr(delta, "tool_calls", None))

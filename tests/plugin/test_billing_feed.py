@@ -151,8 +151,9 @@ def test_a_stream_cut_after_output_is_a_paid_failed_attempt_absorbed() -> None:
     from decimal import Decimal
 
     from kvroute.billing.pricing import rate_event
-    from kvroute.plugin.adapter.billing_feed import BillingFeed, chunk_has_output
+    from kvroute.plugin.adapter.billing_feed import BillingFeed
     from kvroute.plugin.adapter.request_ids import RequestIds
+    from kvroute.plugin.adapter.signals import chunk_has_output
 
     ids, rec = RequestIds(), _Recorder()
     feed = BillingFeed(rec, ids)
