@@ -136,10 +136,12 @@ async def hedged(primary: Any, call: HedgeCall) -> AsyncIterator[Any]:
             yield chunk
         async for chunk in winner.iterator:
             yield chunk
-    finally:
+    finally:  # however it ended (the client may have left mid-race): nothing keeps reading, our streams closed
         for side in sides:
             if side.task is not None:
                 side.task.cancel()
+            if side is not first:  # the hedge's stream is ours; the proxy closes the primary's
+                await close_stream(side.stream)
 
 
 async def _drop(side: _Side, sides: list[_Side], call: HedgeCall) -> None:

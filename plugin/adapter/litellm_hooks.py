@@ -255,6 +255,8 @@ class KvrouteCallback(CustomLogger):
         finally:
             if race is not None:
                 self.hedges.winner(request_data, None)  # forget it however the stream ended
+                with contextlib.suppress(BaseException):
+                    await source.aclose()  # a race the client left: close the hedge's stream now
             if not done:  # GeneratorExit / CancelledError: the client went away
                 self._cancelled(request_data, relayed, usage_chunk)
 

@@ -126,6 +126,26 @@ async def test_hedging_cuts_the_stalled_streams_tail_within_its_budget(stack):
     row = next(r for r in report["rows"] if r["hedged_requests"])
     assert (row["hedged_requests"], row["hedge_wins"]) == (len(STALLED), len(STALLED)), row
     assert float(row["hedge_cost"]) > 0, row  # the losers' prompts, priced at provider-a's rate
+    assert row["requests_total"] == 30 and row["requests_success"] == 30, row  # one answer each, none twice
+    rows = ledger_rows(stack["data"])
+    hedged_ids = {r.request_id for r in rows if r.error_type == "hedge_lost"}
+    for rid in hedged_ids:  # the loser (the stalled first route) and the answer, under one request id
+        mine = sorted((r.attempt_no, r.status, r.is_final_attempt, r.backend_id) for r in rows if r.request_id == rid)
+        assert mine == [(1, "cancelled", False, "provider-a"), (2, "success", True, "provider-b")], mine
+
+
+def ledger_rows(data: Path) -> list:
+    from sqlalchemy import create_engine, select
+
+    from kvroute.billing.models import UsageEventRow as E
+
+    engine = create_engine(f"sqlite:///{data / 'billing.db'}")
+    try:
+        with engine.connect() as conn:
+            return list(conn.execute(select(E.request_id, E.attempt_no, E.status, E.is_final_attempt, E.backend_id,
+                                            E.error_type)))
+    finally:
+        engine.dispose()
 
 
 async def engine_closes(base_url: str) -> list[float]:
