@@ -77,7 +77,6 @@ def success(cb: CallbackHost, kwargs: Mapping[str, Any], response_obj: Any, star
     if ticket is not None:
         # finish releases prefill and decode load and settles the blocks (no first-token step needed), then the
         # policy learns and the breaker hears the success
-        ticket.outcome = "success"
         ticket.router.finish(ticket.request, RequestOutcome(
             SUCCESS, backend_id, now, cached_tokens=cached, ttft_s=ttft,
             output_tokens=completion_tokens_of(response_obj), duration_s=duration_s(start_time, end_time),

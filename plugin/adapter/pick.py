@@ -84,18 +84,17 @@ def pick(cb: CallbackHost, model: str, healthy: list, messages: Any, request_kwa
     cache_key = None
     if request.session_key or request.keys:
         cache_key = f"kvr-{request.session_key or format(request.prefix_key(1024) or 0, 'x')}"
-    pin(attempt, router, decision.backend, app, decision.matched_tokens, request.prompt_tokens, cache_key, now,
-        request, policy, salt)
+    pin(attempt, router, decision.backend, app, request.prompt_tokens, cache_key, now, request, policy, salt)
     cb.ids.hold(attempt)
     chosen = [d for d, b in allowed if b.id == decision.backend]
     return chosen or [d for d, _ in allowed]
 
 
-def pin(attempt: Attempt, router: Any, backend: str, app: str | None, predicted: int, prompt_tokens: int,
+def pin(attempt: Attempt, router: Any, backend: str, app: str | None, prompt_tokens: int,
         cache_key: str | None, now: float, request: Any, policy: Any, salt: str | None) -> None:
     """Write the pick onto the attempt's record."""
     attempt.router, attempt.backend, attempt.app = router, backend, app
-    attempt.predicted_tokens, attempt.prompt_tokens, attempt.cache_key = predicted, prompt_tokens, cache_key
+    attempt.prompt_tokens, attempt.cache_key = prompt_tokens, cache_key
     attempt.started, attempt.request, attempt.policy, attempt.salt = now, request, policy, salt
 
 

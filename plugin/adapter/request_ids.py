@@ -69,12 +69,10 @@ class Attempt:
     streamed: int = 0  # chunks with output relayed from this attempt (≈ output tokens; billing of a cut stream)
     router: Any = None  # the group's ``Router`` when kvroute pinned this attempt (None: not routed)
     app: str | None = None
-    predicted_tokens: int = 0
     prompt_tokens: int = 0
     cache_key: str | None = None
     started: float = 0.0  # clock reading of the pick, then of the upstream call
     first_token: bool = False
-    outcome: str | None = None
     request: Any = None  # the ``RoutingRequest`` (for a policy that learns from outcomes)
     policy: Any = None  # that policy (None when it does not learn)
     salt: str | None = None
