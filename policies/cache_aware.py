@@ -27,8 +27,8 @@ sessions started where the cache tells backends apart by nothing).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any
 
@@ -40,16 +40,13 @@ from kvroute.policies.filters import hot_limit, hot_load
 from kvroute.policies.hashing import Rendezvous
 from kvroute.policies.load import SCORING_FIELDS, BackendLoad
 from kvroute.policies.request import RoutingRequest
-from kvroute.policies.scorers import FLEET_SCORERS, SCORERS, Candidate, own_prefill, slot_wait
+from kvroute.policies.scorers import FLEET_SCORERS, RESIDENT_SCORERS, SCORERS, Candidate, own_prefill, slot_wait
 from kvroute.policies.sessions import SessionStarts
 from kvroute.policies.speed import EngineSpeed
 from kvroute.policies.tiers import TieredMatch
 
 _PRIOR = EngineSpeed()
 
-#: scorers that read ``Candidate.resident_tokens``; every other scorer is a function of the other inputs
-#: (tests/policies/test_scorer_properties.py checks it), so backends equal in those share their values
-RESIDENT_SCORERS = frozenset({"evict"})  # (and ``Candidate.evicts``, also per backend)
 _IDLE = BackendLoad(0, 0, 0.0, 0, 0.0, float("-inf"))
 _INFLIGHT, _QTOKENS, _WORK = (SCORING_FIELDS.index(n) for n in ("inflight", "queue_tokens", "work_s"))
 _VALUE = itemgetter(1)  # a (backend, score) item's score
@@ -83,6 +80,8 @@ class CacheAwareConfig:
     #: is priced as work done twice (``scorers.duplicate_work``), so concurrent first turns follow it unless the
     #: wait there costs more than computing it twice
     reserve_in_flight: bool = True
+    #: weights by scorer name (``scorers.SCORERS``, a registered one included), over the ``*_weight`` knobs
+    scorers: Mapping[str, float] = field(default_factory=dict)
     # the engine-speed prior; defaults are EngineSpeed's (policies/speed.py), repeated nowhere
     prefill_tok_s: float = _PRIOR.prefill_tok_s
     attn_s: float = _PRIOR.attn_s
@@ -97,11 +96,25 @@ class CacheAwareConfig:
                      "tie_fraction"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
+        for name, weight in dict(self.scorers).items():
+            if name not in SCORERS:
+                raise ValueError(f"scorers: unknown scorer {name!r} (known: {', '.join(SCORERS)})")
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight >= 0:
+                raise ValueError(f"scorers: the weight of {name!r} must be a number >= 0, got {weight!r}")
         if self.sessions_remembered < 0:
             raise ValueError("sessions_remembered must be >= 0")
         if self.max_scored < 1:
             raise ValueError("max_scored must be >= 1")
         self.speed  # validates the speed knobs  # noqa: B018
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """Every registered scorer's weight, in summing order: ``scorers`` over the ``*_weight`` knobs (a
+        registered scorer no knob names weighs 0)."""
+        knobs = {"queue": self.queue_weight, "slot": self.slot_weight, "prefill": self.prefill_weight,
+                 "kv": self.kv_weight, "evict": self.evict_weight, "others": self.others_weight}
+        given = dict(self.scorers)
+        return {n: float(given.get(n, knobs.get(n, 0.0))) for n in SCORERS}
 
     @property
     def speed(self) -> EngineSpeed:
@@ -115,8 +128,7 @@ class CacheAware(Policy):
     def __init__(self, config: CacheAwareConfig | None = None) -> None:
         self.config = cfg = config or CacheAwareConfig()
         self.speed = cfg.speed
-        weights = {"queue": cfg.queue_weight, "slot": cfg.slot_weight, "prefill": cfg.prefill_weight,
-                   "kv": cfg.kv_weight, "evict": cfg.evict_weight, "others": cfg.others_weight}
+        weights = cfg.weights
         self.scorers = [(SCORERS[n], w) for n, w in weights.items() if w > 0 and n not in FLEET_SCORERS]
         self.fleet_scorers = [(SCORERS[n], w) for n, w in weights.items() if w > 0 and n in FLEET_SCORERS]
         names = [n for n, w in weights.items() if w > 0 and n not in FLEET_SCORERS]

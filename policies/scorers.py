@@ -12,6 +12,9 @@ are multiplied by the backend's learned factor (observed / predicted time to fir
 | ``kv_pressure`` | waiting for running requests to end when its KV will not fit | KV usage (scraped), learned output |
 | ``eviction`` | what the copy costs others: cache it evicts, recomputed later | index residency vs capacity |
 | ``duplicate_work`` | recomputing a prefix held elsewhere, for the queue behind (none if idle) | extra × (1 + queue) |
+
+Another scorer is a function of the same two arguments returning seconds, added with ``register_scorer`` and
+weighted by name in a group's knobs (``scorers: {name: weight}``, which also reweighs the ones above).
 """
 
 from __future__ import annotations
@@ -138,9 +141,12 @@ def duplicate_work(c: Candidate, speed: EngineSpeed) -> float:
 
 
 #: scorers that price what a pick does to other requests (the rest predict this request's TTFT)
-FLEET_SCORERS = frozenset({"evict", "others"})
+FLEET_SCORERS: set[str] = {"evict", "others"}
+#: scorers that read ``Candidate.resident_tokens`` (or ``evicts``); every other scorer must be a function of the
+#: other inputs (tests/policies/test_scorer_properties.py checks it), so backends equal in those share its value
+RESIDENT_SCORERS: set[str] = {"evict"}
 
-#: scorer names as config knobs use them (``<name>_weight``)
+#: scorer names as config knobs use them (``<name>_weight``, or ``scorers: {<name>: weight}``), in summing order
 SCORERS: dict[str, Scorer] = {
     "queue": queue_wait,
     "slot": slot_wait,
@@ -149,3 +155,17 @@ SCORERS: dict[str, Scorer] = {
     "evict": eviction,
     "others": duplicate_work,
 }
+
+
+def register_scorer(name: str, scorer: Scorer, *, fleet: bool = False, resident: bool = False) -> Scorer:
+    """Add a scorer ``cache_aware`` can weigh by name (``knobs: {scorers: {<name>: <weight>}}``; off until
+    weighted). ``fleet``: it prices what the pick costs others (summed after the TTFT scorers); ``resident``: it
+    reads ``resident_tokens``/``evicts``. A name already taken raises ``ValueError``."""
+    if not name.isidentifier() or name in SCORERS:
+        raise ValueError(f"scorer name {name!r} is {'taken' if name in SCORERS else 'not an identifier'}")
+    SCORERS[name] = scorer
+    if fleet:
+        FLEET_SCORERS.add(name)
+    if resident:
+        RESIDENT_SCORERS.add(name)
+    return scorer
