@@ -308,7 +308,7 @@ class CacheAware(Policy):
             m = int((credited.get(b, blocks) if credited else blocks) * bt)
             m = top if m > top else m
             matched[b] = m if m > 0 else 0
-        grain = getattr(index, "tail_block_tokens", None)
+        grain = index.tail_block_tokens
         home = (state.homes.home(request.session_key, request.keys)
                 if request.session_key and grain else None)
         if home is not None and home.backend in matches and matches[home.backend] >= home.blocks:
@@ -387,8 +387,7 @@ class CacheAware(Policy):
         # blocks a slower cache tier holds count at their credit: GPU-equivalent blocks (policies/tiers.py)
         credited = matches.credited if type(matches) is TieredMatch else None
         prompt = request.prompt_tokens
-        capacity_of = getattr(index, "capacity_blocks", None) or getattr(getattr(index, "fallback", None),
-                                                                           "capacity_blocks", None)
+        capacity_of = index.capacity_blocks or (index.fallback.capacity_blocks if index.fallback else None)
         factor = load.factor(candidates[0])  # fleet-wide (see LoadTracker.factor)
         output = load.output_tokens()  # fleet-wide mean, for the KV a request holds by its end
         # every candidate's scorer inputs in one pass (the hot-spot bound reads which holders are working now)

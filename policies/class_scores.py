@@ -35,8 +35,8 @@ class ClassScores:
         self.best_matched, self.best_own, self.reserved = best_matched, best_own, reserved
         self.terms, self.member_resident = terms, member_resident
         # one pass over the index for every scored backend's residency and capacity where it offers one
-        self.holdings = getattr(index, "holdings", None) if capacity_of is not None else None
-        self.evictions_of = getattr(index, "evictions", None)
+        self.holdings = index.holdings if capacity_of is not None else None
+        self.evictions_of = index.evictions
         self.blocks_of = index.blocks
         self.classes: dict[tuple[object, ...], tuple[Any, ...]] = {}
         self.ttft: dict[str, float] = {}

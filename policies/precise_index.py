@@ -27,7 +27,7 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvroute.policies.fingerprint import UNKEYED, ChainKey, token_keys
-from kvroute.policies.prefix_index import PrefixIndex, PrefixIndexConfig
+from kvroute.policies.prefix_index import LocatorParts, PrefixIndex, PrefixIndexConfig
 from kvroute.policies.tiers import DISK, GPU, HOST, TIER_NAMES, TierCredit, TieredMatch
 
 CopyTag = Hashable
@@ -75,7 +75,7 @@ class _Source:
         self.counters = SourceCounters()
 
 
-class PreciseIndex:
+class PreciseIndex(LocatorParts):
     """Event-fed ``PrefixLocator``: own keys → {backend: copies}; engine hash → own key per source."""
 
     def __init__(self, config: PreciseIndexConfig | None = None, fallback: PrefixIndex | None = None) -> None:

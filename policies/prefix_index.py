@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 _NEVER = math.inf
 
@@ -38,12 +38,28 @@ class PrefixLocator(Protocol):
 
     def remove_backend(self, backend: str) -> None: ...
 
-    def holdings(self, backends: Sequence[str]) -> tuple[list[int], list[int]]:
-        """Optional: ``([blocks(b) ...], [capacity_blocks(b) ...])`` in one pass (policies fall back to
-        ``blocks``/``capacity_blocks`` per backend for an index without it)."""
-        ...
-
     def blocks(self, backend: str | None = None) -> int: ...
+
+
+class LocatorParts:
+    """The optional parts of a prefix index, each None where the index has no such part (an index that has
+    one defines it as a method or attribute of the same name); the router and the policies read these
+    instead of probing.
+
+    ``tail_block_tokens``: the engine's block grain of a session's tail (None: blocks only); ``fallback``: the
+    index answering for backends without events; ``capacity_blocks(backend)``; ``holdings(backends)``;
+    ``evictions(backend, keys, now)``: held tokens a new prompt pushes out; ``set_capacity(backend, tokens)``;
+    ``learn_size(backend, keys, engine_tokens)`` and ``set_token_ratio(ratio)``: entries sized in the
+    engine's tokens."""
+
+    tail_block_tokens: float | None = None
+    fallback: Any = None
+    capacity_blocks: Callable[[str], int] | None = None
+    holdings: Callable[[Sequence[str]], tuple[list[int], list[int]]] | None = None
+    evictions: Callable[[str, Sequence[int], float], float] | None = None
+    set_capacity: Callable[[str, int], None] | None = None
+    learn_size: Callable[[str, Sequence[int], int], None] | None = None
+    set_token_ratio: Callable[[float], None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +104,7 @@ class _BackendBlocks:
         self.hits = 0
 
 
-class PrefixIndex:
+class PrefixIndex(LocatorParts):
     """Approximate per-backend LRU of chained block keys; ``match`` costs O(backends + holders·log n)."""
 
     def __init__(self, config: PrefixIndexConfig | None = None) -> None:

@@ -26,6 +26,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from kvroute.policies.prefix_index import LocatorParts
+
 
 @dataclass(frozen=True, slots=True)
 class PromptIndexConfig:
@@ -77,7 +79,7 @@ def _common(a: Sequence[int], b: Sequence[int]) -> int:
     return lo
 
 
-class PromptIndex:
+class PromptIndex(LocatorParts):
     """Per-backend whole-prompt entries with llama.cpp's restore, obsolete and least-recently-used rules."""
 
     #: the engine reuses any token prefix of a held prompt: a session's home holds its whole tail (the last

@@ -77,8 +77,8 @@ class Router:
         self.index: PrefixLocator = index if index is not None else PrefixIndex(index_config)
         # an index that sizes entries in the engine's tokens (the llama.cpp prompt index) takes them from answers;
         # bound once here, not looked up per request
-        self._learn_size: Callable[[str, Sequence[int], int], None] | None = getattr(self.index, "learn_size", None)
-        self._set_token_ratio: Callable[[float], None] | None = getattr(self.index, "set_token_ratio", None)
+        self._learn_size: Callable[[str, Sequence[int], int], None] | None = self.index.learn_size
+        self._set_token_ratio: Callable[[float], None] | None = self.index.set_token_ratio
         tracker = load if load is not None else LoadTracker(self.config.load_half_life_s)
         self.state = RoutingState(index=self.index, load=tracker, computed=self._confirmed_prefix)
         self._policies: dict[str, Policy] = {}
@@ -166,8 +166,8 @@ class Router:
         except Exception:
             matches = {}
         per: dict[str, object] = {}
-        evictions = getattr(self.index, "evictions", None)
-        capacity = getattr(self.index, "capacity_blocks", None)
+        evictions = self.index.evictions
+        capacity = self.index.capacity_blocks
         for b in candidates:
             blocks = matches.get(b, 0)
             view = load.view(b, now)
@@ -337,7 +337,7 @@ class Router:
         self._apply_capacity(backend, engine_tokens)
 
     def _apply_capacity(self, backend: str, engine_tokens: int) -> None:
-        setter = getattr(self.index, "set_capacity", None)
+        setter = self.index.set_capacity
         if setter is not None:
             setter(backend, max(1, int(engine_tokens / self._capacity_ratio)))
 

@@ -56,7 +56,7 @@ import msgspec
 
 from kvroute.policies.health import BreakerConfig, BreakerState, HealthBoard, Transition
 from kvroute.policies.load import BackendLoad, LoadTracker
-from kvroute.policies.prefix_index import PrefixIndex, PrefixIndexConfig
+from kvroute.policies.prefix_index import LocatorParts, PrefixIndex, PrefixIndexConfig
 
 log = logging.getLogger("kvroute.shared_state")
 _encode = msgspec.msgpack.Encoder().encode
@@ -102,7 +102,7 @@ class SharedStateConfig:
             raise ValueError("namespace must be a non-empty word")
 
 
-class SharedPrefixIndex:
+class SharedPrefixIndex(LocatorParts):
     """A ``PrefixLocator``: local ``PrefixIndex`` for reads, updates also queued for the other workers."""
 
     def __init__(self, shared: SharedState, group: str, config: PrefixIndexConfig | None = None) -> None:
