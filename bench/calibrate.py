@@ -1,7 +1,7 @@
 """Sim-to-real calibration: do the fake engine and the simulator predict what llama.cpp does? Fails where they lie.
 
     LITELLM_LOCAL_MODEL_COST_MAP=True .venv/bin/python bench/calibrate.py [--workload demo ...] [--repeats 1]
-        [--run real --run fake --run sim] [--from FILE] [--json] [--save] [--render FILE]
+        [--sim-repeats N] [--run real --run fake --run sim] [--from FILE] [--json] [--save] [--render FILE]
 
 Per workload (demo, apps, agent at ``bench/peers.py``'s llama.cpp sizes) and router, three sources of the same
 requests (the same flows of ``bench/peers_workloads.py``):
@@ -16,11 +16,16 @@ requests (the same flows of ``bench/peers_workloads.py``):
 Both models run their replicas on this host's cores with the background load the real run measured (the host's busy
 cores less the replicas' while that workload ran, per workload); the simulator also takes each router's round trip as
 the real run measured it (``hop_ms``: the router's TTFT on the idle fleet less a replica's own), which the fake run
-has by itself (the same routers in front of it). Per cell the table gives each source's cached share and
-TTFT p50/p90 and each model's error; the verdict (``bench/calibrate_verdict.py``) wants the cached share within
-±1.5 points and TTFT p90 within ±25 % of llama.cpp's for every model on every cell, and the command exits 1 (with a
-``MISSED`` line per check) otherwise. ``--from FILE`` takes the sources not in ``--run`` from a saved calibration
-(``--save`` writes ``bench/results/calibrate-<UTC time>.json``); ``--render FILE`` prints a saved one.
+has by itself (the same routers in front of it). Each source runs repeats (``--repeats`` for the real and fake
+runs, ``--sim-repeats`` for the simulator, by default as many as the real run had): where the real repeats spread,
+one model timeline cannot match one real one, so the simulator's repeat ``n`` moves its requests by the arrival
+jitter measured on the real repeats, drawn with seed ``n`` (``bench/calibrate_jitter.py``), and every figure is the
+median over a source's repeats. Per cell the table gives each source's cached share and TTFT p50/p90 (medians, the
+cached share and p90 with their min–max) and each model's error; the verdict (``bench/calibrate_verdict.py``) wants
+the cached share within ±1.5 points and TTFT p90 within ±25 % of llama.cpp's (median against median) for every model
+on every cell, and the command exits 1 (with a ``MISSED`` line per check) otherwise. ``--from FILE`` takes the
+sources not in ``--run`` from a saved calibration (``--save`` writes ``bench/results/calibrate-<UTC time>.json``);
+``--render FILE`` prints a saved one.
 """
 
 from __future__ import annotations
