@@ -1,7 +1,7 @@
 """Sim-to-real calibration: do the fake engine and the simulator predict what llama.cpp does? Fails where they lie.
 
     LITELLM_LOCAL_MODEL_COST_MAP=True .venv/bin/python bench/calibrate.py [--workload demo ...] [--repeats 1]
-        [--run real --run fake --run sim] [--from FILE] [--json] [--save] [--render FILE]
+        [--sim-repeats N] [--run real --run fake --run sim] [--from FILE] [--json] [--save] [--render FILE]
 
 Per workload (demo, apps, agent at ``bench/peers.py``'s llama.cpp sizes) and router, three sources of the same
 requests (the same flows of ``bench/peers_workloads.py``):
@@ -14,13 +14,18 @@ requests (the same flows of ``bench/peers_workloads.py``):
    SMG's ``cache_aware``) and ``round_robin``.
 
 Both models run their replicas on this host's cores with the background load the real run measured (the host's busy
-cores less the replicas', averaged over the real runs); the simulator also takes each router's round trip as the real
-run measured it (``hop_ms``: the router's TTFT on the idle fleet less a replica's own), which the fake run has by
-itself (the same routers in front of it). Per cell the table gives each source's cached share and
-TTFT p50/p90 and each model's error; the verdict (``bench/calibrate_verdict.py``) wants the cached share within
-±1.5 points and TTFT p90 within ±25 % of llama.cpp's for every model on every cell, and the command exits 1 (with a
-``MISSED`` line per check) otherwise. ``--from FILE`` takes the sources not in ``--run`` from a saved calibration
-(``--save`` writes ``bench/results/calibrate-<UTC time>.json``); ``--render FILE`` prints a saved one.
+cores less the replicas' while that workload ran, per workload); the simulator also takes each router's round trip as
+the real run measured it (``hop_ms``: the router's TTFT on the idle fleet less a replica's own), which the fake run
+has by itself (the same routers in front of it). Each source runs repeats (``--repeats`` for the real and fake
+runs, ``--sim-repeats`` for the simulator, by default as many as the real run had): where the real repeats spread,
+one model timeline cannot match one real one, so the simulator's repeat ``n`` moves its requests by the arrival
+jitter measured on the real repeats, drawn with seed ``n`` (``bench/calibrate_jitter.py``), and every figure is the
+median over a source's repeats. Per cell the table gives each source's cached share and TTFT p50/p90 (medians, the
+cached share and p90 with their min–max) and each model's error; the verdict (``bench/calibrate_verdict.py``) wants
+the cached share within ±1.5 points and TTFT p90 within ±25 % of llama.cpp's (median against median) for every model
+on every cell, and the command exits 1 (with a ``MISSED`` line per check) otherwise. ``--from FILE`` takes the
+sources not in ``--run`` from a saved calibration (``--save`` writes ``bench/results/calibrate-<UTC time>.json``);
+``--render FILE`` prints a saved one.
 """
 
 from __future__ import annotations
@@ -31,10 +36,12 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from calibrate_jitter import Jitter, jittered, measure
 from calibrate_sim import Tokenize, sim_workload, simulate_cell, tiny_tokenizer
 from calibrate_verdict import Bounds, Calibration, Figures, calibrate
 from peers_workloads import Size, build, replica_capacity_tokens
@@ -50,16 +57,29 @@ MODELS = ("fake", "sim")
 REPLICAS = 4
 
 
-def run_fleet(fleet: str, workloads: list[str], repeats: int, cores: float, background: float, say) -> dict:
-    """``bench/peers.py`` with the table's routers (``fleet`` real: llama.cpp; fake: its fake-engine model)."""
+def run_fleet(fleet: str, workloads: list[str], repeats: int, cores: float, background: Mapping[str, float],
+              say) -> dict:
+    """``bench/peers.py`` with the table's routers (``fleet`` real: llama.cpp; fake: its fake-engine model), each
+    workload on a fleet of its own when their ``background`` loads differ (a fleet's replicas take one)."""
     import peers
 
-    args = argparse.Namespace(fleet="llamacpp" if fleet == "real" else "fake", engine_model="llamacpp",
-                              workload=workloads, repeats=repeats, replicas=REPLICAS, rival=[r for r, _ in ROUTERS],
-                              quick=False, fresh_fleet=False, host_cores=cores, background_cores=background, hop=True)
-    result = peers.run(args, say)
-    for w in result["workloads"].values():  # the per-request logs stay out of the calibration's file
-        w["runs"] = {k: [{m: v for m, v in run.items() if m not in ("requests_log", "decisions")} for run in runs]
+    def one(names: list[str], load: float) -> dict:
+        args = argparse.Namespace(fleet="llamacpp" if fleet == "real" else "fake", engine_model="llamacpp",
+                                  workload=names, repeats=repeats, replicas=REPLICAS, rival=[r for r, _ in ROUTERS],
+                                  quick=False, fresh_fleet=False, host_cores=cores, background_cores=load, hop=True)
+        return peers.run(args, say)
+
+    loads = {background.get(name, 0.0) for name in workloads}
+    if len(loads) <= 1:
+        result = one(workloads, loads.pop() if loads else 0.0)
+    else:
+        parts = [one([name], background.get(name, 0.0)) for name in workloads]
+        result = {**parts[0], "workloads": {k: v for p in parts for k, v in p["workloads"].items()},
+                  "wall_s": round(sum(p["wall_s"] for p in parts), 1),
+                  "load_average_end": parts[-1]["load_average_end"]}
+    for w in result["workloads"].values():  # kvroute's decision logs stay out of the calibration's file; the
+        # per-request log stays (its timings are what ``bench/calibrate_jitter.py`` measures the arrival jitter on)
+        w["runs"] = {k: [{m: v for m, v in run.items() if m != "decisions"} for run in runs]
                      for k, runs in w["runs"].items()}
     return result
 
@@ -73,23 +93,59 @@ def cache_tokens() -> int:
     return int(mib * 1024 * 1024 // spec.state_bytes_per_token)
 
 
-def run_sim(workloads: list[str], cores: float, background: float, hops_ms: dict[str, float], say,
-            tokenize: Tokenize | None = None) -> dict:
-    """The simulator's figures per workload and router (``hops_ms``: each router's round trip, as measured)."""
+SIM_METRICS = ("cached_share", "ttft_p50_ms", "ttft_p90_ms")
+
+
+def sim_cell(repeats: list[dict]) -> dict:
+    """One simulated cell over its repeats: each figure's median (as ``bench/peers.py`` takes the measured ones),
+    failures summed, and every repeat under ``runs``."""
+    cell: dict = {}
+    for metric in SIM_METRICS:
+        values = [r[metric] for r in repeats if r.get(metric) is not None]
+        cell[metric] = round(statistics.median(values), 4) if values else None
+    cell["requests"] = repeats[0]["requests"] if repeats else 0
+    cell["failed"] = sum(r["failed"] for r in repeats)
+    cell["runs"] = repeats
+    return cell
+
+
+def run_sim(workloads: list[str], cores: float, background: Mapping[str, float] | float, hops_ms: dict[str, float], say,
+            tokenize: Tokenize | None = None, repeats: int = 1, jitters: dict[str, Jitter] | None = None) -> dict:
+    """The simulator's figures per workload and router (``hops_ms``: each router's round trip, as measured):
+    ``repeats`` runs per cell, repeat ``n`` with its requests moved by the workload's measured jitter drawn with
+    seed ``n`` (``bench/calibrate_jitter.py``; no jitter: every repeat the same timeline), medians and the repeats."""
     size = Size.llamacpp()
     capacity = replica_capacity_tokens(size, REPLICAS)
     tokenize = tokenize or tiny_tokenizer()
+    jitters = jitters or {}
+    if not isinstance(background, Mapping):
+        background = {name: float(background) for name in workloads}
     out: dict = {"cache_tokens": cache_tokens(), "cores": cores, "background_cores": background, "hop_ms": hops_ms,
-                 "workloads": {}}
+                 "repeats": repeats, "workloads": {}}
     for name in workloads:
         workload = build(name, size, capacity)
+        jitter = jitters.get(name, Jitter())
         cells = {}
         for rival, policy in ROUTERS:
             hop_s = hops_ms.get(rival, 0.0) / 1000.0
-            cells[rival] = simulate_cell(sim_workload(workload, tokenize, hop_s=hop_s), policy, REPLICAS,
-                                         out["cache_tokens"], cores, background, hop_s)
+            base = sim_workload(workload, tokenize, hop_s=hop_s)
+            cells[rival] = sim_cell([simulate_cell(jittered(base, jitter, seed), policy, REPLICAS,
+                                                   out["cache_tokens"], cores, background.get(name, 0.0), hop_s)
+                                     for seed in range(repeats)])
         out["workloads"][name] = cells
-        say(f"sim {name}: {json.dumps(cells)}")
+        say(f"sim {name}: " + json.dumps({k: {m: c[m] for m in SIM_METRICS} for k, c in cells.items()}))
+    return out
+
+
+def jitters(real: dict | None) -> dict[str, Jitter]:
+    """Per workload, the arrival jitter measured on the real run's repeats (none logged: no jitter)."""
+    size = Size.llamacpp()
+    capacity = replica_capacity_tokens(size, REPLICAS)
+    out = {}
+    for name, w in (real or {}).get("workloads", {}).items():
+        flows = build(name, size, capacity)
+        gated = {f.conv_id for f in flows.flows[flows.concurrency:]} if flows.concurrency else set()
+        out[name] = measure(w.get("runs", {}), frozenset(gated))
     return out
 
 
@@ -99,12 +155,12 @@ def hops_ms(real: dict | None) -> dict[str, float]:
     return {key: float(rivals.get(key, {}).get("hop_ms") or 0.0) for key, _ in ROUTERS}
 
 
-def background_cores(real: dict | None) -> float:
-    """The real run's background load: the mean over workloads of the host's busy cores less the replicas'."""
-    if not real:
-        return 0.0
-    values = [w["host_cpu"]["background_cores"] for w in real["workloads"].values() if w.get("host_cpu")]
-    return round(statistics.mean(values), 3) if values else 0.0
+def background_cores(real: dict | None) -> dict[str, float]:
+    """The real run's background load per workload: the host's busy cores less the replicas' while that workload
+    ran (the models run each workload with its own: one mean over workloads gave a short, proxy-heavy workload's
+    load to a long one and the reverse)."""
+    return {name: float(w["host_cpu"]["background_cores"])
+            for name, w in (real or {}).get("workloads", {}).items() if w.get("host_cpu")}
 
 
 def judge(result: dict, bounds: Bounds = Bounds()) -> Calibration:
@@ -114,7 +170,9 @@ def judge(result: dict, bounds: Bounds = Bounds()) -> Calibration:
         for name, w in (source or {}).get("workloads", {}).items():
             rows = w["summary"] if summary else w
             for rival, _ in ROUTERS:
-                out[(name, rival)] = Figures.of(rows.get(rival))
+                row = rows.get(rival)
+                runs = w.get("runs", {}).get(rival) if summary else (row or {}).get("runs")
+                out[(name, rival)] = Figures.of(row, runs)
         return out
 
     measured = cells(result.get("real"), True)
@@ -133,37 +191,57 @@ def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v:,.0f}"
 
 
+def _spread(fig: Figures | None, cached: bool) -> str:
+    """A figure's min–max over its repeats ('' for one repeat)."""
+    span = fig and (fig.cached_range if cached else fig.p90_range)
+    if not fig or fig.repeats < 2 or not span:
+        return ""
+    return f" [{span[0]:.1%}–{span[1]:.1%}]" if cached else f" [{span[0]:,.0f}–{span[1]:,.0f}]"
+
+
+def _loads(background: Mapping[str, float] | float | None) -> str:
+    """The models' background cores: one figure, or one per workload."""
+    if isinstance(background, Mapping):
+        return ", ".join(f"{name} {load:g}" for name, load in background.items()) or "0"
+    return f"{background}"
+
+
 def render(result: dict) -> str:
-    """The calibration table (markdown), the verdict and what missed."""
+    """The calibration table (markdown; medians over repeats, each with its [min–max]), the verdict, what missed."""
     cal = judge(result, Bounds(**result.get("bounds", {})))
     real = result.get("real") or {}
     load = [(real.get(k) or ["-"])[0] for k in ("load_average_start", "load_average_end")]
+    repeats = {s: (result.get(s) or {}).get("repeats", "-") for s in SOURCES}
     lines = [f"{REPLICAS} llama.cpp replicas (tiny model, 1 thread, 1 slot, {result.get('cache_tokens', '?')} "
              f"tokens of host prompt cache each) on {result.get('cores')} cores, background "
-             f"{result.get('background_cores')} cores; measured: {real.get('repeats', '-')} repeat(s), medians; "
-             f"load average {load[0]} → {load[1]}", "",
-             "| workload | router | cached: llama.cpp | fake (Δ) | sim (Δ) | TTFT p50 ms: llama.cpp | fake | sim "
+             f"{_loads(result.get('background_cores'))} cores; repeats: llama.cpp {repeats['real']}, "
+             f"fake {repeats['fake']}, "
+             f"sim {repeats['sim']} (medians, [min–max]); load average {load[0]} → {load[1]}", "",
+             "| workload | router | cached: llama.cpp | fake (Δ pt) | sim (Δ pt) | TTFT p50 ms: llama.cpp | fake | sim "
              "| TTFT p90 ms: llama.cpp | fake (Δ) | sim (Δ) | verdict |", "|---|---|" + "---|" * 10]
     for cell in cal.cells:
         m = cell.measured or Figures(None, None, None)
         by = {c.model: c for c in cell.checks}
-        parts = [cell.workload, cell.router, _share(m.cached_share)]
+        parts = [cell.workload, cell.router, _share(m.cached_share) + _spread(m, True)]
         for model in MODELS:
             c = by[model]
             err = "-" if c.cached_err_pt is None else f"{c.cached_err_pt:+.1f}"
-            parts.append(f"{_share(c.predicted and c.predicted.cached_share)} ({err}{'' if c.cached_met else ' ✗'})")
+            parts.append(f"{_share(c.predicted and c.predicted.cached_share)}{_spread(c.predicted, True)} "
+                         f"({err}{'' if c.cached_met else ' ✗'})")
         parts.append(_ms(m.ttft_p50_ms))
         parts += [_ms(by[model].predicted and by[model].predicted.ttft_p50_ms) for model in MODELS]
-        parts.append(_ms(m.ttft_p90_ms))
+        parts.append(_ms(m.ttft_p90_ms) + _spread(m, False))
         for model in MODELS:
             c = by[model]
             err = "-" if c.p90_err is None else f"{c.p90_err:+.0%}"
-            parts.append(f"{_ms(c.predicted and c.predicted.ttft_p90_ms)} ({err}{'' if c.p90_met else ' ✗'})")
+            parts.append(f"{_ms(c.predicted and c.predicted.ttft_p90_ms)}{_spread(c.predicted, False)} "
+                         f"({err}{'' if c.p90_met else ' ✗'})")
         parts.append("met" if cell.met else "MISSED")
         lines.append("| " + " | ".join(parts) + " |")
     b = cal.bounds
     lines.append("")
-    lines.append(f"bounds: cached share ±{b.cached_pt:g} pt, TTFT p90 ±{b.p90_rel:.0%}, every model on every cell: "
+    lines.append(f"bounds on the medians: cached share ±{b.cached_pt:g} pt, TTFT p90 ±{b.p90_rel:.0%}, every model on "
+                 "every cell: "
                  + ("MET" if cal.met else f"MISSED on {sum(not c.met for c in cal.cells)} of {len(cal.cells)} cells"))
     lines += [f"MISSED {m}" for m in cal.missed()]
     return "\n".join(lines)
@@ -173,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workload", action="append", choices=WORKLOADS, help="repeatable; default: demo, apps, agent")
     p.add_argument("--repeats", type=int, default=1, help="interleaved repeats of the real and fake runs")
+    p.add_argument("--sim-repeats", type=int, default=None,
+                   help="the simulator's repeats, each with its own draw of the measured jitter (default: the "
+                        "real run's repeats)")
     p.add_argument("--run", action="append", choices=SOURCES, help="sources to run (default all; others --from)")
     p.add_argument("--from", dest="from_file", metavar="FILE", help="a saved calibration to take other sources from")
     p.add_argument("--cores", type=float, default=float(os.cpu_count() or 1), help="the host's cores (models)")
@@ -186,8 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         result = json.loads(Path(args.render).read_text())
         print(render(result))
         return 0 if judge(result).met else 1
-    if args.repeats < 1:
-        p.error("--repeats must be positive")
+    if args.repeats < 1 or (args.sim_repeats is not None and args.sim_repeats < 1):
+        p.error("--repeats and --sim-repeats must be positive")
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
     workloads = args.workload or list(WORKLOADS)
     runs = args.run or list(SOURCES)
@@ -201,13 +282,18 @@ def main(argv: list[str] | None = None) -> int:
               "bounds": {"cached_pt": Bounds().cached_pt, "p90_rel": Bounds().p90_rel},
               "real": base.get("real"), "fake": base.get("fake"), "sim": base.get("sim")}
     if "real" in runs:
-        result["real"] = run_fleet("real", workloads, args.repeats, args.cores, 0.0, say)
-    background = args.background_cores if args.background_cores is not None else background_cores(result["real"])
+        result["real"] = run_fleet("real", workloads, args.repeats, args.cores, {}, say)
+    background = ({name: args.background_cores for name in workloads} if args.background_cores is not None
+                  else background_cores(result["real"]))
     result["background_cores"] = background
     if "fake" in runs:
         result["fake"] = run_fleet("fake", workloads, args.repeats, args.cores, background, say)
     if "sim" in runs:
-        result["sim"] = run_sim(workloads, args.cores, background, hops_ms(result["real"]), say)
+        measured = jitters(result["real"])
+        result["jitter"] = {name: {**j.summary(), "samples": j.to_json()} for name, j in measured.items()}
+        sim_repeats = args.sim_repeats or (result["real"] or {}).get("repeats") or args.repeats
+        result["sim"] = run_sim(workloads, args.cores, background, hops_ms(result["real"]), say,
+                                repeats=sim_repeats, jitters=measured)
     result["wall_s"] = round(time.time() - started, 1)
     if args.save:
         stamp = time.strftime("%Y-%m-%dT%H%M", time.gmtime(started))

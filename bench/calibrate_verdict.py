@@ -7,13 +7,16 @@ of prompt tokens and its TTFT p50/p90; against the measured figures:
 - TTFT p90: the relative error (predicted / measured − 1), met within ``Bounds.p90_rel``;
 - TTFT p50: its relative error is shown, not judged (the bound is on p90).
 
+Where a source ran several repeats its figures are the medians over them (``Figures.repeats``; the min–max of the
+cached share and TTFT p90 ride along, shown, not judged): median against median, the same bounds.
+
 A prediction with a figure missing (a model not run, a run with failed requests, no measurement) misses: the
 calibration never passes on what it did not compare. ``Calibration.met`` holds when every check of every cell is.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 
@@ -33,13 +36,24 @@ class Figures:
     ttft_p50_ms: float | None
     ttft_p90_ms: float | None
     failed: int = 0
+    cached_range: tuple[float, float] | None = None  # min–max over the repeats the figures are medians of
+    p90_range: tuple[float, float] | None = None
+    repeats: int = 1
 
     @classmethod
-    def of(cls, row: Mapping | None) -> Figures | None:
-        """From a ``bench/peers.py`` summary row or a simulated cell (None stays None)."""
+    def of(cls, row: Mapping | None, runs: Sequence[Mapping] | None = None) -> Figures | None:
+        """From a ``bench/peers.py`` summary row or a simulated cell (None stays None); ``runs``: the repeats the
+        row's figures are medians of, for their spread."""
         if row is None:
             return None
-        return cls(row.get("cached_share"), row.get("ttft_p50_ms"), row.get("ttft_p90_ms"), int(row.get("failed") or 0))
+        runs = list(runs or ())
+
+        def spread(metric: str) -> tuple[float, float] | None:
+            values = [r[metric] for r in runs if r.get(metric) is not None]
+            return (min(values), max(values)) if values else None
+
+        return cls(row.get("cached_share"), row.get("ttft_p50_ms"), row.get("ttft_p90_ms"), int(row.get("failed") or 0),
+                   spread("cached_share"), spread("ttft_p90_ms"), max(1, len(runs)))
 
     @property
     def complete(self) -> bool:
