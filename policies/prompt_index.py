@@ -12,7 +12,14 @@ contexts it lost (and the reverse). This index keeps the same entries per backen
 |---|---|
 | ``cache_tokens`` | the host prompt cache's budget per backend, in the index's tokens (``set_capacity``) |
 | ``slots`` | prompts held live in slots beside the cache (llama.cpp ``--parallel``) |
-| ``value_half_life_s`` | a held prompt's worth halves every this many seconds unused (``evictions`` weighs by it) |
+| ``value_half_life_s`` | the most a held prompt's worth takes to halve unused (``evictions`` weighs by it) |
+
+A held prompt is worth what its conversation is likely to come back for. One whose request is still running is
+worth all of it (for at most ``value_half_life_s``); an answered one loses half its worth every typical gap
+between an answer and the conversation's next turn on this fleet (learned from the turns that came back: a later
+prompt containing a held one), capped by ``value_half_life_s`` and that until ``RETURN_SAMPLES`` turns came back.
+A fleet whose sessions answer in a second then no longer values a minute-old prompt of a finished conversation
+like the live session beside it.
 
 An entry's size is what the engine counted for it once it answered (``learn_size``: its prompt and answer, in the
 engine's tokens, over the router's current engine-token ratio, ``set_token_ratio``), else its blocks: a budget
@@ -27,6 +34,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvroute.policies.prefix_index import LocatorParts
+
+RETURN_SAMPLES = 8  # turns that came back before the learned gap replaces the configured half-life
+RETURN_ALPHA = 0.1  # weight of each new gap in the mean
+MIN_HALF_LIFE_S = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,9 +58,10 @@ class PromptIndexConfig:
 
 
 class _Backend:
-    __slots__ = ("cache_tokens", "engine_size", "entries", "next_id", "refs", "used")
+    __slots__ = ("cache_tokens", "engine_size", "entries", "next_id", "pending", "refs", "used")
 
     def __init__(self, cache_tokens: int) -> None:
+        self.pending: set[int] = set()  # entries whose request has not been answered yet
         self.engine_size: dict[int, int] = {}  # entry -> the engine's count of it (prompt and answer), once known
         self.entries: OrderedDict[int, tuple[int, ...]] = OrderedDict()  # oldest first; the newest are the slots
         self.used: dict[int, float] = {}  # entry -> when it was last sent or answered
@@ -90,6 +102,8 @@ class PromptIndex(LocatorParts):
         self.config = config or PromptIndexConfig()
         self._backends: dict[str, _Backend] = {}
         self.token_ratio = 1.0  # engine tokens per index token (``set_token_ratio``)
+        self.return_gap_s: float | None = None  # mean seconds from an answer to its conversation's next turn
+        self.returns = 0  # turns that came back to a held prompt (the mean's samples)
 
     def set_token_ratio(self, ratio: float) -> None:
         """Engine tokens per index token: converts the engine's counts of answered entries into the index's."""
@@ -162,9 +176,35 @@ class PromptIndex(LocatorParts):
         if state is None or not state.entries:
             return 0.0
         _, lost = self._after(state, keys, then_saved=True)
-        bt, half = self.config.block_tokens, self.config.value_half_life_s
-        return sum(max(0.0, self._size(state, eid) - _common(state.entries[eid], keys) * bt)
-                   * 0.5 ** (max(0.0, now - state.used.get(eid, now)) / half) for eid in lost)
+        bt, half, cap = self.config.block_tokens, self.value_half_life_s, self.config.value_half_life_s
+
+        def worth(eid: int) -> float:  # a running request's prompt is all there (unless it never came back)
+            age = max(0.0, now - state.used.get(eid, now))
+            return 1.0 if eid in state.pending and age < cap else 0.5 ** (age / half)
+
+        return sum(max(0.0, self._size(state, eid) - _common(state.entries[eid], keys) * bt) * worth(eid)
+                   for eid in lost)
+
+    @property
+    def value_half_life_s(self) -> float:
+        """How fast an answered prompt's worth halves: the learned gap to a conversation's next turn, capped by
+        the configured half-life (which holds until ``RETURN_SAMPLES`` turns came back)."""
+        cap = self.config.value_half_life_s
+        if self.returns < RETURN_SAMPLES or self.return_gap_s is None:
+            return cap
+        return min(cap, max(MIN_HALF_LIFE_S, self.return_gap_s))
+
+    def _note_return(self, state: _Backend, keys: Sequence[int], now: float) -> None:
+        """``keys`` continues a held, answered prompt (a conversation's next turn): learn how long it took."""
+        for eid in reversed(state.entries):
+            entry = state.entries[eid]
+            if eid not in state.pending and len(entry) < len(keys) and _contains(keys, entry):
+                gap = now - state.used.get(eid, now)
+                if gap >= 0:
+                    self.returns += 1
+                    mean = self.return_gap_s
+                    self.return_gap_s = gap if mean is None else mean + RETURN_ALPHA * (gap - mean)
+                return
 
     def holdings(self, backends: Sequence[str]) -> tuple[list[int], list[int]]:
         blocks, caps = [], []
@@ -234,9 +274,13 @@ class PromptIndex(LocatorParts):
 
     def record(self, backend: str, keys: Sequence[int], now: float) -> None:
         """``backend`` was given the prompt ``keys``: it becomes the newest entry, by the rules of ``_after``."""
-        if not keys:
-            return
-        state = self._state(backend)
+        if keys:
+            self._add(self._state(backend), keys, now, sent=True)
+
+    def _add(self, state: _Backend, keys: Sequence[int], now: float, *, sent: bool) -> None:
+        """``keys`` becomes the newest entry; ``sent``: its request runs now (else it was answered already)."""
+        if sent:
+            self._note_return(state, keys, now)
         kept, _ = self._after(state, keys)
         keep = set(kept)
         for eid in [e for e in state.entries if e not in keep]:
@@ -246,11 +290,14 @@ class PromptIndex(LocatorParts):
         entry = tuple(keys)
         state.entries[eid] = entry
         state.used[eid] = now
+        if sent:
+            state.pending.add(eid)
         for key in entry:
             state.refs[key] = state.refs.get(key, 0) + 1
 
     def _drop(self, state: _Backend, eid: int) -> None:
         state.used.pop(eid, None)
+        state.pending.discard(eid)
         state.engine_size.pop(eid, None)
         for key in state.entries.pop(eid):
             left = state.refs[key] - 1
@@ -273,7 +320,7 @@ class PromptIndex(LocatorParts):
                 predicted_blocks: int | None = None) -> None:
         """After a request the engine holds its whole prompt: re-record it if the entries lost it meanwhile."""
         if keys and self.match(keys, [backend], now).get(backend, 0) < len(keys):
-            self.record(backend, keys, now)
+            self._add(self._state(backend), keys, now, sent=False)
             return
         state = self._backends.get(backend)
         if state is not None and state.entries:  # answered: the newest entry holding it was just used
@@ -281,6 +328,7 @@ class PromptIndex(LocatorParts):
             for eid in reversed(state.entries):
                 if state.entries[eid][: len(entry)] == entry:
                     state.used[eid] = now
+                    state.pending.discard(eid)
                     break
 
     def forget(self, backend: str, keys: Sequence[int]) -> None:

@@ -119,3 +119,31 @@ def test_bad_configuration_is_refused():
         PromptIndexConfig(slots=0)
     with pytest.raises(ValueError):
         PromptIndexConfig(value_half_life_s=0.0)
+
+
+def test_a_live_session_is_worth_more_than_a_finished_conversations_prompt_once_returns_are_learned():
+    """Agent sessions beside a busy core: a new session's first turn shares the system prompt with session S
+    on replica ``live`` and with nothing on ``idle``, which holds a bigger prompt of a conversation answered 20 s
+    ago. With the configured 60 s half-life that stale prompt counts as more to lose, and the new session is put
+    beside S, where the two evict each other every turn; once the fleet's turns are seen to come back within a
+    second, the stale prompt is worth next to nothing and the idle replica costs less."""
+    def run(turns_seen: int) -> tuple[float, float, float]:
+        ix = index(cache_blocks=30)
+        t = 0.0
+        turn = [*SYSTEM]
+        for k in range(turns_seen + 1):  # session S on ``live``: a turn, its answer 0.2 s later, the next 0.3 s on
+            turn = [*turn, 1000 + k, 2000 + k]
+            ix.record("live", turn, t)
+            ix.confirm("live", turn, len(turn) - 2, t + 0.2)
+            t += 0.5
+        stale = [*range(5000, 5026)]  # 26 blocks of a conversation that ended
+        ix.record("idle", stale, t - 20.0)
+        ix.confirm("idle", stale, 0, t - 19.8)
+        new = [*SYSTEM, 7000, 7001]
+        return ix.evictions("live", new, t), ix.evictions("idle", new, t), ix.value_half_life_s
+
+    live, idle, half = run(turns_seen=2)  # too few returns: the configured half-life
+    assert half == 60.0 and idle > live  # the stale prompt looks dearer: the new session would go beside S
+    live, idle, half = run(turns_seen=12)
+    assert half == pytest.approx(0.3, abs=0.05)  # answered at +0.2 s, next turn at +0.5 s
+    assert live > idle and idle < 1.0  # S's prompt is what would be lost; the stale one is worth ~nothing
