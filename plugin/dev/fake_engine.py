@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import random
 import signal
 import time
 import uuid
@@ -33,7 +34,7 @@ import xxhash
 
 from kvroute.plugin.dev.child_processes import write_ready_file
 from kvroute.plugin.dev.fake_cache import BYTES_PER_TOKEN, PrefixCache, token_count
-from kvroute.plugin.dev.fake_faults import FaultPlan
+from kvroute.plugin.dev.fake_faults import FaultPlan, StallTail
 from kvroute.plugin.dev.fake_http import ConnectionDropped, Exchange, Request, start_server
 from kvroute.plugin.dev.fake_llamacpp import HostCores, LlamaCppModel
 from kvroute.plugin.dev.fake_tokens import (
@@ -79,6 +80,8 @@ class FakeEngineConfig:
     host_cores: float = 0.0  # llamacpp: cores of the host the fleet's replicas share (0: each its own)
     background_cores: float = 0.0  # of which other work keeps this many busy
     cores_dir: str | None = None  # the directory the replicas sharing the host's cores meet in
+    stall: StallTail | None = None  # a heavy-tailed first-token stall of a share of streams (hosted providers)
+    stall_seed: int = 0
 
     def __post_init__(self) -> None:
         if self.capacity_tokens < 0:
@@ -181,6 +184,7 @@ class FakeEngine:
                       if config.host_cores > 0 and config.cores_dir else None)
         self.fault = FaultPlan()
         self.stats = EngineStats()
+        self._stall_rng = random.Random(config.stall_seed)
         self._slots = asyncio.Semaphore(1 if self.llama is not None else config.slots)  # the model: --parallel 1
         self.running = 0
         self.waiting = 0
@@ -457,8 +461,10 @@ class FakeEngine:
         if chat:
             await ex.chunk(event([choice(None, None, first=True)]))
             sent += 1
-        if fault is not None and fault.mode == "stall_first_token":  # the stream started, its first token is late
-            await self._stall(ex, fault.delay_s)
+        stall = fault.delay_s if fault is not None and fault.mode == "stall_first_token" else (
+            self.config.stall.draw(self._stall_rng) if self.config.stall is not None else 0.0)
+        if stall > 0:  # the stream started, its first token is late
+            await self._stall(ex, stall)
         for i, piece in enumerate(pieces):
             if fault is not None and fault.mode == "cut" and sent >= fault.cut_after_chunks:
                 ex.abort()
@@ -556,7 +562,10 @@ async def _main(args: argparse.Namespace) -> None:
                               context_cost=args.context_cost, metrics_style="llamacpp" if llama else args.metrics_style,
                               engine_model=args.engine_model, cache_ram_mib=args.cache_ram_mib,
                               tokenizer=args.tokenizer, host_cores=args.host_cores,
-                              background_cores=args.background_cores, cores_dir=args.cores_dir)
+                              background_cores=args.background_cores, cores_dir=args.cores_dir,
+                              stall=StallTail(args.stall_share, args.stall_scale_ms / 1000, args.stall_alpha,
+                                              args.stall_max_ms / 1000) if args.stall_share > 0 else None,
+                              stall_seed=args.stall_seed)
     server = await FakeEngineServer(config, args.host, args.port).start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -595,6 +604,12 @@ def main(argv: list[str] | None = None) -> None:
                    help="llamacpp: cores the replicas meeting in --cores-dir share (0: each its own)")
     p.add_argument("--background-cores", type=float, default=0.0, help="llamacpp: host cores busy with other work")
     p.add_argument("--cores-dir", default=None, help="llamacpp: directory the replicas sharing the cores meet in")
+    p.add_argument("--stall-share", type=float, default=0.0,
+                   help="share of streams whose first token stalls after the stream started (a hosted tail)")
+    p.add_argument("--stall-scale-ms", type=float, default=400.0, help="the stall's Pareto scale")
+    p.add_argument("--stall-alpha", type=float, default=1.2, help="the stall's Pareto shape (smaller: heavier)")
+    p.add_argument("--stall-max-ms", type=float, default=5000.0, help="the longest stall")
+    p.add_argument("--stall-seed", type=int, default=0, help="seed of the stall draws (reproducible runs)")
     p.add_argument("--ready-file", default=None, help="write {port, pid, name} here once listening")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)

@@ -8,6 +8,7 @@ chunks). A plan holds for ``count`` completion requests, or until cleared when `
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, replace
 
 from kvroute.policies.errors import ConfigError
@@ -95,3 +96,25 @@ def engine_stats(base_url: str) -> dict:
     import httpx
 
     return httpx.get(_admin(base_url) + "/stats", timeout=5.0, trust_env=False).json()
+
+
+@dataclass(frozen=True)
+class StallTail:
+    """A hosted provider's heavy tail: ``share`` of streams wait for their first token after the stream started,
+    a Pareto delay of scale ``scale_s`` and shape ``alpha`` (smaller: heavier), at most ``max_s``."""
+
+    share: float
+    scale_s: float = 0.4
+    alpha: float = 1.2
+    max_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.share <= 1 or self.scale_s <= 0 or self.alpha <= 0 or self.max_s < self.scale_s:
+            raise ConfigError("stall", "needs 0 <= share <= 1, scale > 0, alpha > 0 and max >= scale")
+
+    def draw(self, rng: random.Random) -> float:
+        """Seconds this stream's first token waits (0: no stall)."""
+        if rng.random() >= self.share:
+            return 0.0
+        return min(self.max_s, self.scale_s * (1.0 - rng.random()) ** (-1.0 / self.alpha))
+

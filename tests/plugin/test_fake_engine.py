@@ -323,3 +323,38 @@ async def test_kv_usage_counts_running_requests_not_the_resting_cache(engine):
                     if line.startswith("vllm:kv_cache_usage_perc"))
 
     assert usage(busy) > 0 and usage(idle) == 0
+
+
+def test_the_stall_tail_hits_its_share_with_a_heavy_pareto_tail():
+    import random
+
+    from kvroute.plugin.dev.fake_faults import StallTail
+
+    tail = StallTail(share=0.05, scale_s=0.4, alpha=1.2, max_s=5.0)
+    rng = random.Random(7)
+    draws = [tail.draw(rng) for _ in range(20000)]
+    stalls = sorted(d for d in draws if d > 0)
+    assert 0.04 < len(stalls) / len(draws) < 0.06
+    assert stalls[0] >= 0.4 and stalls[-1] == 5.0  # from the scale up, capped
+    assert stalls[len(stalls) // 2] == pytest.approx(0.4 * 2 ** (1 / 1.2), rel=0.15)  # Pareto median
+    assert [tail.draw(random.Random(7)) for _ in range(3)] == [tail.draw(random.Random(7)) for _ in range(3)]
+    with pytest.raises(ConfigError):
+        StallTail(share=1.5)
+
+
+async def test_a_stalled_stream_starts_at_once_and_its_first_token_comes_late():
+    from kvroute.plugin.dev.fake_faults import StallTail
+
+    config = FakeEngineConfig(decode_s_per_token=0.0, stall=StallTail(share=1.0, scale_s=0.3, alpha=50, max_s=0.4))
+    async with FakeEngineServer(config) as server, httpx.AsyncClient(base_url=server.base_url, timeout=10) as client:
+        seen: list[tuple[str, float]] = []
+        start = time.monotonic()
+        async with client.stream("POST", "/v1/chat/completions", json=chat("s", stream=True)) as resp:
+            seen.append(("headers", time.monotonic() - start))
+            async for line in resp.aiter_lines():
+                if line.startswith("data: {"):
+                    delta = json.loads(line[6:])["choices"][0]["delta"]
+                    seen.append(("content" if delta.get("content") else "role", time.monotonic() - start))
+        first_content = next(t for kind, t in seen if kind == "content")
+        assert [k for k, _ in seen[:2]] == ["headers", "role"] and seen[1][1] < first_content
+        assert first_content - seen[1][1] >= 0.25  # the stall sits between the role chunk and the first token
