@@ -60,7 +60,7 @@ def settings(budget: float | None) -> dict[str, Any]:
 
 async def stream(c: httpx.AsyncClient, proxy: ProxyProcess, text: str) -> float:
     """Seconds to the first content chunk of one streamed request."""
-    body = {"model": "hosted", "stream": True, "max_tokens": 16, "stream_options": {"include_usage": True},
+    body = {"model": "hosted", "stream": True, "max_tokens": 64, "stream_options": {"include_usage": True},
             "messages": [{"role": "user", "content": text}]}
     start = time.monotonic()
     ttft = math.nan
