@@ -119,6 +119,9 @@ def simulate_command(
                                    "fallback_on_error, always_hosted, hybrid (default: all)."),
     spike: str | None = typer.Option(None, "--spike-window", metavar="START:END", help="With --hosted: seconds "
                                      "counted as the spike (default: the busiest 10 minutes, or third of the run)."),
+    hedge: str | None = typer.Option(None, "--hedge", metavar="BUDGET", help="With --hosted: replay the streams "
+                                     "on the hosted routes without and with hedging at this budget (\"5%\"; the "
+                                     "file's hedge: block gives the rest) instead of the strategies."),
 ) -> None:
     """Replay a workload on a simulated fleet under several routing policies and compare them."""
     from rich.console import Console
@@ -147,10 +150,14 @@ def simulate_command(
         if hosted is not None:
             if policies:
                 raise ConfigError("--policies", "does not apply with --hosted (use --strategies)")
+            if hedge is not None:
+                _simulate_hedge(wl, hosted, hedge, fmt)
+                return
             _simulate_hosted(wl, fleet, hosted, strategies, spike, fmt, csv_path)
             return
-        if strategies or spike:
-            raise ConfigError("--strategies" if strategies else "--spike-window", "needs --hosted FILE")
+        if strategies or spike or hedge is not None:
+            raise ConfigError("--strategies" if strategies else "--spike-window" if spike else "--hedge",
+                              "needs --hosted FILE")
         names = [p.strip() for p in policies.split(",") if p.strip()] or \
             [n for n in DEFAULT_LINEUP if pr.engine == "vllm" or n not in BLOCK_REPLICAS_ONLY]
         if pr.engine != "vllm" and BLOCK_REPLICAS_ONLY & set(names):
@@ -203,6 +210,39 @@ def _window(raw: str | None, workload: Any) -> Any:
     if not 0 <= start < end < math.inf:
         raise ConfigError("--spike-window", f"need 0 <= START < END, got {raw!r}")
     return SpikeWindow(start, end)
+
+
+def _simulate_hedge(wl: Any, path: Path, budget: str, fmt: str) -> None:
+    """``--hosted FILE --hedge BUDGET``: the hosted routes' streams without and with hedging, side by side."""
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvroute.policies.hedging import HedgeConfig
+    from kvroute.sim.hedge_replay import replay_hedged
+    from kvroute.sim.hosted import load_hosted
+
+    plan = load_hosted(path)
+    config = HedgeConfig.parse({**(plan.hedge or {}), "budget": budget}, "--hedge")
+    rows = [replay_hedged(wl, plan.routes, None).row(), replay_hedged(wl, plan.routes, config).row()]
+    if fmt == "json":
+        sys.stdout.write(json.dumps({"workload": wl.name, "routes": [s.name for s in plan.routes], "rows": rows})
+                         + "\n")
+        return
+    if fmt == "csv":
+        sys.stdout.write(",".join(rows[0]) + "\n" + "".join(",".join(str(v) for v in r.values()) + "\n"
+                                                           for r in rows))
+        return
+    table = Table(title=f"{wl.name} on hosted routes {', '.join(s.name for s in plan.routes)}: hedging at "
+                        f"{config.budget:.0%} of requests, p{config.quantile * 100:g} of each route's TTFT")
+    for column in ("setting", "TTFT p50 ms", "p90 ms", "p99 ms", "p99.9 ms", "extra requests", "extra cost", "wins"):
+        table.add_column(column, justify="left" if column == "setting" else "right")
+    for r in rows:
+        table.add_row(r["setting"], str(r["ttft_p50_ms"]), str(r["ttft_p90_ms"]), str(r["ttft_p99_ms"]),
+                      str(r["ttft_p999_ms"]), f"{r['extra_requests_pct']} %", f"{r['extra_cost_pct']} %",
+                      str(r["hedge_wins"]))
+    Console(width=160).print(table)
 
 
 def _simulate_hosted(wl: Any, fleet: Any, path: Path, strategies: str, spike: str | None, fmt: str,

@@ -57,9 +57,16 @@ class HostedSpec:
     error_latency_s: float = 0.3
     reject_latency_s: float = 0.05
     uptime_tier: str = "standard"
+    #: a heavy tail: this share of requests waits a Pareto delay (scale, shape, cap) more for its first token
+    stall_share: float = 0.0
+    stall_scale_s: float = 0.4
+    stall_alpha: float = 1.2
+    stall_max_s: float = 5.0
 
     def __post_init__(self) -> None:
         where = f"hosted.{self.name}"
+        if not 0 <= self.stall_share <= 1 or not 0 < self.stall_scale_s <= self.stall_max_s or self.stall_alpha <= 0:
+            raise ConfigError(f"{where}.stall", "needs 0 <= share <= 1, 0 < scale_s <= max_s and alpha > 0")
         if not self.name:
             raise ConfigError("hosted", "every route needs a name")
         if not 0 < self.ttft_p50_s <= self.ttft_p90_s or not math.isfinite(self.ttft_p90_s):
@@ -93,7 +100,7 @@ class HostedSpec:
         if not isinstance(raw, Mapping):
             raise ConfigError(where, "must be a mapping (price, ttft, output_tok_s, rpm, tpm, outages, ...)")
         known = {"price", "ttft", "output_tok_s", "prefill_tok_s", "currency", "cache_min_tokens", "cache_ttl_s",
-                 "cache_hit_prob", "rpm", "tpm", "outages", "error_latency_s", "uptime_tier"}
+                 "cache_hit_prob", "rpm", "tpm", "outages", "error_latency_s", "uptime_tier", "stall"}
         for key in raw:
             if key not in known:
                 raise ConfigError(f"{where}.{key}", f"unknown key (known: {', '.join(sorted(known))})")
@@ -106,7 +113,11 @@ class HostedSpec:
             raise ConfigError(f"{where}.price", "must be {input, output[, cached]} per million tokens")
         if not isinstance(ttft, Mapping) or set(ttft) != {"p50", "p90"}:
             raise ConfigError(f"{where}.ttft", "must be {p50, p90} in seconds")
-        fields: dict[str, Any] = {k: raw[k] for k in known - {"price", "ttft", "outages"} if k in raw}
+        fields: dict[str, Any] = {k: raw[k] for k in known - {"price", "ttft", "outages", "stall"} if k in raw}
+        stall = raw.get("stall") or {}
+        if not isinstance(stall, Mapping) or set(stall) - {"share", "scale_s", "alpha", "max_s"}:
+            raise ConfigError(f"{where}.stall", "must be {share, scale_s, alpha, max_s} (share required)")
+        fields.update({f"stall_{k}": float(v) for k, v in stall.items()})
         try:
             outages = tuple((float(a), float(b)) for a, b in raw.get("outages", ()))
             spec = cls(name=name, ttft_p50_s=float(ttft["p50"]), ttft_p90_s=float(ttft["p90"]),
@@ -210,6 +221,8 @@ class HostedBackend:
         self._window_tokens += tokens
         cached = self._cached_tokens(keys, prompt)
         ttft = self.rng.lognormvariate(math.log(spec.ttft_p50_s), spec.ttft_sigma)
+        if spec.stall_share > 0 and self.rng.random() < spec.stall_share:  # no draw at all without a tail
+            ttft += min(spec.stall_max_s, spec.stall_scale_s * (1.0 - self.rng.random()) ** (-1.0 / spec.stall_alpha))
         if spec.prefill_tok_s is not None:
             ttft += (prompt - cached) / spec.prefill_tok_s
         first = now + ttft
@@ -231,7 +244,7 @@ class HostedPlan:
     ttft_target_s: float = 2.0
     hybrid: Mapping[str, Any] | None = None
     queue_limit: int = 8
-
+    hedge: Mapping[str, Any] | None = None  # a group's ``hedge:`` block, for ``simulate --hedge``
 
 def read_hosted(data: Any) -> HostedPlan:
     """Validate a ``--hosted`` document::
@@ -241,13 +254,16 @@ def read_hosted(data: Any) -> HostedPlan:
         hybrid: {enter_ratio: 0.6}              # knobs of the hybrid policy (default: its defaults)
         routes:
           fast: {price: {input: "0.40", cached: "0.10", output: "1.20"}, ttft: {p50: 0.35, p90: 0.8},
-                 output_tok_s: 80, rpm: 1200, tpm: 2000000, outages: [[900, 960]]}
+                 output_tok_s: 80, rpm: 1200, tpm: 2000000, outages: [[900, 960]],
+                 stall: {share: 0.02, scale_s: 0.4, alpha: 1.2, max_s: 5}}   # a heavy first-token tail
+        hedge: {budget: "5%"}                   # simulate --hedge: the hosted streams with and without it
     """
     if not isinstance(data, Mapping):
         raise ConfigError("hosted", "must be a mapping with routes (and ttft_target_s, hybrid, queue_limit)")
-    unknown = set(data) - {"routes", "ttft_target_s", "hybrid", "queue_limit"}
+    unknown = set(data) - {"routes", "ttft_target_s", "hybrid", "queue_limit", "hedge"}
     if unknown:
-        raise ConfigError(str(sorted(unknown)[0]), "unknown key (known: hybrid, queue_limit, routes, ttft_target_s)")
+        raise ConfigError(str(sorted(unknown)[0]),
+                          "unknown key (known: hedge, hybrid, queue_limit, routes, ttft_target_s)")
     routes = data.get("routes")
     if not isinstance(routes, Mapping) or not routes:
         raise ConfigError("routes", "must map at least one route name to its price, ttft and limits")
@@ -261,7 +277,10 @@ def read_hosted(data: Any) -> HostedPlan:
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         raise ConfigError("queue_limit", f"must be an integer >= 1, got {limit!r}")
     specs = tuple(HostedSpec.parse(str(n), raw) for n, raw in routes.items())
-    return HostedPlan(specs, float(target), dict(knobs) if knobs else None, limit)
+    hedge = data.get("hedge")
+    if hedge is not None and not isinstance(hedge, Mapping):
+        raise ConfigError("hedge", "must be a group's hedge block, e.g. {budget: \"5%\"}")
+    return HostedPlan(specs, float(target), dict(knobs) if knobs else None, limit, dict(hedge) if hedge else None)
 
 
 def load_hosted(path: str | Any) -> HostedPlan:
