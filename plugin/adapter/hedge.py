@@ -19,7 +19,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvroute.plugin.adapter.signals import chunk_has_output
+from kvroute.plugin.adapter.request_ids import ATTEMPT_KEY, TICKET_KEY
+from kvroute.plugin.adapter.signals import chunk_has_output, request_metadata
 from kvroute.policies.hedging import HedgeConfig, Hedger, HedgeRoute
 
 log = logging.getLogger("kvroute.plugin")
@@ -185,9 +186,6 @@ class Hedges:
 
     def call(self, request_data: dict) -> HedgeCall | None:
         """The race of a proxy stream whose group hedges and whose attempt went to a route (None: no race)."""
-        from kvroute.plugin.adapter.request_ids import ATTEMPT_KEY, TICKET_KEY
-        from kvroute.plugin.adapter.signals import request_metadata
-
         group = str(request_data.get("model") or "")
         hedger = self.hedgers.get(group)
         meta = request_metadata(request_data)
