@@ -124,7 +124,6 @@ class HedgeRoute:
     bills_loser_in_full: bool = False  # its provider keeps generating a cancelled call and bills it all
     expected_hit: float = 0.0  # the share of the prompt it likely holds cached
     price: float = 0.0  # its effective input price (lower is better)
-    isolation: str | None = None  # the tenancy scope it serves; a hedge never crosses it
 
 
 class Hedger:
@@ -135,7 +134,6 @@ class Hedger:
         self.budget = HedgeBudget(config.budget, config.floor)
         self._ttft: dict[tuple[str, int], deque[tuple[float, float]]] = {}
         self._late: dict[str, int] = {}  # backend -> requests now waiting past their delay
-        self.wins = 0
 
     # --- learning --------------------------------------------------------------------------------
     def learn(self, backend: str, prompt_tokens: int, ttft_s: float, now: float) -> None:
@@ -180,11 +178,11 @@ class Hedger:
         return late / len(names) > self.config.pause_share
 
     def choose(self, primary: HedgeRoute, routes: Sequence[HedgeRoute]) -> HedgeRoute | None:
-        """The route of a hedge for a request on ``primary``: another hosted route of the same model and
-        isolation, breaker closed, not billing a loser in full; the likeliest to hold the prompt cached, then the
-        cheapest (None: no such route)."""
+        """The route of a hedge for a request on ``primary``: another hosted route of the same model (one
+        group: one isolation), breaker closed, not billing a loser in full; the likeliest to hold the prompt
+        cached, then the cheapest (None: no such route)."""
         fit = [r for r in routes if r.backend != primary.backend and r.hosted and r.model == primary.model
-               and r.isolation == primary.isolation and r.breaker_closed and not r.bills_loser_in_full]
+               and r.breaker_closed and not r.bills_loser_in_full]
         if not fit:
             return None
         return min(fit, key=lambda r: (-r.expected_hit, r.price, r.backend))
@@ -198,8 +196,3 @@ class Hedger:
         if target is None or self.paused(r.backend for r in routes if r.hosted and r.model == primary.model):
             return None
         return target if self.budget.try_spend() else None
-
-    def stats(self) -> dict[str, Any]:
-        """Requests seen, hedges sent, hedges won, budget tokens held."""
-        b = self.budget
-        return {"requests": b.requests, "hedges": b.hedges, "wins": self.wins, "tokens": round(b.tokens, 3)}

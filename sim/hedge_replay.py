@@ -99,7 +99,6 @@ def replay_hedged(workload: Workload, routes: Sequence[HostedSpec], hedge: Hedge
                     loser, lost_cached, loser_name = first, first.cached_tokens, primary
                     answer, answered_by = second, target.backend
                     wins += 1
-                    hedger.wins += 1
                 else:
                     loser, lost_cached, loser_name = second, second.cached_tokens, target.backend
                 if loser.kind == "ok":

@@ -38,7 +38,6 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from datetime import UTC, datetime
-from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +51,6 @@ from kvroute.plugin.adapter.signals import deployment_id, request_metadata
 log = logging.getLogger("kvroute.plugin")
 UNATTRIBUTED_WARN_EVERY_S = 60.0
 CATALOG_TTL_S = 60.0  # how long the price file's cancel billing modes are kept before the catalog is read again
-CLIENT_LEFT = cancels.CLIENT_LEFT
-HEDGE_LOST = cancels.HEDGE_LOST
 
 
 class BillingFeed:
@@ -354,7 +351,7 @@ class BillingFeed:
         if attempt is None or attempt.recorded:
             return False
         state.cancelled = True
-        if self._book_cancel(state, attempt, data, relayed, usage, final=True, error_type=CLIENT_LEFT):
+        if self._book_cancel(state, attempt, data, relayed, usage, final=True, error_type=cancels.CLIENT_LEFT):
             state.outcome_recorded = True
             return True
         return False
@@ -368,7 +365,7 @@ class BillingFeed:
         if state is None or attempt.recorded or not attempt.backend:
             return False
         attempt.hedge_lost = True
-        return self._book_cancel(state, attempt, data, produced, None, final=False, error_type=HEDGE_LOST,
+        return self._book_cancel(state, attempt, data, produced, None, final=False, error_type=cancels.HEDGE_LOST,
                                  role="primary" if primary else "hedge")
 
     def _book_cancel(self, state: RequestState, attempt: Attempt, data: Mapping[str, Any], relayed: int,
@@ -389,7 +386,9 @@ class BillingFeed:
         def read(app: str) -> CallFacts | None:
             return self._attempt_facts(
                 state, attempt, backend, data, meta, app, end, outcome="cancelled", final=final, usage=billed,
-                litellm_cost=_token_cost(billed, attempt.model_info), http_status=499 if final else None,
+                litellm_cost=self.events.cut_stream_usage(billed["prompt_tokens"], billed["completion_tokens"],
+                                                          _prices(attempt.model_info))[1],
+                http_status=499 if final else None,
                 error_type=error_type, streamed=bool(data.get("stream")))
 
         return self._record(read, state=state, attempt=attempt, outcome="cancelled", final=final, backend=backend)
@@ -799,15 +798,6 @@ def _cancelled_prompt(usage: Any, data: Mapping[str, Any], served: str | None) -
         return counted, 0, "counted"
     text = json.dumps(data.get("messages") or data.get("prompt") or "", default=str)
     return max(len(text) // 4, 1), 0, "estimated"
-
-
-def _token_cost(usage: Mapping[str, Any], model_info: Mapping[str, Any] | None) -> Decimal | None:
-    """What ``usage``'s prompt and completion tokens cost at the deployment's per-token prices (None without)."""
-    prices = _prices(model_info)
-    rate_in, rate_out = money(prices.get("input_cost_per_token")), money(prices.get("output_cost_per_token"))
-    if rate_in is None or rate_out is None:
-        return None
-    return rate_in * int(usage.get("prompt_tokens") or 0) + rate_out * int(usage.get("completion_tokens") or 0)
 
 
 _PRICE_KEYS = ("input_cost_per_token", "output_cost_per_token")

@@ -61,6 +61,7 @@ class HedgeCall:
     won: Callable[[str, Any], None]  # (backend, stream) -> the winner is known
     clock: Callable[[], float] = time.monotonic
     sent_at: float = field(default_factory=time.monotonic)
+    answered: Any = None  # the stream that answered (its hidden params name the deployment), once known
 
 
 class _Side:
@@ -130,8 +131,7 @@ async def hedged(primary: Any, call: HedgeCall) -> AsyncIterator[Any]:
         now = call.clock()
         if winner is first:
             hedger.learn(first.backend, call.prompt_tokens, now - call.sent_at, now)
-        else:
-            hedger.wins += 1
+        call.answered = winner.stream
         call.won(winner.backend, winner.stream)
         for chunk in winner.buffered:
             yield chunk
@@ -156,17 +156,16 @@ async def _drop(side: _Side, sides: list[_Side], call: HedgeCall) -> None:
 
 
 def routes_of(backends: Mapping[str, Any], group: str, *, open_breaker: Callable[[str], bool],
-              full_cancel: Callable[[str], bool], expected_hit: Callable[[str], float],
-              isolation: str | None) -> list[HedgeRoute]:
-    """The hedge candidates of ``group``: every deployment, hosted or not (``Hedger.choose`` filters)."""
+              full_cancel: Callable[[str], bool], expected_hit: Callable[[str], float]) -> list[HedgeRoute]:
+    """The hedge candidates of ``group``: every deployment, hosted or not (``Hedger.choose`` filters); one group
+    has one isolation, so a hedge never crosses it."""
     out = []
     for b in backends.values():
         if b.group != group:
             continue
         price = float(b.input_price) if b.input_price is not None else 0.0
         out.append(HedgeRoute(b.id, hosted=not b.self_hosted, model=b.model, breaker_closed=not open_breaker(b.id),
-                              bills_loser_in_full=full_cancel(b.id), expected_hit=expected_hit(b.id), price=price,
-                              isolation=isolation))
+                              bills_loser_in_full=full_cancel(b.id), expected_hit=expected_hit(b.id), price=price))
     return out
 
 
@@ -174,15 +173,11 @@ class Hedges:
     """The groups' hedgers and how a proxy stream of one is raced (built once by the callback's set-up)."""
 
     def __init__(self, configs: Mapping[str, HedgeConfig], *, fleet: Any, ids: Any, available: Callable[[str], bool],
-                 billing: Callable[[], Any], metrics: Callable[[], Any], expected_hit: Callable[[str], float],
+                 billing: Any, metrics: Any, expected_hit: Callable[[str], float],
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.hedgers = {group: Hedger(cfg) for group, cfg in configs.items()}
         self.fleet, self.ids, self.available, self.billing, self.metrics = fleet, ids, available, billing, metrics
         self.expected_hit, self.clock = expected_hit, clock
-        self.winners: dict[int, Any] = {}  # id(request data) -> the stream that answered it
-
-    def __bool__(self) -> bool:
-        return bool(self.hedgers)
 
     def call(self, request_data: dict) -> HedgeCall | None:
         """The race of a proxy stream whose group hedges and whose attempt went to a route (None: no race)."""
@@ -194,14 +189,13 @@ class Hedges:
             return None
         state, attempt = found
         hedger.on_request()
-        billing = self.billing()
+        billing, metrics = self.billing, self.metrics
         routes = routes_of(self.fleet.backends, group, open_breaker=lambda b: not self.available(b),
                            full_cancel=lambda b: billing is not None and billing.cancel_billing_of(b) == "full",
-                           expected_hit=self.expected_hit, isolation=None)
+                           expected_hit=self.expected_hit)
         primary = next((r for r in routes if r.backend == attempt.backend), None)
         if primary is None or not primary.hosted:
             return None
-        metrics = self.metrics()
 
         async def send(backend: str) -> Any:
             from litellm.proxy import proxy_server
@@ -230,11 +224,6 @@ class Hedges:
         def won(backend: str, stream: Any) -> None:
             if backend != primary.backend:
                 metrics.hedges.labels(group, "won").inc()
-            self.winners[id(request_data)] = stream
 
         return HedgeCall(hedger, primary, routes, attempt.prompt_tokens, send, lost, won, clock=self.clock,
                          sent_at=attempt.started or self.clock())
-
-    def winner(self, request_data: dict, default: Any) -> Any:
-        """The stream that answered ``request_data`` (its hidden params name the deployment), forgotten once read."""
-        return self.winners.pop(id(request_data), default)

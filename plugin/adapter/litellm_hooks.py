@@ -240,7 +240,7 @@ class KvrouteCallback(CustomLogger):
                 yield item
             done = True
             self._answered(request_data)  # the stream is over: the replica is done with it
-            answered = self.hedges.winner(request_data, response) if race is not None else response
+            answered = race.answered if race is not None else response
             if self.billing is not None and usage_chunk is not None:  # before the proxy sends [DONE]
                 try:
                     self.billing.pre_response(request_data, usage_chunk,
@@ -254,7 +254,6 @@ class KvrouteCallback(CustomLogger):
             raise
         finally:
             if race is not None:
-                self.hedges.winner(request_data, None)  # forget it however the stream ended
                 with contextlib.suppress(BaseException):
                     await source.aclose()  # a race the client left: close the hedge's stream now
             if not done:  # GeneratorExit / CancelledError: the client went away

@@ -138,7 +138,7 @@ def build_hedges(cb: CallbackHost, s: KvrouteSettings) -> Hedges | None:
         return float(learned(backend)) if callable(learned) else 0.0
 
     return Hedges(configs, fleet=cb.fleet, ids=cb.ids, available=lambda b: cb.health.available(b, cb.clock()),
-                  billing=lambda: cb.billing, metrics=lambda: cb.metrics, expected_hit=expected_hit, clock=cb.clock)
+                  billing=cb.billing, metrics=cb.metrics, expected_hit=expected_hit, clock=cb.clock)
 
 
 def start_billing(cb: CallbackHost, s: KvrouteSettings, *, in_proxy: bool) -> None:

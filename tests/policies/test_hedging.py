@@ -52,10 +52,10 @@ def test_the_second_route_is_hosted_same_model_and_isolation_closed_and_never_bi
     h = Hedger(HedgeConfig(floor=10))
     primary = route("a")
     others = [route("self", hosted=False), route("other-model", model="x"), route("open", breaker_closed=False),
-              route("bedrock", bills_loser_in_full=True), route("tenant-b", isolation="b"),
+              route("bedrock", bills_loser_in_full=True),
               route("cold", expected_hit=0.0, price=1.0), route("warm", expected_hit=0.8, price=2.0)]
     assert h.choose(primary, [primary, *others]).backend == "warm"  # likeliest to hold the prompt cached
-    assert h.choose(primary, [primary, *others[:5]]) is None
+    assert h.choose(primary, [primary, *others[:4]]) is None
     assert h.should_hedge(route("self", hosted=False), others) is None  # a replica's request is never hedged
 
 

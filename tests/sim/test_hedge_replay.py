@@ -46,3 +46,24 @@ def test_no_tail_no_draw_and_the_files_stall_and_hedge_blocks_are_checked(chat):
         read_hosted({**doc, "routes": {"a": {**doc["routes"]["a"], "stall": {"share": 2}}}})
     with pytest.raises(ConfigError, match="hedge"):
         read_hosted({**doc, "hedge": 5})
+
+
+def test_the_shipped_example_as_the_reference_documents_it():
+    """``kvroute simulate -w chat -r 4 --hosted examples/hedge.yaml --hedge 5%``, checked from its own rows."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from kvroute.plugin.cli.cli import app
+
+    r = CliRunner().invoke(app, ["simulate", "-w", "chat", "-r", "4", "--hosted", str(EXAMPLE), "--hedge", "5%",
+                                 "--format", "json"])
+    assert r.exit_code == 0, r.output
+    off, on = json.loads(r.stdout)["rows"]
+    assert (off["setting"], on["setting"]) == ("off", "hedge 5%") and off["requests"] == on["requests"] > 1000
+    assert off["hedges"] == 0 and on["hedges"] <= 2 + 0.05 * on["requests"]  # the file keeps floor's default
+    assert on["extra_requests_pct"] == round(100 * on["hedges"] / on["requests"], 2)
+    assert on["ttft_p50_ms"] == off["ttft_p50_ms"] and on["ttft_p999_ms"] < off["ttft_p999_ms"]
+    assert 0 < on["extra_cost_pct"] < 10
+    table = CliRunner().invoke(app, ["simulate", "-w", "chat", "-r", "4", "--hosted", str(EXAMPLE), "--hedge", "5%"])
+    assert table.exit_code == 0 and "hedge 5%" in table.stdout
