@@ -19,14 +19,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvroute.plugin.adapter.request_ids import ATTEMPT_KEY, TICKET_KEY
+from kvroute.plugin.adapter.request_ids import ATTEMPT_KEY, HEDGE_TO_KEY, TICKET_KEY
 from kvroute.plugin.adapter.signals import chunk_has_output, request_metadata
 from kvroute.policies.hedging import HedgeConfig, Hedger, HedgeRoute
 
 log = logging.getLogger("kvroute.plugin")
 
-#: The metadata key naming the route a hedge call is pinned to (server-set, dropped from client metadata).
-HEDGE_TO_KEY = "kvroute_hedge_to"
 #: Request keys a hedge call does not copy: the proxy's own bookkeeping, LiteLLM's routing and the stream flag.
 NOT_COPIED = frozenset({"model", "messages", "stream", "metadata", "litellm_metadata", "litellm_logging_obj",
                         "litellm_call_id", "proxy_server_request", "secret_fields", "user_api_key_dict",

@@ -6,9 +6,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvroute.plugin.adapter import hybrid
-from kvroute.plugin.adapter.hedge import HEDGE_TO_KEY
 from kvroute.plugin.adapter.hosted import forward_cache_key
-from kvroute.plugin.adapter.request_ids import Attempt
+from kvroute.plugin.adapter.request_ids import HEDGE_TO_KEY, Attempt
 from kvroute.plugin.adapter.request_labels import request_tags
 from kvroute.plugin.adapter.signals import deployment_id, request_metadata
 from kvroute.plugin.adapter.tenancy import SALT_ENGINES, set_engine_salt

@@ -46,7 +46,8 @@ if TYPE_CHECKING:
 SIG_KEY = "kvroute_sig"
 TICKET_KEY = "kvroute_rid"
 ATTEMPT_KEY = "kvroute_attempt"
-SERVER_KEYS = (REQUEST_KEY, SIG_KEY, TICKET_KEY, ATTEMPT_KEY, "kvroute_trace", "kvroute_hedge_to")
+HEDGE_TO_KEY = "kvroute_hedge_to"  # the route a hedge call is pinned to (``plugin.adapter.hedge``)
+SERVER_KEYS = (REQUEST_KEY, SIG_KEY, TICKET_KEY, ATTEMPT_KEY, "kvroute_trace", HEDGE_TO_KEY)
 MAX_REQUESTS = 100_000
 MAX_FAILED = 16  # backends remembered as failed per request (a retry avoids them)
 MAX_JUDGED = 8  # exceptions remembered as judged per request
