@@ -113,3 +113,15 @@ async def test_a_client_that_leaves_mid_race_leaves_no_hedge_stream_open():
         await pending
     await relay_task.aclose()
     assert seen["sent"] == ["b"] and hedge.closed
+
+
+def test_a_bad_hedge_block_stops_start_up_naming_its_key():
+    from kvroute.plugin.adapter.wiring import build_hedges
+    from kvroute.plugin.settings import KvrouteSettings
+    from kvroute.policies.errors import ConfigError
+
+    settings = KvrouteSettings(groups={"hosted": {"policy": "marketplace", "hedge": {"budjet": "5%"}}})
+    with pytest.raises(ConfigError) as err:
+        build_hedges(SimpleNamespace(), settings)
+    assert err.value.key == "kvroute.groups.hosted.hedge.budjet"
+    assert build_hedges(SimpleNamespace(), KvrouteSettings()) is None  # no group hedges: nothing on the path
