@@ -179,18 +179,19 @@ async def test_redis_restart_mid_run_loses_no_request_and_rebuilds_state(stack):
     assert outage == {"down_at": 16, "up_at": 32}
     assert result.failed == 0, result.errors
 
+    r = redis.Redis.from_url(server.url)
+    ns = fleet.config["kvroute"]["redis_namespace"]
     polls = 0
-    while polls < 300:
+    while polls < 300:  # every worker re-registers on its next heartbeat after the restart
         states = [fleet.status(i)["shared_state"] for i in range(len(fleet))]
-        if all(s["connected"] for s in states) and sum(s["reseeds"] for s in states) == 1:
+        if (all(s["connected"] for s in states) and sum(s["reseeds"] for s in states) == 1
+                and r.zcard(f"{ns}:workers") == len(fleet)):
             break
         polls += 1
         await asyncio.sleep(0.1)
     print(f"reconnected and re-seeded after {polls} status polls; reseeds per instance "
           f"{[s['reseeds'] for s in states]}")
     assert all(s["connected"] for s in states) and sum(s["reseeds"] for s in states) == 1
-    r = redis.Redis.from_url(server.url)
-    ns = fleet.config["kvroute"]["redis_namespace"]
     assert r.xlen(f"{ns}:prefix") > 0 and r.zcard(f"{ns}:workers") == len(fleet) and r.get(f"{ns}:epoch")
     r.close()
 
