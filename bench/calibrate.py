@@ -15,7 +15,9 @@ requests (the same flows of ``bench/peers_workloads.py``):
 
 Both models run their replicas on this host's cores with the background load the real run measured (the host's busy
 cores less the replicas' while that workload ran, per workload); the simulator also takes each router's round trip as
-the real run measured it (``hop_ms``: the router's TTFT on the idle fleet less a replica's own), which the fake run
+the real run measured it under that workload's own load (the median of the runs' ``hop_ms``: each request's way in
+to the replica and way back out, clocked by ``bench/replica_relay.py``; a run without it falls back to the router's
+TTFT on the idle fleet less a replica's own, which under load was a third of the measured hop), which the fake run
 has by itself (the same routers in front of it). Each source runs repeats (``--repeats`` for the real and fake
 runs, ``--sim-repeats`` for the simulator, by default as many as the real run had): where the real repeats spread,
 one model timeline cannot match one real one, so the simulator's repeat ``n`` moves its requests by the arrival
@@ -109,9 +111,11 @@ def sim_cell(repeats: list[dict]) -> dict:
     return cell
 
 
-def run_sim(workloads: list[str], cores: float, background: Mapping[str, float] | float, hops_ms: dict[str, float], say,
+def run_sim(workloads: list[str], cores: float, background: Mapping[str, float] | float,
+            hops_ms: Mapping[str, float] | Mapping[str, Mapping[str, float]], say,
             tokenize: Tokenize | None = None, repeats: int = 1, jitters: dict[str, Jitter] | None = None) -> dict:
-    """The simulator's figures per workload and router (``hops_ms``: each router's round trip, as measured):
+    """The simulator's figures per workload and router (``hops_ms``: each router's round trip as measured, one for
+    every workload or per workload):
     ``repeats`` runs per cell, repeat ``n`` with its requests moved by the workload's measured jitter drawn with
     seed ``n`` (``bench/calibrate_jitter.py``; no jitter: every repeat the same timeline), medians and the repeats."""
     size = Size.llamacpp()
@@ -125,9 +129,10 @@ def run_sim(workloads: list[str], cores: float, background: Mapping[str, float] 
     for name in workloads:
         workload = build(name, size, capacity)
         jitter = jitters.get(name, Jitter())
+        hops = hops_ms.get(name, {}) if isinstance(hops_ms.get(name), Mapping) else hops_ms
         cells = {}
         for rival, policy in ROUTERS:
-            hop_s = hops_ms.get(rival, 0.0) / 1000.0
+            hop_s = float(hops.get(rival) or 0.0) / 1000.0
             base = sim_workload(workload, tokenize, hop_s=hop_s)
             cells[rival] = sim_cell([simulate_cell(jittered(base, jitter, seed), policy, REPLICAS,
                                                    out["cache_tokens"], cores, background.get(name, 0.0), hop_s)
@@ -149,10 +154,18 @@ def jitters(real: dict | None) -> dict[str, Jitter]:
     return out
 
 
-def hops_ms(real: dict | None) -> dict[str, float]:
-    """Each router's round trip as the real run measured it (``bench/peers.py``'s ``hop_ms``; none: 0)."""
+def hops_ms(real: dict | None) -> dict[str, dict[str, float]]:
+    """Per workload, each router's round trip as the real run measured it: the median over its runs of the run's
+    ``hop_ms`` (clocked under the run's own load), else its ``hop_ms`` on the idle fleet, else 0."""
     rivals = (real or {}).get("rivals", {})
-    return {key: float(rivals.get(key, {}).get("hop_ms") or 0.0) for key, _ in ROUTERS}
+    idle = {key: float(rivals.get(key, {}).get("hop_ms") or 0.0) for key, _ in ROUTERS}
+    out = {}
+    for name, w in (real or {}).get("workloads", {}).items():
+        out[name] = {}
+        for key, _ in ROUTERS:
+            loaded = [r["hop_ms"] for r in w.get("runs", {}).get(key, []) if r.get("hop_ms") is not None]
+            out[name][key] = round(statistics.median(loaded), 2) if loaded else idle[key]
+    return out
 
 
 def background_cores(real: dict | None) -> dict[str, float]:

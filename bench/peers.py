@@ -54,7 +54,7 @@ from peers_workloads import (
     replica_capacity_tokens,
     stream_one,
 )
-from replica_relay import ReplicaRelays
+from replica_relay import ReplicaRelays, Timing, prompt_key
 
 from kvroute.plugin.dev.fleet import Fleet, ReplicaOptions
 
@@ -172,7 +172,7 @@ def run_figures(result: RunResult, before: list[tuple[float, float]], after: lis
 
 METRICS = ("cached_share", "ttft_p50_ms", "ttft_p90_ms", "req_per_s", "wasted_share", "spread",
            "router_cpu_ms_per_req")
-EXTRA_METRICS = ("wasted_in_flight_share",)  # medians too, where the run recorded them
+EXTRA_METRICS = ("wasted_in_flight_share", "hop_ms")  # medians too, where the run recorded them
 RATIO_METRICS = ("cached_share", "ttft_p90_ms", "req_per_s", "router_cpu_ms_per_req")
 KVROUTE = "kvroute"
 
@@ -308,10 +308,32 @@ def _new_decisions(rival: Rival) -> list[dict]:
     return [json.loads(line) for line in lines if line.strip()]
 
 
+def router_hops(result: RunResult, timings: list[Timing]) -> dict[int, tuple[float, float]]:
+    """Per answered request (by ``id`` of its outcome), the router's way in and way out in ms: the client's send to
+    the relay's first byte, and the relay's first answer text to the client's (``replica_relay``'s clock). A prompt
+    sent twice (a retry) is matched to its last timing that got text back."""
+    by_key: dict[str, Timing] = {}
+    for t in timings:
+        if t.key is not None and t.first_s is not None:
+            by_key[t.key] = t
+    hops = {}
+    for o in result.outcomes:
+        t = by_key.get(prompt_key(o.prompt)) if o.ok and o.ttft_s is not None else None
+        if t is None:
+            continue
+        sent = result.t0 + o.start_s
+        hops[id(o)] = ((t.arrived_s - sent) * 1000, (sent + o.ttft_s - t.first_s) * 1000)
+    return hops
+
+
 def _one_run(rival: Rival, workload: Workload, model: str, kind: str, base_urls: list[str], salt: str,
-             block_bytes: int) -> dict:
+             block_bytes: int, relays: ReplicaRelays | None = None) -> dict:
     """One replay of ``workload`` through ``rival``; ``block_bytes``: the engines' reuse granularity in prompt bytes
-    (fake vLLM-style engines cache 16-token blocks of 4 bytes a token; llama.cpp reuses any token prefix)."""
+    (fake vLLM-style engines cache 16-token blocks of 4 bytes a token; llama.cpp reuses any token prefix). Behind
+    ``relays``, each request also gets the router's way in and out (``router_in_ms``, ``router_out_ms``) and the run
+    their median sum (``hop_ms``): the round trip under the run's own load."""
+    if relays is not None:
+        relays.take_timings()  # the warm-up's and earlier runs' requests are not this run's
     before = engine_counters(kind, base_urls)
     _new_decisions(rival)  # the warm-up's and earlier runs' picks are not this run's
     cpu0 = cpu_seconds(rival.pids)
@@ -324,6 +346,11 @@ def _one_run(rival: Rival, workload: Workload, model: str, kind: str, base_urls:
         ok = [o for o in result.outcomes if o.ok]
         for o, h in zip(ok, holdings(served, block_bytes), strict=True):
             log[id(o)].update(dataclasses.asdict(h))
+    if relays is not None:
+        hops = router_hops(result, relays.take_timings())
+        for key, (way_in, way_out) in hops.items():
+            log[key].update(router_in_ms=round(way_in, 2), router_out_ms=round(way_out, 2))
+        figures["hop_ms"] = round(statistics.median(a + b for a, b in hops.values()), 2) if hops else None
     figures["requests_log"] = [log[id(o)] for o in sorted(result.outcomes, key=lambda o: o.start_s)]
     decisions = _new_decisions(rival)
     if decisions:
@@ -396,7 +423,7 @@ def run(args: argparse.Namespace, say) -> dict:
                     if args.fresh_fleet:
                         _restart(fleet, relays)
                     runs[rival.spec.key].append(_one_run(rival, workload, fleet.model, args.fleet,
-                                                         fleet.base_urls, salt, 4 if llama else 64))
+                                                         fleet.base_urls, salt, 4 if llama else 64, relays))
                     say(f"{name} repeat {repeat + 1}/{args.repeats} {rival.spec.key}: "
                         f"{json.dumps(runs[rival.spec.key][-1])}")
             summary = summarise(runs)

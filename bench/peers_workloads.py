@@ -195,6 +195,7 @@ class RunResult:
 
     outcomes: list[Outcome] = field(default_factory=list)
     wall_s: float = 0.0
+    t0: float = 0.0  # time.perf_counter() when the run began: ``start_s`` counts from it
 
 
 def _usage_cached(usage: dict, chunk: dict) -> int | None:
@@ -259,7 +260,7 @@ async def replay(base_url: str, headers: Mapping[str, str], model: str, workload
     limits = httpx.Limits(max_connections=max(8, limit), max_keepalive_connections=max(8, limit))
     async with httpx.AsyncClient(base_url=base_url, headers=dict(headers), timeout=timeout_s, limits=limits,
                                  trust_env=False) as client:
-        start = time.perf_counter()
+        start = result.t0 = time.perf_counter()
 
         async def run_flow(flow: Conversation) -> None:
             delay = flow.start_s - (time.perf_counter() - start)

@@ -146,7 +146,13 @@ def test_the_routers_round_trip_delays_the_next_turn_and_the_first_token():
     assert b["ttft_p50_ms"] == pytest.approx(a["ttft_p50_ms"] + 50.0, abs=0.2)
 
 
-def test_hops_come_from_the_real_run_and_default_to_none():
-    real = {"rivals": {"kvroute": {"hop_ms": 61.5}, "smg-ca": {"hop_ms": 4.0}, "sglang-rr": {}}}
-    assert calibrate.hops_ms(real) == {"kvroute": 61.5, "smg-ca": 4.0, "sglang-rr": 0.0}
-    assert calibrate.hops_ms(None) == {"kvroute": 0.0, "smg-ca": 0.0, "sglang-rr": 0.0}
+def test_hops_come_from_the_real_runs_under_load_else_the_idle_fleet_else_none():
+    runs = {"kvroute": [{"hop_ms": 40.0}, {"hop_ms": 52.0}, {"hop_ms": None}], "smg-ca": [{}]}
+    real = {"rivals": {"kvroute": {"hop_ms": 15.5}, "smg-ca": {"hop_ms": 4.0}, "sglang-rr": {}},
+            "workloads": {"demo": {"runs": runs}}}
+    assert calibrate.hops_ms(real) == {"demo": {"kvroute": 46.0, "smg-ca": 4.0, "sglang-rr": 0.0}}
+    assert calibrate.hops_ms(None) == {}
+    said: list[str] = []
+    per_workload = calibrate.run_sim(["demo"], 2.0, 0.0, {"demo": {"kvroute": 50.0}}, said.append, tokenize=_bytes)
+    flat = calibrate.run_sim(["demo"], 2.0, 0.0, {"kvroute": 50.0}, said.append, tokenize=_bytes)
+    assert per_workload["workloads"] == flat["workloads"]

@@ -15,7 +15,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from peers_diff import cause, diff_runs, placements  # noqa: E402
 from peers_waste import Served, holdings  # noqa: E402
-from replica_relay import ReplicaRelays, _Rewriter, replica_of  # noqa: E402
+from replica_relay import ReplicaRelays, Timing, _Clock, _Rewriter, prompt_key, replica_of  # noqa: E402
+
+from kvroute.plugin.dev.fake_engine import render_chat  # noqa: E402
 
 
 def test_the_rewriter_replaces_a_fingerprint_cut_anywhere_and_holds_back_nothing_else():
@@ -28,6 +30,41 @@ def test_the_rewriter_replaces_a_fingerprint_cut_anywhere_and_holds_back_nothing
         out = first + r.feed(data[cut:])
         assert out == want, cut  # the stream's end is never held back
     assert replica_of("peers-0__") == "peers-0" and replica_of(None) is None
+
+
+def test_the_relay_clock_times_chat_requests_cut_anywhere_and_skips_health_checks():
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]
+    body = json.dumps({"model": "m", "messages": messages, "stream": True}).encode()
+    health = b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n"
+    chat = b"POST /v1/chat/completions HTTP/1.1\r\ncontent-length: %d\r\n\r\n" % len(body) + body
+    for cut in (1, 7, len(health) + 3, len(health) + len(chat) - 2):
+        sink: list[Timing] = []
+        clock = _Clock(sink)
+        data = health + chat
+        clock.feed_out(b'HTTP/1.1 200 OK\r\n\r\n{"status":"ok"}')  # the health check's answer: no text
+        clock.feed_in(data[:cut])
+        clock.feed_in(data[cut:])
+        assert [t.key for t in sink] == [prompt_key(render_chat(messages))], cut
+        clock.feed_out(b'data: {"choices":[{"delta":{"role":"assistant","content":null}}]}\n\n')
+        assert sink[0].first_s is None  # the role chunk is not answer text
+        clock.feed_out(b'data: {"choices":[{"delta":{"content":"Hel')
+        assert sink[0].first_s is not None and sink[0].first_s >= sink[0].arrived_s
+
+
+def test_router_hops_split_the_clients_ttft_into_the_way_in_and_the_way_out():
+    from peers import router_hops
+    from peers_workloads import Outcome, RunResult
+
+    a = Outcome(True, ttft_s=0.5, prompt="p-a", start_s=1.0)
+    b = Outcome(True, ttft_s=0.2, prompt="p-b", start_s=2.0)
+    failed = Outcome(False, prompt="p-c", start_s=3.0)
+    run = RunResult([a, b, failed], t0=100.0)
+    timings = [Timing(prompt_key("p-a"), 101.03, 101.49), Timing(prompt_key("p-b"), 102.01, None),
+               Timing(prompt_key("p-b"), 102.05, 102.18), Timing(None, 103.0, 103.1)]
+    hops = router_hops(run, timings)
+    assert set(hops) == {id(a), id(b)}  # the retry of b that answered; the failed request has none
+    assert [round(v, 6) for v in hops[id(a)]] == [30.0, 10.0]
+    assert [round(v, 6) for v in hops[id(b)]] == [50.0, 20.0]
 
 
 def _served(prompt: str, replica: str, cached: int, start: float, end: float) -> Served:
@@ -95,7 +132,7 @@ def test_relays_name_replicas_through_a_kvroute_proxy_whose_decision_log_joins_b
         names = {f"rep-{i}": n for i, n in enumerate(["relay-a", "relay-b"])}
         with ProxyProcess(build_proxy_config([group], kvroute=True), env={"KVROUTE_DECISION_LOG": str(log)},
                           inherit_kvroute_env=False) as proxy:
-            served = {}
+            served, keys = {}, []
             for i in range(4):
                 body = {"model": "m", "max_tokens": 4,
                         "messages": [{"role": "system", "content": secret}, {"role": "user", "content": f"q{i}"}]}
@@ -103,6 +140,10 @@ def test_relays_name_replicas_through_a_kvroute_proxy_whose_decision_log_joins_b
                                headers={**proxy.headers, "x-litellm-call-id": f"call-{i}"})
                 assert r.status_code == 200, r.text
                 served[f"call-{i}"] = replica_of(r.json().get("system_fingerprint"))
+                keys.append(prompt_key(render_chat(body["messages"])))
+            timed = [t for t in relays.take_timings() if t.key in keys]
+    assert sorted(t.key for t in timed) == sorted(keys)  # every request through LiteLLM clocked and keyed
+    assert all(t.first_s is not None and t.first_s >= t.arrived_s for t in timed)
     assert set(served.values()) <= {"relay-a", "relay-b"} and None not in served.values()
     text = log.read_text()
     assert "quick brown fox" not in text
