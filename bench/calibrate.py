@@ -21,7 +21,8 @@ TTFT on the idle fleet less a replica's own, which under load was a third of the
 has by itself (the same routers in front of it). Each source runs repeats (``--repeats`` for the real and fake
 runs, ``--sim-repeats`` for the simulator, by default as many as the real run had): where the real repeats spread,
 one model timeline cannot match one real one, so the simulator's repeat ``n`` moves its requests by the arrival
-jitter measured on the real repeats, drawn with seed ``n`` (``bench/calibrate_jitter.py``), and every figure is the
+jitter measured on the real repeats, drawn with seed ``n`` (``bench/calibrate_jitter.py``), the fake run's repeat
+``n`` holds each turn back by samples of the same jitter (``turn_delays``, seed ``n``), and every figure is the
 median over a source's repeats. Per cell the table gives each source's cached share and TTFT p50/p90 (medians, the
 cached share and p90 with their min–max) and each model's error; the verdict (``bench/calibrate_verdict.py``) wants
 the cached share within ±1.5 points and TTFT p90 within ±25 % of llama.cpp's (median against median) for every model
@@ -43,7 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from calibrate_jitter import Jitter, jittered, measure
+from calibrate_jitter import Jitter, jittered, measure, turn_delays
 from calibrate_sim import Tokenize, sim_workload, simulate_cell, tiny_tokenizer
 from calibrate_verdict import Bounds, Calibration, Figures, calibrate
 from peers_workloads import Size, build, replica_capacity_tokens
@@ -60,15 +61,20 @@ REPLICAS = 4
 
 
 def run_fleet(fleet: str, workloads: list[str], repeats: int, cores: float, background: Mapping[str, float],
-              say) -> dict:
+              say, jitter: Mapping[str, Jitter] | None = None) -> dict:
     """``bench/peers.py`` with the table's routers (``fleet`` real: llama.cpp; fake: its fake-engine model), each
-    workload on a fleet of its own when their ``background`` loads differ (a fleet's replicas take one)."""
+    workload on a fleet of its own when their ``background`` loads differ (a fleet's replicas take one); ``jitter``:
+    per workload, the step jitter measured on llama.cpp, replayed on the fake run (``turn_delays``)."""
     import peers
+
+    def delays(name: str, repeat: int):
+        return turn_delays(jitter[name], repeat) if jitter and name in jitter else None
 
     def one(names: list[str], load: float) -> dict:
         args = argparse.Namespace(fleet="llamacpp" if fleet == "real" else "fake", engine_model="llamacpp",
                                   workload=names, repeats=repeats, replicas=REPLICAS, rival=[r for r, _ in ROUTERS],
-                                  quick=False, fresh_fleet=False, host_cores=cores, background_cores=load, hop=True)
+                                  quick=False, fresh_fleet=False, host_cores=cores, background_cores=load, hop=True,
+                                  turn_delays=delays if jitter else None)
         return peers.run(args, say)
 
     loads = {background.get(name, 0.0) for name in workloads}
@@ -300,7 +306,9 @@ def main(argv: list[str] | None = None) -> int:
                   else background_cores(result["real"]))
     result["background_cores"] = background
     if "fake" in runs:
-        result["fake"] = run_fleet("fake", workloads, args.repeats, args.cores, background, say)
+        result["fake"] = run_fleet("fake", workloads, args.repeats, args.cores, background, say,
+                                   jitter=jitters(result["real"]))
+        result["fake"]["jittered"] = True
     if "sim" in runs:
         measured = jitters(result["real"])
         result["jitter"] = {name: {**j.summary(), "samples": j.to_json()} for name, j in measured.items()}

@@ -21,13 +21,19 @@ milliseconds are what a model replaying one timeline leaves out.
 sample of ``step_ms`` later (never before the turn it follows ends: a sample that would is cut to 0 there) and each
 first turn a sample of ``start_ms`` later (never before 0), the samples drawn with replacement by a seeded
 generator (repeat ``n``: seed ``n``). No figure is fitted: the samples are the measured run's.
+
+``turn_delays`` gives the same to a live replay (the fake engines' run): a turn that follows another waits a sample
+of ``step_ms`` more after the turn before it ends, a first turn a sample of ``start_ms`` after its flow's start; a
+negative sample holds nothing back (the turn leaves at once, as in the simulator where it leaves right after its
+router's round trip). Each turn's draw is seeded by the repeat, its flow and its turn, so it does not depend on the
+order the replay's flows happen to ask in.
 """
 
 from __future__ import annotations
 
 import random
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from kvroute.sim.workload import Workload as SimWorkload
@@ -103,3 +109,16 @@ def jittered(workload: SimWorkload, jitter: Jitter, seed: int) -> SimWorkload:
             extra = rng.choice(jitter.start_ms) / 1000.0 if jitter.start_ms else 0.0
             requests.append(replace(req, arrival=max(0.0, req.arrival + extra)))
     return replace(workload, requests=requests)
+
+
+def turn_delays(jitter: Jitter, seed: int) -> Callable[[object, int], float]:
+    """Repeat ``seed``'s extra wait (seconds) before turn ``n`` of a replayed flow (module docstring)."""
+
+    def delay(flow: object, n: int) -> float:
+        samples = jitter.step_ms if n else jitter.start_ms
+        if not samples:
+            return 0.0
+        rng = random.Random(f"{seed}:{getattr(flow, 'conv_id', flow)}:{n}")
+        return max(0.0, rng.choice(samples)) / 1000.0
+
+    return delay

@@ -33,6 +33,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -46,6 +47,7 @@ from peers_waste import Served, holdings, wasted_prefill
 from peers_workloads import (
     DEFAULT_WORKLOADS,
     WORKLOADS,
+    Conversation,
     RunResult,
     Size,
     Workload,
@@ -327,7 +329,8 @@ def router_hops(result: RunResult, timings: list[Timing]) -> dict[int, tuple[flo
 
 
 def _one_run(rival: Rival, workload: Workload, model: str, kind: str, base_urls: list[str], salt: str,
-             block_bytes: int, relays: ReplicaRelays | None = None) -> dict:
+             block_bytes: int, relays: ReplicaRelays | None = None,
+             delays: Callable[[Conversation, int], float] | None = None) -> dict:
     """One replay of ``workload`` through ``rival``; ``block_bytes``: the engines' reuse granularity in prompt bytes
     (fake vLLM-style engines cache 16-token blocks of 4 bytes a token; llama.cpp reuses any token prefix). Behind
     ``relays``, each request also gets the router's way in and out (``router_in_ms``, ``router_out_ms``) and the run
@@ -337,7 +340,7 @@ def _one_run(rival: Rival, workload: Workload, model: str, kind: str, base_urls:
     before = engine_counters(kind, base_urls)
     _new_decisions(rival)  # the warm-up's and earlier runs' picks are not this run's
     cpu0 = cpu_seconds(rival.pids)
-    result = asyncio.run(replay(rival.base_url, rival.headers, model, workload, salt))
+    result = asyncio.run(replay(rival.base_url, rival.headers, model, workload, salt, delays=delays))
     cpu = cpu_seconds(rival.pids) - cpu0
     figures = run_figures(result, before, engine_counters(kind, base_urls), cpu, block_bytes)
     log = {id(o): o.record() for o in result.outcomes}
@@ -409,6 +412,8 @@ def run(args: argparse.Namespace, say) -> dict:
                                                                                  fleet.model))
         say(f"started {len(live)}/{len(rivals)} rivals in {time.time() - started_at:.0f} s")
         result["workloads"] = {}
+        # bench/calibrate.py's fake run: the step jitter measured on llama.cpp, repeat n drawn with seed n
+        turn_delays = getattr(args, "turn_delays", None)
         for name in args.workload:
             workload = build(name, size, capacity)
             runs: dict[str, list[dict]] = {r.spec.key: [] for r in live}
@@ -423,7 +428,8 @@ def run(args: argparse.Namespace, say) -> dict:
                     if args.fresh_fleet:
                         _restart(fleet, relays)
                     runs[rival.spec.key].append(_one_run(rival, workload, fleet.model, args.fleet,
-                                                         fleet.base_urls, salt, 4 if llama else 64, relays))
+                                                         fleet.base_urls, salt, 4 if llama else 64, relays,
+                                                         turn_delays(name, repeat) if turn_delays else None))
                     say(f"{name} repeat {repeat + 1}/{args.repeats} {rival.spec.key}: "
                         f"{json.dumps(runs[rival.spec.key][-1])}")
             summary = summarise(runs)

@@ -248,12 +248,14 @@ async def stream_one(client: httpx.AsyncClient, body: dict, headers: Mapping[str
 
 async def replay(base_url: str, headers: Mapping[str, str], model: str, workload: Workload, salt: str,
                  timeout_s: float = 120.0,
-                 flow_headers: Callable[[Conversation], Mapping[str, str]] | None = None) -> RunResult:
+                 flow_headers: Callable[[Conversation], Mapping[str, str]] | None = None,
+                 delays: Callable[[Conversation, int], float] | None = None) -> RunResult:
     """Send every flow of ``workload`` to ``base_url`` (streaming, usage included); every prompt starts with
     ``salt``. Each conversation carries its session key in ``x-litellm-session-id`` (LiteLLM's session affinity and
     kvroute read it) and, the same value, in ``x-session-id`` (vllm-router's sticky and hash policies read it
     first; SMG's sticky sessions are pointed at it with ``--routing-key-headers``); ``flow_headers`` adds a
-    flow's own (e.g. its app's API key)."""
+    flow's own (e.g. its app's API key); ``delays(flow, n)`` holds turn ``n`` back that many seconds more (turn 0:
+    after the flow's start; later turns: after the turn before ends)."""
     result = RunResult()
     limit = workload.concurrency or len(workload.flows) or 1
     gate = asyncio.Semaphore(limit)
@@ -263,7 +265,7 @@ async def replay(base_url: str, headers: Mapping[str, str], model: str, workload
         start = result.t0 = time.perf_counter()
 
         async def run_flow(flow: Conversation) -> None:
-            delay = flow.start_s - (time.perf_counter() - start)
+            delay = flow.start_s + (delays(flow, 0) if delays else 0.0) - (time.perf_counter() - start)
             if delay > 0:
                 await asyncio.sleep(delay)
             async with gate:
@@ -272,6 +274,8 @@ async def replay(base_url: str, headers: Mapping[str, str], model: str, workload
                 session = {"x-litellm-session-id": key, "x-session-id": key,
                            **(flow_headers(flow) if flow_headers else {})}
                 for n, turn in enumerate(flow.turns):
+                    if n and delays and (extra := delays(flow, n)) > 0:
+                        await asyncio.sleep(extra)
                     messages.append({"role": "user", "content": turn})
                     body = {"model": model, "messages": messages, "max_tokens": workload.max_tokens,
                             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}

@@ -147,3 +147,23 @@ def test_each_workload_gets_the_background_load_measured_while_it_ran():
     same = calibrate.run_sim(["demo"], 2.0, 1.5, {}, said.append, tokenize=tok)  # one figure for every workload
     p90 = [r["workloads"]["demo"]["sglang-rr"]["ttft_p90_ms"] for r in (one, busy, same)]
     assert p90[1] > p90[0] and p90[1] == p90[2]
+
+
+def test_turn_delays_replay_the_measured_jitter_per_flow_and_turn_whatever_the_order():
+    from calibrate_jitter import turn_delays
+
+    class Flow:
+        def __init__(self, conv_id: str) -> None:
+            self.conv_id = conv_id
+
+    jitter = Jitter(step_ms=(-20.0, 10.0, 40.0), start_ms=(0.0, 5.0))
+    a, b = Flow("a"), Flow("b")
+    one = turn_delays(jitter, 0)
+    drawn = {(f.conv_id, n): one(f, n) for f in (a, b) for n in range(4)}
+    again = turn_delays(jitter, 0)
+    assert {(f.conv_id, n): again(f, n) for f in (b, a) for n in reversed(range(4))} == drawn  # order-free
+    assert all(v in (0.0, 0.01, 0.04) for (_, n), v in drawn.items() if n)  # a negative sample holds nothing
+    assert all(v in (0.0, 0.005) for (_, n), v in drawn.items() if n == 0)
+    other = turn_delays(jitter, 1)
+    assert any(other(f, n) != drawn[(f.conv_id, n)] for f in (a, b) for n in range(4))  # repeats differ
+    assert turn_delays(Jitter(), 3)(a, 2) == 0.0
