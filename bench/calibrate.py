@@ -225,6 +225,20 @@ def _loads(background: Mapping[str, float] | float | None) -> str:
     return f"{background}"
 
 
+def engine_cost(real: dict | None) -> dict[str, float]:
+    """Per workload, the llama.cpp replicas' CPU milliseconds per prompt token they computed (not cached), over
+    every run: how fast the host ran the engines. The background load does not show a host that is slower per
+    unit of work (a neighbour on the hypervisor, shared caches); this does."""
+    out = {}
+    for name, w in (real or {}).get("workloads", {}).items():
+        cpu = w.get("host_cpu") or {}
+        computed = sum((q.get("prompt_tokens") or 0) - (q.get("cached_tokens") or 0)
+                       for runs in w.get("runs", {}).values() for run in runs for q in run.get("requests_log", ()))
+        if computed > 0 and cpu.get("replica_cores") is not None:
+            out[name] = round(cpu["replica_cores"] * cpu["wall_s"] * 1000 / computed, 3)
+    return out
+
+
 def render(result: dict) -> str:
     """The calibration table (markdown; medians over repeats, each with its [min–max]), the verdict, what missed."""
     cal = judge(result, Bounds(**result.get("bounds", {})))
@@ -235,7 +249,8 @@ def render(result: dict) -> str:
              f"tokens of host prompt cache each) on {result.get('cores')} cores, background "
              f"{_loads(result.get('background_cores'))} cores; repeats: llama.cpp {repeats['real']}, "
              f"fake {repeats['fake']}, "
-             f"sim {repeats['sim']} (medians, [min–max]); load average {load[0]} → {load[1]}", "",
+             f"sim {repeats['sim']} (medians, [min–max]); load average {load[0]} → {load[1]}; llama.cpp CPU per "
+             f"computed token {_loads(engine_cost(real)) if engine_cost(real) else '-'} ms", "",
              "| workload | router | cached: llama.cpp | fake (Δ pt) | sim (Δ pt) | TTFT p50 ms: llama.cpp | fake | sim "
              "| TTFT p90 ms: llama.cpp | fake (Δ) | sim (Δ) | verdict |", "|---|---|" + "---|" * 10]
     for cell in cal.cells:

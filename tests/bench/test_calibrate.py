@@ -156,3 +156,13 @@ def test_hops_come_from_the_real_runs_under_load_else_the_idle_fleet_else_none()
     per_workload = calibrate.run_sim(["demo"], 2.0, 0.0, {"demo": {"kvroute": 50.0}}, said.append, tokenize=_bytes)
     flat = calibrate.run_sim(["demo"], 2.0, 0.0, {"kvroute": 50.0}, said.append, tokenize=_bytes)
     assert per_workload["workloads"] == flat["workloads"]
+
+
+def test_engine_cost_is_the_replicas_cpu_per_computed_token_over_every_run():
+    log = [{"prompt_tokens": 1000, "cached_tokens": 600}, {"prompt_tokens": 500, "cached_tokens": 400},
+           {"prompt_tokens": None, "cached_tokens": None}]
+    real = {"workloads": {"demo": {"host_cpu": {"replica_cores": 0.5, "wall_s": 2.0},
+                                   "runs": {"kvroute": [{"requests_log": log}], "smg-ca": [{"requests_log": log}]}},
+                          "apps": {"runs": {}}}}
+    assert calibrate.engine_cost(real) == {"demo": 1.0}  # 1 CPU-second over 1,000 computed tokens
+    assert calibrate.engine_cost(None) == {}
