@@ -50,7 +50,7 @@ from calibrate_verdict import Bounds, Calibration, Figures, calibrate
 from peers_workloads import Size, build, replica_capacity_tokens
 
 from kvroute.plugin.dev.tiny_model import PRESETS as TINY
-from kvroute.sim.presets import get_preset
+from kvroute.sim.presets import Preset, get_preset
 
 #: (bench/peers.py rival, simulator policy) per router of the table
 ROUTERS = (("kvroute", "cache_aware"), ("smg-ca", "smg_2026"), ("sglang-rr", "round_robin"))
@@ -61,27 +61,30 @@ REPLICAS = 4
 
 
 def run_fleet(fleet: str, workloads: list[str], repeats: int, cores: float, background: Mapping[str, float],
-              say, jitter: Mapping[str, Jitter] | None = None) -> dict:
-    """``bench/peers.py`` with the table's routers (``fleet`` real: llama.cpp; fake: its fake-engine model), each
-    workload on a fleet of its own when their ``background`` loads differ (a fleet's replicas take one); ``jitter``:
-    per workload, the step jitter measured on llama.cpp, replayed on the fake run (``turn_delays``)."""
+              say, jitter: Mapping[str, Jitter] | None = None, costs: Mapping[str, float] | None = None) -> dict:
+    """``bench/peers.py`` with the table's routers (``fleet`` real: llama.cpp, each replica's prefill timed before
+    each workload; fake: its fake-engine model), each workload on a fleet of its own when their ``background`` loads
+    or engine ``costs`` differ (a fleet's replicas take one of each); ``jitter``: per workload, the step jitter
+    measured on llama.cpp, replayed on the fake run (``turn_delays``)."""
     import peers
+
+    costs = costs or {}
 
     def delays(name: str, repeat: int):
         return turn_delays(jitter[name], repeat) if jitter and name in jitter else None
 
-    def one(names: list[str], load: float) -> dict:
+    def one(names: list[str], load: float, cost: float) -> dict:
         args = argparse.Namespace(fleet="llamacpp" if fleet == "real" else "fake", engine_model="llamacpp",
                                   workload=names, repeats=repeats, replicas=REPLICAS, rival=[r for r, _ in ROUTERS],
                                   quick=False, fresh_fleet=False, host_cores=cores, background_cores=load, hop=True,
-                                  turn_delays=delays if jitter else None)
+                                  turn_delays=delays if jitter else None, probe=fleet == "real", engine_cost=cost)
         return peers.run(args, say)
 
-    loads = {background.get(name, 0.0) for name in workloads}
-    if len(loads) <= 1:
-        result = one(workloads, loads.pop() if loads else 0.0)
+    settings = {(background.get(name, 0.0), costs.get(name, 1.0)) for name in workloads}
+    if len(settings) <= 1:
+        result = one(workloads, *(settings.pop() if settings else (0.0, 1.0)))
     else:
-        parts = [one([name], background.get(name, 0.0)) for name in workloads]
+        parts = [one([name], background.get(name, 0.0), costs.get(name, 1.0)) for name in workloads]
         result = {**parts[0], "workloads": {k: v for p in parts for k, v in p["workloads"].items()},
                   "wall_s": round(sum(p["wall_s"] for p in parts), 1),
                   "load_average_end": parts[-1]["load_average_end"]}
@@ -104,6 +107,27 @@ def cache_tokens() -> int:
 SIM_METRICS = ("cached_share", "ttft_p50_ms", "ttft_p90_ms")
 
 
+def probe_cost(sample: Mapping, preset: Preset | None = None) -> float | None:
+    """One probe's host slowness: the prefill time llama.cpp reported over the ``llamacpp`` preset's for the same
+    tokens (``CostModel.prefill_alone_s``); None for a probe that computed nothing."""
+    cost = (preset or get_preset("llamacpp")).cost
+    computed, cached = int(sample.get("prompt_n") or 0), int(sample.get("cache_n") or 0)
+    if computed <= 0 or not sample.get("prompt_ms"):
+        return None
+    return float(sample["prompt_ms"]) / 1000.0 / cost.prefill_alone_s(cached, computed)
+
+
+def engine_costs(real: dict | None) -> dict[str, float]:
+    """Per workload, how many times slower than the preset this host ran llama.cpp: the median over the replicas'
+    prefill probes taken just before that workload (``bench/peers.py``'s ``engine_probe``); none: not given."""
+    out = {}
+    for name, w in (real or {}).get("workloads", {}).items():
+        ratios = [r for r in (probe_cost(x) for x in w.get("engine_probe") or ()) if r is not None]
+        if ratios:
+            out[name] = round(statistics.median(ratios), 3)
+    return out
+
+
 def sim_cell(repeats: list[dict]) -> dict:
     """One simulated cell over its repeats: each figure's median (as ``bench/peers.py`` takes the measured ones),
     failures summed, and every repeat under ``runs``."""
@@ -119,19 +143,22 @@ def sim_cell(repeats: list[dict]) -> dict:
 
 def run_sim(workloads: list[str], cores: float, background: Mapping[str, float] | float,
             hops_ms: Mapping[str, float] | Mapping[str, Mapping[str, float]], say,
-            tokenize: Tokenize | None = None, repeats: int = 1, jitters: dict[str, Jitter] | None = None) -> dict:
+            tokenize: Tokenize | None = None, repeats: int = 1, jitters: dict[str, Jitter] | None = None,
+            costs: Mapping[str, float] | None = None) -> dict:
     """The simulator's figures per workload and router (``hops_ms``: each router's round trip as measured, one for
     every workload or per workload):
     ``repeats`` runs per cell, repeat ``n`` with its requests moved by the workload's measured jitter drawn with
-    seed ``n`` (``bench/calibrate_jitter.py``; no jitter: every repeat the same timeline), medians and the repeats."""
+    seed ``n`` (``bench/calibrate_jitter.py``; no jitter: every repeat the same timeline), each workload's engines
+    ``costs`` times slower than the preset (measured; none: 1), medians and the repeats."""
     size = Size.llamacpp()
     capacity = replica_capacity_tokens(size, REPLICAS)
     tokenize = tokenize or tiny_tokenizer()
     jitters = jitters or {}
     if not isinstance(background, Mapping):
         background = {name: float(background) for name in workloads}
+    costs = costs or {}
     out: dict = {"cache_tokens": cache_tokens(), "cores": cores, "background_cores": background, "hop_ms": hops_ms,
-                 "repeats": repeats, "workloads": {}}
+                 "engine_cost": dict(costs), "repeats": repeats, "workloads": {}}
     for name in workloads:
         workload = build(name, size, capacity)
         jitter = jitters.get(name, Jitter())
@@ -141,7 +168,8 @@ def run_sim(workloads: list[str], cores: float, background: Mapping[str, float] 
             hop_s = float(hops.get(rival) or 0.0) / 1000.0
             base = sim_workload(workload, tokenize, hop_s=hop_s)
             cells[rival] = sim_cell([simulate_cell(jittered(base, jitter, seed), policy, REPLICAS,
-                                                   out["cache_tokens"], cores, background.get(name, 0.0), hop_s)
+                                                   out["cache_tokens"], cores, background.get(name, 0.0), hop_s,
+                                                   costs.get(name, 1.0))
                                      for seed in range(repeats)])
         out["workloads"][name] = cells
         say(f"sim {name}: " + json.dumps({k: {m: c[m] for m in SIM_METRICS} for k, c in cells.items()}))
@@ -225,7 +253,7 @@ def _loads(background: Mapping[str, float] | float | None) -> str:
     return f"{background}"
 
 
-def engine_cost(real: dict | None) -> dict[str, float]:
+def replica_cpu_per_token(real: dict | None) -> dict[str, float]:
     """Per workload, the llama.cpp replicas' CPU milliseconds per prompt token they computed (not cached), over
     every run: how fast the host ran the engines. The background load does not show a host that is slower per
     unit of work (a neighbour on the hypervisor, shared caches); this does."""
@@ -245,12 +273,15 @@ def render(result: dict) -> str:
     real = result.get("real") or {}
     load = [(real.get(k) or ["-"])[0] for k in ("load_average_start", "load_average_end")]
     repeats = {s: (result.get(s) or {}).get("repeats", "-") for s in SOURCES}
+    costs = result.get("engine_cost") or {}
     lines = [f"{REPLICAS} llama.cpp replicas (tiny model, 1 thread, 1 slot, {result.get('cache_tokens', '?')} "
              f"tokens of host prompt cache each) on {result.get('cores')} cores, background "
              f"{_loads(result.get('background_cores'))} cores; repeats: llama.cpp {repeats['real']}, "
              f"fake {repeats['fake']}, "
              f"sim {repeats['sim']} (medians, [min–max]); load average {load[0]} → {load[1]}; llama.cpp CPU per "
-             f"computed token {_loads(engine_cost(real)) if engine_cost(real) else '-'} ms", "",
+             f"computed token {_loads(replica_cpu_per_token(real)) if replica_cpu_per_token(real) else '-'} ms; "
+             f"models' engines slower than the preset by {_loads(costs) if costs else '- (1)'} "
+             "(llama.cpp's prefill probes)", "",
              "| workload | router | cached: llama.cpp | fake (Δ pt) | sim (Δ pt) | TTFT p50 ms: llama.cpp | fake | sim "
              "| TTFT p90 ms: llama.cpp | fake (Δ) | sim (Δ) | verdict |", "|---|---|" + "---|" * 10]
     for cell in cal.cells:
@@ -293,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cores", type=float, default=float(os.cpu_count() or 1), help="the host's cores (models)")
     p.add_argument("--background-cores", type=float, default=None,
                    help="background load for the models (default: what the real run measured, else 0)")
+    p.add_argument("--engine-cost", type=float, default=None,
+                   help="the models' engines this many times slower than the preset (default: measured by the real "
+                        "run's prefill probes, per workload; 1 = the preset as measured)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--save", action="store_true", help="also write bench/results/calibrate-<UTC time>.json")
     p.add_argument("--render", metavar="FILE", help="print the table of a saved calibration, run nothing")
@@ -320,16 +354,19 @@ def main(argv: list[str] | None = None) -> int:
     background = ({name: args.background_cores for name in workloads} if args.background_cores is not None
                   else background_cores(result["real"]))
     result["background_cores"] = background
+    costs = ({name: args.engine_cost for name in workloads} if args.engine_cost is not None
+             else engine_costs(result["real"]))
+    result["engine_cost"] = costs
     if "fake" in runs:
         result["fake"] = run_fleet("fake", workloads, args.repeats, args.cores, background, say,
-                                   jitter=jitters(result["real"]))
+                                   jitter=jitters(result["real"]), costs=costs)
         result["fake"]["jittered"] = True
     if "sim" in runs:
         measured = jitters(result["real"])
         result["jitter"] = {name: {**j.summary(), "samples": j.to_json()} for name, j in measured.items()}
         sim_repeats = args.sim_repeats or (result["real"] or {}).get("repeats") or args.repeats
         result["sim"] = run_sim(workloads, args.cores, background, hops_ms(result["real"]), say,
-                                repeats=sim_repeats, jitters=measured)
+                                repeats=sim_repeats, jitters=measured, costs=costs)
     result["wall_s"] = round(time.time() - started, 1)
     if args.save:
         stamp = time.strftime("%Y-%m-%dT%H%M", time.gmtime(started))

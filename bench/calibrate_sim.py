@@ -93,10 +93,11 @@ def nearest_rank(values: Sequence[float], q: float) -> float | None:
 
 
 def simulate_cell(workload: SimWorkload, policy: str, replicas: int, cache_tokens: int, cores: float | None,
-                  background_cores: float = 0.0, hop_s: float = 0.0) -> dict:
-    """One policy on ``replicas`` llama.cpp replicas: cached share, TTFT p50/p90 (ms, each with the router's round
-    trip ``hop_s`` added: the client sees the first token that much later than the engine sends it), requests."""
-    fleet = FleetConfig(replicas, get_preset("llamacpp"), kv_tokens=cache_tokens, cores=cores,
+                  background_cores: float = 0.0, hop_s: float = 0.0, engine_cost: float = 1.0) -> dict:
+    """One policy on ``replicas`` llama.cpp replicas ``engine_cost`` times slower than the preset: cached share,
+    TTFT p50/p90 (ms, each with the router's round trip ``hop_s`` added: the client sees the first token that much
+    later than the engine sends it), requests."""
+    fleet = FleetConfig(replicas, get_preset("llamacpp").slower(engine_cost), kv_tokens=cache_tokens, cores=cores,
                         background_cores=background_cores)
     result = simulate(workload, policy, fleet)
     done = [r for r in result.requests if r.first_token_at >= 0]

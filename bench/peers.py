@@ -248,13 +248,14 @@ def targets(summary: dict[str, dict]) -> dict:
 
 # ---------------------------------------------------------------------------------------------- the run
 def _replica_options(kind: str, capacity: int, quick: bool, engine_model: str = "vllm",
-                     host_cores: float = 0.0, background_cores: float = 0.0) -> ReplicaOptions:
+                     host_cores: float = 0.0, background_cores: float = 0.0,
+                     engine_cost: float = 1.0) -> ReplicaOptions:
     from kvroute.plugin.dev.tiny_model import PRESETS
 
     mib = PRESETS["small"].cache_ram_mib(capacity)
     if kind == "fake" and engine_model == "llamacpp":  # the llama.cpp replica's model, the tiny model's tokens
         return ReplicaOptions(engine_model="llamacpp", cache_ram_mib=mib, tokenizer=_tiny_tokenizer(),
-                              host_cores=host_cores, background_cores=background_cores)
+                              host_cores=host_cores, background_cores=background_cores, engine_cost=engine_cost)
     if kind == "fake":  # timing stays the fleet's default (the fake engine's own model of prefill and decode)
         return ReplicaOptions(capacity_tokens=capacity, block_tokens=16)
     return ReplicaOptions(cache_ram_mib=mib, threads=1, parallel=1, ctx=4096 if quick else 8192)
@@ -296,6 +297,25 @@ async def _hop_ms(rival: Rival, direct_url: str, model: str, probes: int = 7) ->
 
     through = await median_ttft(rival.base_url, dict(rival.headers))
     return round(max(0.0, through - await median_ttft(direct_url, {})) * 1000, 1)
+
+
+async def engine_probe(base_urls: list[str], model: str, per_replica: int = 2, words: int = 200) -> list[dict]:
+    """Each replica's own prefill time, timed by llama.cpp itself: ``per_replica`` requests straight to every replica,
+    one at a time, each a fresh prompt of ``words`` random 8-character words and 1 token out; per request the
+    engine's ``timings`` (``prompt_n`` computed after ``cache_n`` cached, in ``prompt_ms``). How fast this host runs
+    the engines right now (``bench/calibrate.py`` gives the models the ratio to their preset's)."""
+    out = []
+    async with httpx.AsyncClient(timeout=120.0, trust_env=False) as client:
+        for url in base_urls:
+            for _ in range(per_replica):
+                text = " ".join(f"{int.from_bytes(os.urandom(4), 'big'):08x}" for _ in range(words))
+                r = await client.post(url + "/v1/chat/completions", json={
+                    "model": model, "max_tokens": 1, "temperature": 0,
+                    "messages": [{"role": "user", "content": text}]})
+                timings = r.json().get("timings") if r.status_code == 200 else None
+                if isinstance(timings, dict) and isinstance(timings.get("prompt_ms"), int | float):
+                    out.append({k: timings.get(k) for k in ("cache_n", "prompt_n", "prompt_ms")})
+    return out
 
 
 def _new_decisions(rival: Rival) -> list[dict]:
@@ -386,7 +406,8 @@ def run(args: argparse.Namespace, say) -> dict:
     with contextlib.ExitStack() as stack:
         stack.enter_context(busy_cores(result["busy_cores"]))
         options = _replica_options(args.fleet, capacity, args.quick, "llamacpp" if llama else "vllm",
-                                   getattr(args, "host_cores", 0.0), getattr(args, "background_cores", 0.0))
+                                   getattr(args, "host_cores", 0.0), getattr(args, "background_cores", 0.0),
+                                   getattr(args, "engine_cost", 1.0))
         fleet = stack.enter_context(Fleet(args.replicas, engine=args.fleet, options=options, name_prefix="peers"))
         api_bases = fleet.api_bases
         relays = None
@@ -417,6 +438,8 @@ def run(args: argparse.Namespace, say) -> dict:
         for name in args.workload:
             workload = build(name, size, capacity)
             runs: dict[str, list[dict]] = {r.spec.key: [] for r in live}
+            probe = (asyncio.run(engine_probe(fleet.base_urls, fleet.model))
+                     if getattr(args, "probe", False) and args.fleet == "llamacpp" else None)
             host = HostCpu(fleet.pids())
             for repeat in range(args.repeats):
                 for rival in live:
@@ -436,6 +459,8 @@ def run(args: argparse.Namespace, say) -> dict:
             result["workloads"][name] = {"requests_per_run": workload.requests, "flows": len(workload.flows),
                                          "summary": summary, "targets": targets(summary), "runs": runs,
                                          "host_cpu": host.figures()}
+            if probe is not None:
+                result["workloads"][name]["engine_probe"] = probe
         if args.fleet == "fake":  # which vLLM token endpoints the routers called (vllm-router's cache_aware does)
             calls: dict[str, int] = {}
             with httpx.Client(timeout=10.0, trust_env=False) as client:
@@ -530,6 +555,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fresh-fleet", action="store_true",
                    help="restart every replica before each run, and give every rival of a repeat the same prompts: "
                         "identical request sequences from identical fleet states (what bench/peers_diff.py compares)")
+    p.add_argument("--probe", action="store_true",
+                   help="llama.cpp: time every replica's prefill before each workload (the result's engine_probe)")
     p.add_argument("--busy-cores", type=int, default=0, metavar="N",
                    help="run beside a CPU-heavy job: N processes spinning for the whole run (bench/cpu_job.py)")
     p.add_argument("--json", action="store_true", help="print the result as JSON only")

@@ -16,7 +16,7 @@ A run of ``k`` decode-only steps with ``n`` sequences of total context ``c0`` ha
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +39,15 @@ class CostModel:
                 raise ValueError(f"{name} must be >= 0")
         if self.chunk_tokens < 1 or self.max_running < 1:
             raise ValueError("chunk_tokens and max_running must be >= 1")
+
+    def slower(self, factor: float) -> CostModel:
+        """This engine on a host ``factor`` times slower (every compute time times ``factor``; the same batch
+        limits): how a measured host speed is given to a model."""
+        if not factor > 0:
+            raise ValueError("factor must be positive")
+        return replace(self, prefill_tok_s=self.prefill_tok_s / factor, attn_s=self.attn_s * factor,
+                       step_overhead_s=self.step_overhead_s * factor, decode_s_per_seq=self.decode_s_per_seq * factor,
+                       kv_read_s_per_token=self.kv_read_s_per_token * factor)
 
     def chunk_attention(self, start: int, chunk: int) -> float:
         """Attention seconds for ``chunk`` new tokens after ``start`` already computed ones."""

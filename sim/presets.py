@@ -11,7 +11,7 @@ kvroute's prompt index, as a deployment with ``engine: llamacpp`` does. The othe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from decimal import Decimal
 
 from kvroute.policies.errors import ConfigError
@@ -53,6 +53,10 @@ class Preset:
     @property
     def kv_blocks(self) -> int:
         return self.kv_tokens // self.block_tokens
+
+    def slower(self, factor: float) -> Preset:
+        """This preset's engine on a host ``factor`` times slower (``CostModel.slower``); 1: itself."""
+        return self if factor == 1 else replace(self, cost=self.cost.slower(factor))
 
 
 def _qwen3_32b_h100_tp2() -> Preset:

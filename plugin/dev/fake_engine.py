@@ -46,6 +46,7 @@ from kvroute.plugin.dev.fake_tokens import (
     tokenize,
 )
 from kvroute.policies.errors import ConfigError
+from kvroute.sim.presets import get_preset
 
 log = logging.getLogger("kvroute.fake_engine")
 
@@ -79,6 +80,7 @@ class FakeEngineConfig:
     tokenizer: str | None = None  # llamacpp: a tokenizer.json to count tokens with (else tokens_per_byte)
     host_cores: float = 0.0  # llamacpp: cores of the host the fleet's replicas share (0: each its own)
     background_cores: float = 0.0  # of which other work keeps this many busy
+    engine_cost: float = 1.0  # llamacpp: the host's slowness against the preset's (every compute time times this)
     cores_dir: str | None = None  # the directory the replicas sharing the host's cores meet in
     stall: StallTail | None = None  # a heavy-tailed first-token stall of a share of streams (hosted providers)
     stall_seed: int = 0
@@ -106,6 +108,8 @@ class FakeEngineConfig:
             raise ConfigError("engine_model", "must be 'vllm' or 'llamacpp'")
         if self.host_cores < 0 or self.background_cores < 0 or self.cache_ram_mib < 0:
             raise ConfigError("host_cores", "host_cores, background_cores and cache_ram_mib must be >= 0")
+        if not self.engine_cost > 0:
+            raise ConfigError("engine_cost", "must be > 0")
         if self.host_cores > 0 and (self.engine_model != "llamacpp" or not self.cores_dir):
             raise ConfigError("host_cores", "needs engine_model 'llamacpp' and a cores_dir")
 
@@ -176,8 +180,9 @@ class FakeEngine:
 
     def __init__(self, config: FakeEngineConfig) -> None:
         self.config = config
-        self.llama = (LlamaCppModel(config.cache_ram_mib, config.tokenizer) if config.engine_model == "llamacpp"
-                      else None)
+        self.llama = (LlamaCppModel(config.cache_ram_mib, config.tokenizer,
+                                    get_preset("llamacpp").slower(config.engine_cost))
+                      if config.engine_model == "llamacpp" else None)
         self.cache: PrefixCache | LlamaCppModel = self.llama or PrefixCache(config.capacity_tokens,
                                                                             config.block_tokens)
         self.cores = (HostCores(config.cores_dir, config.host_cores, config.name, config.background_cores)
@@ -562,7 +567,8 @@ async def _main(args: argparse.Namespace) -> None:
                               context_cost=args.context_cost, metrics_style="llamacpp" if llama else args.metrics_style,
                               engine_model=args.engine_model, cache_ram_mib=args.cache_ram_mib,
                               tokenizer=args.tokenizer, host_cores=args.host_cores,
-                              background_cores=args.background_cores, cores_dir=args.cores_dir,
+                              background_cores=args.background_cores, engine_cost=args.engine_cost,
+                              cores_dir=args.cores_dir,
                               stall=StallTail(args.stall_share, args.stall_scale_ms / 1000, args.stall_alpha,
                                               args.stall_max_ms / 1000) if args.stall_share > 0 else None,
                               stall_seed=args.stall_seed)
@@ -603,6 +609,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--host-cores", type=float, default=0.0,
                    help="llamacpp: cores the replicas meeting in --cores-dir share (0: each its own)")
     p.add_argument("--background-cores", type=float, default=0.0, help="llamacpp: host cores busy with other work")
+    p.add_argument("--engine-cost", type=float, default=1.0,
+                   help="llamacpp: how many times slower this host computes than the preset's (measured: "
+                        "bench/calibrate.py)")
     p.add_argument("--cores-dir", default=None, help="llamacpp: directory the replicas sharing the cores meet in")
     p.add_argument("--stall-share", type=float, default=0.0,
                    help="share of streams whose first token stalls after the stream started (a hosted tail)")

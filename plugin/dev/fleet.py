@@ -70,6 +70,7 @@ class ReplicaOptions:
     tokenizer: str | None = None
     host_cores: float = 0.0
     background_cores: float = 0.0
+    engine_cost: float = 1.0  # fake llamacpp: the host's slowness against the preset's
     model_path: str | None = None  # llama.cpp GGUF; default: the generated tiny model
     cache_dir: str | None = None  # where the tiny model is cached
     extra_args: tuple[str, ...] = ()
@@ -148,6 +149,8 @@ class Fleet(ChildOwner):
             llama = ["--engine-model", "llamacpp", "--cache-ram-mib", str(o.cache_ram_mib)]
             if o.tokenizer:
                 llama += ["--tokenizer", o.tokenizer]
+            if o.engine_cost != 1.0:
+                llama += ["--engine-cost", str(o.engine_cost)]
             if o.host_cores > 0:
                 llama += ["--host-cores", str(o.host_cores), "--background-cores", str(o.background_cores),
                           "--cores-dir", str(self.workdir / "cores")]

@@ -164,5 +164,39 @@ def test_engine_cost_is_the_replicas_cpu_per_computed_token_over_every_run():
     real = {"workloads": {"demo": {"host_cpu": {"replica_cores": 0.5, "wall_s": 2.0},
                                    "runs": {"kvroute": [{"requests_log": log}], "smg-ca": [{"requests_log": log}]}},
                           "apps": {"runs": {}}}}
-    assert calibrate.engine_cost(real) == {"demo": 1.0}  # 1 CPU-second over 1,000 computed tokens
-    assert calibrate.engine_cost(None) == {}
+    assert calibrate.replica_cpu_per_token(real) == {"demo": 1.0}  # 1 CPU-second over 1,000 computed tokens
+    assert calibrate.replica_cpu_per_token(None) == {}
+
+
+def test_engine_costs_are_the_median_probe_over_the_presets_prefill_and_slow_the_models():
+    preset = calibrate.get_preset("llamacpp")
+    at = preset.cost.prefill_alone_s(6, 1200) * 1000
+    probes = [{"cache_n": 6, "prompt_n": 1200, "prompt_ms": at * f} for f in (1.1, 1.3, 1.2)]
+    real = {"workloads": {"demo": {"engine_probe": [*probes, {"prompt_n": 0, "prompt_ms": 0}]}, "apps": {}}}
+    assert calibrate.engine_costs(real) == {"demo": 1.2}
+    assert calibrate.probe_cost({"prompt_n": 0, "prompt_ms": 5.0}) is None and calibrate.engine_costs(None) == {}
+    said: list[str] = []
+    plain = calibrate.run_sim(["demo"], 2.0, 0.0, {}, said.append, tokenize=_bytes)
+    slow = calibrate.run_sim(["demo"], 2.0, 0.0, {}, said.append, tokenize=_bytes, costs={"demo": 1.5})
+    assert slow["engine_cost"] == {"demo": 1.5}
+    for rival in ("smg-ca", "sglang-rr"):
+        assert slow["workloads"]["demo"][rival]["ttft_p50_ms"] > plain["workloads"]["demo"][rival]["ttft_p50_ms"]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+def test_the_probe_reads_a_replicas_own_prefill_timing_and_recovers_its_slowness():
+    """Two fake llama.cpp replicas 1.3 times slower than the preset: ``bench/peers.py``'s probe takes their
+    reported ``timings`` and the calibration reads 1.3 back."""
+    import asyncio
+
+    from peers import engine_probe
+
+    from kvroute.plugin.dev.fleet import Fleet, ReplicaOptions
+
+    options = ReplicaOptions(engine_model="llamacpp", cache_ram_mib=9, engine_cost=1.3)
+    with Fleet(2, engine="fake", options=options, name_prefix="probe") as fleet:
+        samples = asyncio.run(engine_probe(fleet.base_urls, fleet.model, per_replica=2, words=120))
+    assert len(samples) == 4 and all(s["prompt_n"] > 100 for s in samples)
+    assert calibrate.engine_costs({"workloads": {"demo": {"engine_probe": samples}}})["demo"] == pytest.approx(1.3,
+                                                                                                              rel=0.01)

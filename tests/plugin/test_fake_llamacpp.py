@@ -106,6 +106,19 @@ def test_cores_and_engine_model_are_validated(tmp_path):
         HostCores(tmp_path, 0.0, "r0")
 
 
+def test_a_slower_host_makes_every_compute_time_of_the_fake_replica_that_many_times_longer(tmp_path):
+    from kvroute.plugin.dev.fake_engine import FakeEngine
+
+    base = FakeEngine(FakeEngineConfig(engine_model="llamacpp")).llama
+    slow = FakeEngine(FakeEngineConfig(engine_model="llamacpp", engine_cost=1.5)).llama
+    assert base is not None and slow is not None
+    for new, cached in ((1, 0), (900, 0), (400, 1200)):
+        assert slow.prefill_s(new, cached) == pytest.approx(1.5 * base.prefill_s(new, cached))
+    assert slow.decode_s(3000) == pytest.approx(1.5 * base.decode_s(3000))
+    with pytest.raises(ConfigError, match="engine_cost"):
+        FakeEngineConfig(engine_model="llamacpp", engine_cost=0.0)
+
+
 async def test_host_cores_share_compute_between_replicas(tmp_path):
     one = HostCores(tmp_path, 1.0, "r0")
     two = HostCores(tmp_path, 1.0, "r1")

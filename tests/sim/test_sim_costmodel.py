@@ -81,3 +81,18 @@ def test_cost_model_rejects_bad_values() -> None:
         CostModel(0, 0, 0, 0, 0, 1, 1)
     with pytest.raises(ValueError):
         CostModel(1, -1, 0, 0, 0, 1, 1)
+
+
+def test_a_slower_host_scales_every_compute_time_and_keeps_the_batch_limits():
+    from kvroute.sim.presets import get_preset
+
+    preset = get_preset("llamacpp")
+    slow = preset.slower(1.25)
+    assert preset.slower(1) is preset and slow.kv_tokens == preset.kv_tokens
+    assert slow.cost.chunk_tokens == preset.cost.chunk_tokens and slow.cost.max_running == preset.cost.max_running
+    for cached, tokens in ((0, 1), (0, 1500), (1200, 3000)):
+        assert slow.cost.prefill_alone_s(cached, tokens) == pytest.approx(1.25 * preset.cost.prefill_alone_s(cached,
+                                                                                                            tokens))
+    assert slow.cost.decode_run(8, 1, 2000) == pytest.approx(1.25 * preset.cost.decode_run(8, 1, 2000))
+    with pytest.raises(ValueError):
+        preset.cost.slower(0)
