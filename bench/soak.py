@@ -9,10 +9,10 @@ resident memory (VmRSS) of each proxy's process tree is read from ``/proc``.
 
 Reports per arm the RSS at the end of warm-up (``--warmup-minutes``), at the end, and the least-squares slope after
 warm-up in MB per 10 minutes. Verdict ``flat`` when kvroute's slope exceeds the plain proxy's by at most
-``TOLERANCE_MB_PER_10MIN``: LiteLLM's own growth is the baseline, and 2 MB/10 min is under 1.4 KB per request at
-the default rate -- far below the per-request records that grew the issue's proxy, above the allocator's jitter.
-``--trace`` adds ``bench/soak_trace.py``'s callback to each proxy: tracemalloc's top growth by traceback, written to
-``trace-<arm>.txt`` in the result directory. Usage::
+``TOLERANCE_MB_PER_10MIN``: LiteLLM's own growth is the baseline, and 2 MB/10 min is under 1 KB per request at
+the default rate (2,400 requests) -- less than one kept per-request record, above the allocator's jitter.
+``--trace`` adds ``bench/soak_trace.py``'s callback to each proxy: the sizes of kvroute's containers (and with
+``SOAK_TRACEMALLOC=1`` tracemalloc's top growth), kept in the result under ``trace``. Usage::
 
     LITELLM_LOCAL_MODEL_COST_MAP=True flock /tmp/kvroute-cpu.lock .venv/bin/python bench/soak.py --minutes 30
         [--rate 4] [--warmup-minutes 2] [--sample-s 5] [--no-plain] [--trace] [--json] [--save]
