@@ -62,7 +62,7 @@ class KvrouteCallback(CustomLogger):
         self.routers: dict[str, Router] = {}
         self.fleet = Deployments(litellm_cost_map, group_kind=self._group_kind)
         self.rules = RuleBook()
-        self.ids = RequestIds(MAX_REQUEST_STATES)  # the one per-request store (attempts, failures, verdicts)
+        self.ids = RequestIds(MAX_REQUEST_STATES, clock=clock)  # the one per-request store (attempts, verdicts...)
         self.peer_filters = PeerFilters(self)  # LiteLLM's other filters (budgets...) narrow before the pick
         self.billing: BillingFeed | None = None
         self.hedges: Hedges | None = None  # the groups with a ``hedge:`` block (set-up builds it)

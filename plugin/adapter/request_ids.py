@@ -18,8 +18,11 @@ client-controlled and are used for none of them. Client-sent ``kvroute_*`` ident
 what billing saw, the failure verdict), the backends that failed it and the exceptions already judged; the attempts
 still awaiting an outcome are indexed in ``open``. The request's app (``kvroute.billing.attribution``, the one rule
 the ledger, metrics and routing rules share) is resolved once, when kvroute first sees the request, and kept on its
-state. Evicting a request (the oldest beyond ``max_requests``) forgets all of it at once. A hook resolves its
-attempt once (``resolve``: one HMAC check).
+state. Evicting a request (the oldest beyond ``max_requests``) forgets all of it at once. A request is also
+forgotten once it has been quiet for ``quiet_s`` (no attempt running, none begun or closed since): its attempts are
+over, and LiteLLM's late events for them (the success log runs after the response) have come. An attempt runs
+while it awaits its routed outcome, or was sent upstream and neither booked nor judged (for ``stale_s`` at most).
+A hook resolves its attempt once (``resolve``: one HMAC check).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import hmac
 import itertools
 import os
 import secrets
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
@@ -51,6 +55,8 @@ SERVER_KEYS = (REQUEST_KEY, SIG_KEY, TICKET_KEY, ATTEMPT_KEY, "kvroute_trace", H
 MAX_REQUESTS = 100_000
 MAX_FAILED = 16  # backends remembered as failed per request (a retry avoids them)
 MAX_JUDGED = 8  # exceptions remembered as judged per request
+QUIET_S = 60.0  # a request with no attempt running and no change for this long is forgotten
+STALE_S = 600.0  # ... and one with an attempt sent but never settled, after this long (its outcome never came)
 
 
 @dataclass(slots=True)
@@ -161,7 +167,9 @@ class RequestIds:
 
     def __init__(self, max_requests: int = MAX_REQUESTS,
                  app_rule: Callable[[Mapping[str, Any]], str | None] | None = None,
-                 labels: Callable[[Mapping[str, Any]], tuple[str | None, tuple[str, ...]]] | None = None) -> None:
+                 labels: Callable[[Mapping[str, Any]], tuple[str | None, tuple[str, ...]]] | None = None,
+                 quiet_s: float = QUIET_S, stale_s: float = STALE_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._key = secrets.token_bytes(32)
         self.max_requests = max_requests
         #: metadata -> the request's app (``billing.attribution.AppRule``: the plugin sets its claim keys and whether
@@ -171,6 +179,9 @@ class RequestIds:
         self.labels: Callable[[Mapping[str, Any]], tuple[str | None, tuple[str, ...]]] = labels or LedgerLabels()
         self.requests: OrderedDict[str, RequestState] = OrderedDict()
         self.open: OrderedDict[str, Attempt] = OrderedDict()  # routed attempts awaiting an outcome, by ticket id
+        self.quiet_s, self.stale_s = quiet_s, stale_s
+        self.clock = clock
+        self._changed: OrderedDict[str, float] = OrderedDict()  # request id -> when it last changed, oldest first
 
     def _sign(self, request_id: str) -> str:
         return hmac.new(self._key, request_id.encode(), hashlib.sha256).hexdigest()[:24]
@@ -201,8 +212,10 @@ class RequestIds:
             session_id, tags = self.labels(meta)
             state = self.requests[rid] = RequestState(rid, meta[SIG_KEY], app=self.app_rule(meta),
                                                       session_id=session_id, tags=tags)
+            self._changed[rid] = self.clock()
             while len(self.requests) > self.max_requests:
-                _, old = self.requests.popitem(last=False)
+                old_id, old = self.requests.popitem(last=False)
+                self._changed.pop(old_id, None)
                 for attempt in old.attempts:
                     self.close(attempt.ticket, cancel=True)
         return state
@@ -220,6 +233,7 @@ class RequestIds:
         ticket_id = f"{state.request_id}:{number}"
         attempt = Attempt(number, group, backend, ticket_id)
         state.attempts.append(attempt)
+        self._touch(state.request_id)
         meta[TICKET_KEY] = ticket_id
         meta[ATTEMPT_KEY] = attempt.number
         return state, attempt
@@ -260,6 +274,8 @@ class RequestIds:
     def close(self, ticket_id: str, *, cancel: bool = False) -> Attempt | None:
         """Stop awaiting an attempt's outcome (``cancel``: also release its pick's load); the attempt or None."""
         attempt = self.open.pop(ticket_id, None)
+        if attempt is not None:
+            self._touch(ticket_id.rpartition(":")[0])
         if attempt is not None and cancel and attempt.router is not None:
             attempt.router.finish(attempt.request, RequestOutcome(CANCELLED, attempt.backend, attempt.router.clock()),
                                   policy=attempt.policy)
@@ -272,3 +288,33 @@ class RequestIds:
             if attempt.started >= horizon:
                 break
             self.open.popitem(last=False)
+        self.release_quiet()
+
+    def _touch(self, request_id: str) -> None:
+        if request_id in self.requests:
+            self._changed[request_id] = self.clock()
+            self._changed.move_to_end(request_id)
+
+    def _running(self, state: RequestState, changed: float, now: float) -> bool:
+        """Whether an attempt of ``state`` still runs: routed and awaiting its outcome, or sent and not yet booked
+        nor judged (until ``stale_s`` after the request last changed)."""
+        for a in state.attempts:
+            if self.open.get(a.ticket) is a:
+                return True
+            if a.sent and not a.recorded and a.verdict is None and not a.hedge_lost and now - changed < self.stale_s:
+                return True
+        return False
+
+    def release_quiet(self) -> int:
+        """Forget the requests quiet for ``quiet_s`` (no attempt running, no change); how many were forgotten."""
+        now, quiet = self.clock(), []
+        for rid, changed in self._changed.items():
+            if changed > now - self.quiet_s:
+                break
+            state = self.requests.get(rid)
+            if state is None or not self._running(state, changed, now):  # else a long stream: looked at next time
+                quiet.append(rid)
+        for rid in quiet:
+            del self._changed[rid]
+            self.requests.pop(rid, None)
+        return len(quiet)

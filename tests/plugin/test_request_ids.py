@@ -48,3 +48,45 @@ def test_another_process_cannot_vouch_for_an_id() -> None:
     meta: dict = {}
     RequestIds().new_attempt(meta, "llama", None)
     assert RequestIds().request_of(meta) is None
+
+
+def _routed(ids: RequestIds) -> tuple[dict, object]:
+    """A request with one routed attempt awaiting its outcome."""
+    meta: dict = {}
+    _, attempt = ids.new_attempt(meta, "llama", "r0")
+    ids.hold(attempt)
+    return meta, attempt
+
+
+def test_a_finished_request_is_forgotten_once_quiet_and_a_running_one_is_kept() -> None:
+    t = [0.0]
+    ids = RequestIds(quiet_s=60.0, stale_s=600.0, clock=lambda: t[0])
+    done, done_attempt = _routed(ids)
+    running, _ = _routed(ids)
+    sent: dict = {}
+    ids.new_attempt(sent, "hosted", "h0")[1].sent = True  # sent upstream, not routed, nothing booked yet
+    ids.close(done_attempt.ticket)
+    t[0] = 59.0
+    ids.expire(horizon=-1.0)
+    assert ids.state(done) is not None  # a late event (the success log) still finds it
+    t[0] = 61.0
+    ids.expire(horizon=-1.0)
+    assert ids.state(done) is None and ids.state(running) is not None and ids.state(sent) is not None
+    t[0] = 601.0
+    ids.expire(horizon=-1.0)
+    assert ids.state(sent) is None and ids.state(running) is not None  # an outcome that never came: given up
+    assert set(ids.requests) == {running["kvroute_request"]} and list(ids._changed) == list(ids.requests)
+
+
+def test_the_store_stays_bounded_by_what_one_quiet_period_holds() -> None:
+    t = [0.0]
+    ids = RequestIds(quiet_s=60.0, clock=lambda: t[0])
+    sizes = []
+    for i in range(20_000):  # 10 requests a second for over half an hour, each answered within a second
+        t[0] = i / 10
+        _, attempt = _routed(ids)
+        ids.close(attempt.ticket)
+        if i % 300 == 0:  # the callback's periodic expire (every 30 s)
+            ids.expire(horizon=t[0] - 600.0)
+            sizes.append(len(ids.requests))
+    assert max(sizes) <= 10 * (60 + 30) + 1 and len(ids._changed) == len(ids.requests)

@@ -1,0 +1,64 @@
+"""``bench/soak.py``: its slope and verdict, the RSS it reads, its request mix, and one short real run."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import soak  # noqa: E402
+
+
+def test_slope_is_least_squares_in_mb_per_ten_minutes():
+    assert soak.slope_mb_per_10min([(t, 100 + 0.01 * t + (-1) ** t * 0.5) for t in range(0, 600, 5)]) == \
+        pytest.approx(6.0, abs=0.1)
+    assert soak.slope_mb_per_10min([(0, 1.0)]) is None and soak.slope_mb_per_10min([(3, 1.0), (3, 2.0)]) is None
+
+
+def test_verdict_compares_kvroute_with_plain_within_the_tolerance():
+    tol = soak.TOLERANCE_MB_PER_10MIN
+    assert soak.verdict({"kvroute": {"slope_mb_per_10min": 5.0}, "plain": {"slope_mb_per_10min": 5.0 - tol}}) == "flat"
+    assert soak.verdict({"kvroute": {"slope_mb_per_10min": 5.1}, "plain": {"slope_mb_per_10min": 5.0 - tol}}) == \
+        "growing"
+    assert soak.verdict({"kvroute": {"slope_mb_per_10min": 1.0}, "plain": {"slope_mb_per_10min": -9.0}}) == "flat"
+    assert soak.verdict({"kvroute": {"slope_mb_per_10min": None}}) == "too short"
+
+
+def test_tree_rss_counts_this_process():
+    assert soak.tree_rss_mb(os.getpid()) > 1.0
+
+
+def test_the_mix_has_every_kind_shared_prefixes_one_offs_and_many_sessions():
+    rng = random.Random(1)
+    mix = [soak.request(i, rng) for i in range(400)]
+    assert {kind for _, _, kind in mix} == {"whole", "stream", "cancel"}
+    assert {body["model"] for body, _, _ in mix} == {"llama", "hosted"}
+    systems = [b["messages"][0]["content"] for b, _, _ in mix if b["messages"][0]["role"] == "system"]
+    assert len(systems) > 100 and len(set(systems)) == len(soak.SYSTEMS)
+    assert len({h["x-session-id"] for _, h, _ in mix}) > 100
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_short_run_reports_every_figure(tmp_path):
+    out = tmp_path / "soak.json"
+    env = dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True")
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "soak.py"), "--minutes", "0.4", "--warmup-minutes",
+                           "0.1", "--sample-s", "1", "--rate", "2", "--replicas", "1", "--fault-every-s", "3",
+                           "--no-plain", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert set(result["arms"]) == {"kvroute"} and result["verdict"] in ("flat", "growing")
+    row = result["arms"]["kvroute"]
+    assert row["rss_warmup_mb"] > 50 and row["rss_end_mb"] > 50 and row["slope_mb_per_10min"] is not None
+    assert sum(row["outcomes"].values()) == result["requests_per_arm"] > 10
+    assert len(result["samples"]["kvroute"]) >= 10 and "verdict:" in done.stdout
