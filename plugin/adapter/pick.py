@@ -11,6 +11,7 @@ from kvroute.plugin.adapter.request_ids import HEDGE_TO_KEY, Attempt
 from kvroute.plugin.adapter.request_labels import request_tags
 from kvroute.plugin.adapter.signals import deployment_id, request_metadata
 from kvroute.plugin.adapter.tenancy import SALT_ENGINES, set_engine_salt
+from kvroute.policies.attempts import RoutedAttempt
 from kvroute.policies.lifecycle import FAILURE, RequestOutcome
 
 if TYPE_CHECKING:
@@ -91,10 +92,14 @@ def pick(cb: CallbackHost, model: str, healthy: list, messages: Any, request_kwa
 
 def pin(attempt: Attempt, router: Any, backend: str, app: str | None, prompt_tokens: int,
         cache_key: str | None, now: float, request: Any, policy: Any, salt: str | None) -> None:
-    """Write the pick onto the attempt's record."""
-    attempt.router, attempt.backend, attempt.app = router, backend, app
+    """Write the pick onto the attempt's record, which takes the router's record of it (a detached one holding
+    ``request`` where the router kept none: its bookkeeping failed, and counted the error)."""
+    routed = router.attempts.get(attempt.ticket)
+    if routed is None or routed.request is not request:
+        routed = RoutedAttempt(attempt.ticket, backend, now, charged=False, request=request)
+    attempt.router, attempt.backend, attempt.app, attempt.routed = router, backend, app, routed
     attempt.prompt_tokens, attempt.cache_key = prompt_tokens, cache_key
-    attempt.started, attempt.request, attempt.policy, attempt.salt = now, request, policy, salt
+    attempt.started, attempt.policy, attempt.salt = now, policy, salt
 
 
 def close_previous(cb: CallbackHost, meta: Mapping[str, Any], request: Mapping[str, Any]) -> None:

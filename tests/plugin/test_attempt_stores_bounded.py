@@ -113,3 +113,17 @@ def test_the_router_bounds_its_open_attempts(tmp_path: Path) -> None:
     for _ in range(30):
         traffic.pick({})  # never finished, never expired: the oldest beyond the bound is released
     assert len(router.attempts) == 5 and router.load.total_inflight(BACKENDS) == 5
+
+
+def test_the_plugins_attempt_holds_the_routers_record(tmp_path: Path) -> None:
+    traffic = _Traffic(tmp_path)
+    meta: dict = {}
+    call = traffic.pick(meta)
+    found = traffic.cb.ids.resolve(meta)
+    assert found is not None
+    attempt, router = found[1], traffic.cb.routers["llama"]
+    assert attempt.routed is not None and attempt.routed is router.attempts.get(attempt.ticket)
+    assert attempt.request is attempt.routed.request and attempt.routed.backend == call["model_info"]["id"]
+    assert attempt.routed.charged
+    traffic.succeed(call)
+    assert router.attempts.get(attempt.ticket) is None and not attempt.routed.charged
