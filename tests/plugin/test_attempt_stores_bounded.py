@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from types import SimpleNamespace
 
 import litellm
 from prometheus_client import CollectorRegistry
@@ -30,13 +31,13 @@ def _deployment(backend: str) -> dict:
 class _Traffic:
     """Drives one callback's hooks the way LiteLLM calls them, on a clock the test moves."""
 
-    def __init__(self, tmp_path: Path) -> None:
+    def __init__(self, tmp_path: Path, max_requests: int = 10_000) -> None:
         self.t = [1000.0]
         self.cb = KvrouteCallback(KvrouteSettings(data_dir=tmp_path / "d", billing_db="off", expire_every_s=1.0,
                                                   max_request_age_s=60.0),
                                   metrics=Metrics(CollectorRegistry()), mount=False, clock=lambda: self.t[0])
         self.cb._setup()
-        self.cb.ids.max_requests = MAX_REQUESTS
+        self.cb.ids.max_requests = max_requests
 
     def pick(self, meta: dict) -> dict:
         """One pick and the upstream call's start: the call's kwargs."""
@@ -60,6 +61,16 @@ class _Traffic:
                                                       model="fake-model")
         asyncio.run(self.cb.async_post_call_failure_deployment_hook(call, error, None))
 
+    async def leave(self, call: dict) -> None:
+        """The client reads one chunk of the stream and goes away (the proxy closes the hook's iterator)."""
+        async def upstream():
+            for _ in range(3):
+                yield SimpleNamespace(choices=[SimpleNamespace(delta=SimpleNamespace(content="x"))], usage=None)
+
+        stream = self.cb.async_post_call_streaming_iterator_hook(None, upstream(), call)
+        await stream.__anext__()
+        await stream.aclose()
+
     def serve(self, kind: str) -> None:
         meta: dict = {}
         call = self.pick(meta)
@@ -74,7 +85,7 @@ class _Traffic:
         elif kind == "superseded":  # a fallback hop picks again before the first attempt's outcome
             self.succeed(self.pick(meta))
         elif kind == "cancelled":
-            self.cb._cancelled(call)
+            asyncio.run(self.leave(call))
         # "lost": no outcome ever comes; expiry must release it
 
 
@@ -95,14 +106,24 @@ def test_every_store_releases_its_attempts(tmp_path: Path) -> None:
         traffic.serve(kinds[i % len(kinds)])
     cb = traffic.cb
     router = cb.routers["llama"]
-    assert len(cb.ids.requests) <= MAX_REQUESTS
-    assert 0 < len(router.attempts) <= 20 and len(cb.ids.open) <= 20  # the lost ones, still within their age
+    lost = 120 // len(kinds)  # only the attempts never heard of again are open, still within their age
+    counts = _open_counts(cb)
+    assert counts.pop("llama.prefill") > 0
+    assert counts == {"ids.open": lost, "llama.attempts": lost, "llama.inflight": lost, "llama.queued": lost}
     traffic.t[0] += 61.0  # past max_request_age_s: the next pick expires what never ended
     traffic.succeed(traffic.pick({}))
     assert _open_counts(cb) == {"ids.open": 0, "llama.attempts": 0, "llama.inflight": 0, "llama.queued": 0,
                                 "llama.prefill": 0}
     assert not router._provisional
-    assert len(cb.ids.requests) <= MAX_REQUESTS
+
+
+def test_the_request_store_is_bounded_and_evicting_a_request_ends_its_attempts(tmp_path: Path) -> None:
+    traffic = _Traffic(tmp_path, max_requests=MAX_REQUESTS)
+    for _ in range(3 * MAX_REQUESTS):
+        traffic.serve("lost")
+    cb, router = traffic.cb, traffic.cb.routers["llama"]
+    assert len(cb.ids.requests) == MAX_REQUESTS
+    assert len(cb.ids.open) == len(router.attempts) == router.load.total_inflight(BACKENDS) == MAX_REQUESTS
 
 
 def test_the_router_bounds_its_open_attempts(tmp_path: Path) -> None:
