@@ -17,6 +17,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvroute.policies.attempts import Attempts, RoutedAttempt
+
 _REBASE_HALVINGS = 256.0  # 2**256 of scale stays far from float overflow (2**1024)
 
 
@@ -28,18 +30,6 @@ class ExternalSignal:
     queue_depth: float | None = None
     running: float | None = None
     kv_usage: float | None = None
-
-
-@dataclass(slots=True)
-class _Inflight:
-    backend: str
-    prefill_tokens: int
-    started: float
-    prefill_done: bool = False
-    work_s: float = 0.0  # own prefill, prior seconds (unscaled)
-    ttft_s: float = 0.0  # predicted TTFT, prior seconds (unscaled part)
-    fixed_s: float = 0.0  # predicted TTFT part already in real seconds (decode-slot wait)
-    first_at: float = -1.0
 
 
 @dataclass(slots=True)
@@ -60,7 +50,8 @@ SCORING_FIELDS = ("inflight", "prefill_tokens", "queue_tokens", "running", "kv_u
 
 
 class LoadTracker:
-    """In-flight requests and prefill tokens per backend; ``release`` is idempotent."""
+    """In-flight requests and prefill tokens per backend; ``release`` is idempotent. Each charged request is a
+    record in ``attempts`` (the ``Router`` keeps its own part of the attempt on the same record)."""
 
     #: weight of a new sample in the learned speed factor and decode duration (moving averages)
     learn_rate = 0.1
@@ -73,7 +64,7 @@ class LoadTracker:
         self._queued: dict[str, int] = {}  # requests not yet at first token
         # per backend: its requests not yet at first token, in the order they were charged, and when the first of
         # them became the first (``work_s`` drains it from then on)
-        self._pending: dict[str, dict[str, _Inflight]] = {}
+        self._pending: dict[str, dict[str, RoutedAttempt]] = {}
         self._head_since: dict[str, float] = {}
         self._log_factor: dict[str, float] = {}
         self._log_factor_all: float | None = None
@@ -84,7 +75,7 @@ class LoadTracker:
         # so a pick decays every backend's busy time with one pow (rebased before the scale could overflow)
         self._busy: dict[str, float] = {}
         self._busy_ref: float | None = None
-        self._requests: dict[str, _Inflight] = {}
+        self.attempts = Attempts()  # the open attempts, charged or (held by a router) answered
         self._inflight: dict[str, int] = {}
         self._prefill: dict[str, int] = {}
         self._last_pick: dict[str, float] = {}
@@ -103,11 +94,18 @@ class LoadTracker:
         ``work_s``: its own prefill in prior seconds; ``ttft_s``/``fixed_s``: its predicted time to first
         token, in prior seconds / already-real seconds (both 0 when the policy predicts nothing).
         """
-        if request_id in self._requests:
+        old = self.attempts.get(request_id)
+        if old is not None and old.charged:
             self.release(request_id)
         prefill_tokens = max(0, int(prefill_tokens))
         work_s = work_s if work_s > 0 and math.isfinite(work_s) else 0.0
-        self._requests[request_id] = _Inflight(backend, prefill_tokens, now, False, work_s, ttft_s, fixed_s)
+        record = RoutedAttempt(request_id, backend, now, prefill_tokens, False, work_s, ttft_s, fixed_s)
+        self.attempts.put(record)
+        self._charge(record, now)
+
+    def _charge(self, record: RoutedAttempt, now: float) -> None:
+        """Add ``record`` to its backend's counts, prefill queue and busy time."""
+        backend, prefill_tokens, work_s = record.backend, record.prefill_tokens, record.work_s
         self._inflight[backend] = self._inflight.get(backend, 0) + 1
         self._prefill[backend] = self._prefill.get(backend, 0) + prefill_tokens
         if work_s:
@@ -116,7 +114,7 @@ class LoadTracker:
         pending = self._pending.setdefault(backend, {})
         if not pending:
             self._head_since[backend] = now
-        pending[request_id] = self._requests[request_id]
+        pending[record.request_id] = record
         self._last_pick[backend] = now
         self._mean_prompt = 0.98 * self._mean_prompt + 0.02 * max(prefill_tokens, 1)
         if work_s:
@@ -125,20 +123,24 @@ class LoadTracker:
 
     def move(self, request_id: str, backend: str, now: float) -> None:
         """The request went to another backend than picked (LiteLLM retry): move its charge."""
-        req = self._requests.get(request_id)
-        if req is None or req.backend == backend:
+        req = self.attempts.get(request_id)
+        if req is None or not req.charged or req.backend == backend:
             return
-        tokens, work = req.prefill_tokens, req.work_s
+        work = req.work_s
         self.release(request_id)
-        self.start(request_id, backend, tokens, now, work_s=work)  # its TTFT prediction was for the other
+        # charged anew on the same record, the newest; its TTFT prediction was for the other backend
+        req.backend, req.started, req.prefill_done, req.work_s, req.charged = backend, now, False, work, True
+        req.ttft_s, req.fixed_s, req.first_at = 0.0, 0.0, -1.0
+        self.attempts.put(req)
+        self._charge(req, now)
 
     def first_token(self, request_id: str, now: float | None = None) -> None:
         """Prefill finished: the request no longer holds prefill work, only a decode slot.
 
         With ``now``, the observed time to first token teaches the backend's speed factor.
         """
-        req = self._requests.get(request_id)
-        if req is None or req.prefill_done:
+        req = self.attempts.get(request_id)
+        if req is None or not req.charged or req.prefill_done:
             return
         req.prefill_done = True
         self._prefill[req.backend] = max(0, self._prefill.get(req.backend, 0) - req.prefill_tokens)
@@ -156,9 +158,12 @@ class LoadTracker:
 
         With ``now`` and a first token seen, the decode duration is learned.
         """
-        req = self._requests.pop(request_id, None)
-        if req is None:
+        req = self.attempts.get(request_id)
+        if req is None or not req.charged:
             return None
+        req.charged = False
+        if req.request is None:  # no router holds it: the attempt ends here
+            self.attempts.pop(request_id)
         self._inflight[req.backend] = max(0, self._inflight.get(req.backend, 0) - 1)
         if not req.prefill_done:
             self._prefill[req.backend] = max(0, self._prefill.get(req.backend, 0) - req.prefill_tokens)
@@ -167,7 +172,7 @@ class LoadTracker:
             self._learn_decode(req.backend, max(0.0, now - req.first_at))
         return req.backend
 
-    def _drop_work(self, request_id: str, req: _Inflight, now: float | None) -> None:
+    def _drop_work(self, request_id: str, req: RoutedAttempt, now: float | None) -> None:
         """``req`` left its backend's prefill queue; if it was the first, the next one's clock starts at ``now``
         (unknown: at the later of the old start and the next one's charge)."""
         self._queued[req.backend] = max(0, self._queued.get(req.backend, 0) - 1)
@@ -291,12 +296,12 @@ class LoadTracker:
         return [get(b, 0.0) * k for b in backends]
 
     def backend_of(self, request_id: str) -> str | None:
-        req = self._requests.get(request_id)
-        return req.backend if req else None
+        req = self.attempts.get(request_id)
+        return req.backend if req is not None and req.charged else None
 
     def expire(self, now: float, max_age_s: float) -> int:
         """Release requests older than ``max_age_s`` (lost callbacks must not leak load forever)."""
-        old = [rid for rid, r in self._requests.items() if now - r.started > max_age_s]
+        old = [r.request_id for r in self.attempts if r.charged and now - r.started > max_age_s]
         for rid in old:
             self.release(rid)
         return len(old)
@@ -315,7 +320,7 @@ class LoadTracker:
         return math.pow(0.5, age_s / self.half_life_s)
 
     def remove_backend(self, backend: str) -> None:
-        for rid in [rid for rid, r in self._requests.items() if r.backend == backend]:
+        for rid in [r.request_id for r in self.attempts if r.charged and r.backend == backend]:
             self.release(rid)
         self._inflight.pop(backend, None)
         self._prefill.pop(backend, None)

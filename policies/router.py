@@ -9,11 +9,11 @@ internal error falls back to least-load and is recorded on the decision; lifecyc
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvroute.policies.attempts import Attempts, RoutedAttempt
 from kvroute.policies.base import Policy, RoutingState, least_loaded
 from kvroute.policies.decision import Decision
 from kvroute.policies.fingerprint import FingerprintConfig, Fingerprinter
@@ -37,18 +37,6 @@ class RouterConfig:
     max_request_age_s: float = 900.0
     max_pending: int = 100_000
     load_half_life_s: float = 2.0
-
-
-@dataclass(slots=True)
-class _Pending:
-    """A picked request until it completes: what the index predicted and what is still being computed."""
-
-    request: RoutingRequest
-    backend: str
-    matched_blocks: int  # leading blocks the index said the backend held at pick time
-    confirmed_blocks: int  # of those, blocks already computed (not another request's prefill in progress)
-    settled: bool = False  # its own new blocks are computed (first token) or given up
-    answered_at: float | None = None  # the answer is back (``on_answered``); its outcome may come later
 
 
 class Router:
@@ -83,7 +71,8 @@ class Router:
         self.state = RoutingState(index=self.index, load=tracker, computed=self._confirmed_prefix)
         self._policies: dict[str, Policy] = {}
         self._default = build_policy(self.config.default_policy, self.config.default_knobs, "default_policy")
-        self._pending: OrderedDict[str, _Pending] = OrderedDict()
+        #: one record per open attempt, shared with the load tracker (which charges it), bounded by ``max_pending``
+        self.attempts: Attempts = tracker.attempts
         self._provisional: dict[str, dict[int, int]] = {}  # backend -> key -> pending picks computing it
         self.errors = 0
         #: fill ``Decision.inputs`` with what the pick saw (``trace_inputs``): off on the hot path by default
@@ -225,15 +214,18 @@ class Router:
             matched = decision.matched_blocks
             confirmed = self._confirmed_prefix(backend, keys, matched)
             self._mark_provisional(backend, keys, matched)
-            pending = self._pending
-            known = rid in pending
-            pending[rid] = _Pending(request, backend, matched, confirmed)
-            if known:  # a new key is already the newest
-                pending.move_to_end(rid)
-            while len(pending) > self.config.max_pending:
-                old_id, old = pending.popitem(last=False)
+            attempts = self.attempts
+            record = attempts.get(rid)
+            if record is None:  # a load tracker that keeps no record of it: the router holds one of its own
+                record = RoutedAttempt(rid, backend, now, charged=False)
+                attempts.put(record)
+            record.request, record.matched_blocks, record.confirmed_blocks = request, matched, confirmed
+            while len(attempts) > self.config.max_pending:
+                old = attempts.oldest()
+                assert old is not None
+                load.release(old.request_id)
+                attempts.pop(old.request_id)
                 self._settle(old)
-                load.release(old_id)
         except Exception:
             self.errors += 1
 
@@ -264,9 +256,9 @@ class Router:
         for key in keys[start:]:
             prov[key] = get(key, 0) + 1
 
-    def _settle(self, pending: _Pending) -> None:
+    def _settle(self, pending: RoutedAttempt) -> None:
         """The request's own new blocks are computed (or never will be): they stop being provisional."""
-        if pending.settled:
+        if pending.settled or pending.request is None:
             return
         pending.settled = True
         prov = self._provisional.get(pending.backend)
@@ -347,24 +339,24 @@ class Router:
 
     def on_attempt(self, request_id: str, backend: str) -> None:
         """LiteLLM sent the request to ``backend`` (a retry may differ from the pick): follow it."""
-        pending = self._pending.get(request_id)
-        if pending is None or pending.backend == backend:
+        pending = self._routed(request_id)
+        if pending is None or pending.request is None or pending.backend == backend:
             return
         now = self.clock()
         self._settle(pending)
-        self.index.forget(pending.backend, pending.request.keys[pending.matched_blocks:])
         keys = pending.request.keys
+        self.index.forget(pending.backend, keys[pending.matched_blocks:])
         matched = self.index.match(keys, [backend], now).get(backend, 0)
+        self.state.load.move(request_id, backend, now)  # the charge follows (on the same record)
         pending.backend, pending.matched_blocks, pending.settled = backend, matched, False
         pending.confirmed_blocks = self._confirmed_prefix(backend, keys, matched)
         self._mark_provisional(backend, keys, matched)
-        self.state.load.move(request_id, backend, now)
         self.index.record(backend, keys, now)
 
     def on_first_token(self, request_id: str) -> None:
         """Prefill done: release prefill load; the request's blocks are now really on the backend."""
         self.state.load.first_token(request_id, self.clock())
-        pending = self._pending.get(request_id)
+        pending = self._routed(request_id)
         if pending is not None:
             self._settle(pending)
 
@@ -374,7 +366,7 @@ class Router:
         confirms the index (its own release is then a no-op)."""
         now = self.clock()
         self.state.load.release(request_id, now)
-        pending = self._pending.get(request_id)
+        pending = self._routed(request_id)
         if pending is not None and pending.answered_at is None:
             pending.answered_at = now
 
@@ -385,8 +377,7 @@ class Router:
         Only blocks that were already computed at pick time count as predictions, so a sibling that
         raced its burst's first request does not teach the index that the backend evicts early.
         """
-        pending = self._pending.pop(request_id, None)
-        self.state.load.release(request_id, self.clock())
+        pending = self._end(request_id, self.clock())
         if pending is None:
             return
         self._settle(pending)
@@ -398,8 +389,7 @@ class Router:
 
     def on_failure(self, request_id: str, *, before_prefill: bool = True) -> None:
         """Release load; blocks the backend never computed are taken back out of the index."""
-        pending = self._pending.pop(request_id, None)
-        self.state.load.release(request_id)
+        pending = self._end(request_id)
         if pending is None:
             return
         self._settle(pending)
@@ -408,13 +398,26 @@ class Router:
 
     def on_cancel(self, request_id: str) -> None:
         """A cancelled request releases its load; what it prefilled may stay cached."""
-        pending = self._pending.pop(request_id, None)
-        self.state.load.release(request_id)
+        pending = self._end(request_id)
         if pending is not None:
             self._settle(pending)
 
+    def _routed(self, request_id: str) -> RoutedAttempt | None:
+        """The open attempt this router picked under ``request_id`` (None: none, or charged by the tracker alone)."""
+        record = self.attempts.get(request_id)
+        return record if record is not None and record.request is not None else None
+
+    def _end(self, request_id: str, now: float | None = None) -> RoutedAttempt | None:
+        """The attempt ended: release its load (``now``: learn its decode time) and stop holding its record,
+        which is returned (None when this router held none)."""
+        pending = self._routed(request_id)
+        self.state.load.release(request_id, now)
+        if pending is not None:
+            self.attempts.pop(request_id)
+        return pending
+
     def pending_backend(self, request_id: str) -> str | None:
-        pending = self._pending.get(request_id)
+        pending = self._routed(request_id)
         return pending.backend if pending else None
 
     def expire(self) -> int:
@@ -422,9 +425,10 @@ class Router:
         now = self.clock()
         max_age = self.config.max_request_age_s
         released = self.state.load.expire(now, max_age)
-        for rid in [rid for rid, p in self._pending.items() if self.state.load.backend_of(rid) is None
-                    and (p.answered_at is None or now - p.answered_at > max_age)]:
-            self._settle(self._pending.pop(rid))
+        for p in [p for p in self.attempts if p.request is not None and not p.charged
+                  and (p.answered_at is None or now - p.answered_at > max_age)]:
+            self.attempts.pop(p.request_id)
+            self._settle(p)
         return released
 
     # --- fleet changes and signals --------------------------------------------------------------
@@ -436,6 +440,6 @@ class Router:
         self._capacity_tokens.pop(backend, None)
         self.state.homes.forget(backend)
         self.state.load.remove_backend(backend)
-        for rid in [rid for rid, p in self._pending.items() if p.backend == backend]:
-            del self._pending[rid]
+        for p in [p for p in self.attempts if p.backend == backend and p.request is not None]:
+            self.attempts.pop(p.request_id)
         self._provisional.pop(backend, None)

@@ -1,5 +1,6 @@
 """``CallbackHost``: what the callback's delegates (``pick``, ``outcomes``, ``status_view``, ``wiring``) read and
-write on ``KvrouteCallback``, stated as a Protocol so that they need not import the callback that calls them."""
+write on ``KvrouteCallback``, stated as a Protocol so that they need not import the callback that calls them.
+Every member is public: a delegate never reads the callback's private attributes."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ if TYPE_CHECKING:
     from kvroute.plugin.adapter.deployments import Backend, Deployments
     from kvroute.plugin.adapter.hedge import Hedges
     from kvroute.plugin.adapter.metrics import Metrics
+    from kvroute.plugin.adapter.parts import Parts
     from kvroute.plugin.adapter.request_ids import RequestIds, RequestState
     from kvroute.plugin.adapter.rules import RuleBook
     from kvroute.plugin.adapter.signals import HealthAdapter
@@ -24,13 +26,8 @@ if TYPE_CHECKING:
 class CallbackHost(Protocol):
     """The callback's state and the few methods its delegates call back; ``wiring`` fills the set-up fields once."""
 
-    # set-up (``wiring.build``): given to the constructor or built on first use
-    _settings: KvrouteSettings | None
-    _proxy_config: str | None
-    _metrics: Metrics | None
-    _health: HealthAdapter | None
-    _mount: bool
-    _shared: Any
+    # set-up (``wiring.build``): ``parts`` as given to the constructor, completed on first use
+    parts: Parts
     clock: Callable[[], float]
     chain: ChainKey | None
     chain_source: str
@@ -49,8 +46,8 @@ class CallbackHost(Protocol):
     rules: RuleBook
     precise: dict[str, Any]
     scrapers: dict[str, Any]
-    _attached: dict[int, int]
-    _last_expire: float
+    attached: dict[int, int]
+    last_expire: float
 
     @property
     def settings(self) -> KvrouteSettings: ...
@@ -61,16 +58,19 @@ class CallbackHost(Protocol):
     @property
     def health(self) -> HealthAdapter: ...
 
+    @property
+    def shared(self) -> Any: ...
+
     def router_for(self, group: str, backends: Sequence[Backend]) -> Router: ...
 
-    def _attach(self, router: Router, policy: Policy, backends: Sequence[Backend]) -> None: ...
+    def attach(self, router: Router, policy: Policy, backends: Sequence[Backend]) -> None: ...
 
     def tenant_salt(self, gs: GroupSettings, meta: Mapping[str, Any],
                     kwargs: Mapping[str, Any]) -> tuple[str | None, str | None]: ...
 
-    def _app(self, meta: Mapping[str, Any], kwargs: Mapping[str, Any],
+    def app_of(self, meta: Mapping[str, Any], kwargs: Mapping[str, Any],
              state: RequestState | None = None) -> str | None: ...
 
-    def _count_error(self, hook: str) -> None: ...
+    def count_error(self, hook: str) -> None: ...
 
     def worker_status(self) -> dict[str, Any]: ...

@@ -29,6 +29,7 @@ from kvroute.plugin.adapter.decision_log import DecisionLog
 from kvroute.plugin.adapter.deployments import Backend, Deployments, litellm_cost_map
 from kvroute.plugin.adapter.hedge import Hedges, hedged
 from kvroute.plugin.adapter.metrics import Metrics
+from kvroute.plugin.adapter.parts import Parts
 from kvroute.plugin.adapter.peer_filters import PeerFilters
 from kvroute.plugin.adapter.request_ids import ATTEMPT_KEY, TICKET_KEY, Attempt, RequestIds, RequestState
 from kvroute.plugin.adapter.rules import RuleBook
@@ -52,12 +53,8 @@ class KvrouteCallback(CustomLogger):
                  clock: Callable[[], float] = time.monotonic, proxy_config: str | None = None,
                  health: HealthAdapter | None = None, mount: bool = True) -> None:
         super().__init__()
-        self._settings = settings
-        self._proxy_config = proxy_config
-        self._metrics = metrics
+        self.parts = Parts(settings, proxy_config, metrics, health, mount)  # built out by ``wiring.build``
         self.clock = clock
-        self._health = health
-        self._mount = mount
         self._ready = False
         self.routers: dict[str, Router] = {}
         self.fleet = Deployments(litellm_cost_map, group_kind=self._group_kind)
@@ -67,14 +64,13 @@ class KvrouteCallback(CustomLogger):
         self.billing: BillingFeed | None = None
         self.hedges: Hedges | None = None  # the groups with a ``hedge:`` block (set-up builds it)
         self._apps: tenancy.AppNames | None = None
-        self._attached: dict[int, int] = {}
+        self.attached: dict[int, int] = {}  # policy object -> how many backends it was last bound to
         self.precise: dict[str, Any] = {}
         self.scrapers: dict[str, Any] = {}
-        self._last_expire = clock()
+        self.last_expire = clock()  # when the routers' old picks were last expired
         self.recorder: Any = None
         self.decision_log: DecisionLog | None = None
         self.billing_target: tuple[str, Path, Path] | None = None
-        self._shared: Any = None
         self.mounted: list[str] = []
         self.chain: ChainKey | None = None
         self.chain_source = ""
@@ -89,21 +85,26 @@ class KvrouteCallback(CustomLogger):
     @property
     def settings(self) -> KvrouteSettings:
         self._setup()
-        assert self._settings is not None
-        return self._settings
+        assert self.parts.settings is not None
+        return self.parts.settings
 
     @property
     def metrics(self) -> Metrics:
-        if self._metrics is None:
+        if self.parts.metrics is None:
             self._setup()
-        assert self._metrics is not None
-        return self._metrics
+        assert self.parts.metrics is not None
+        return self.parts.metrics
 
     @property
     def health(self) -> HealthAdapter:
         self._setup()
-        assert self._health is not None
-        return self._health
+        assert self.parts.health is not None
+        return self.parts.health
+
+    @property
+    def shared(self) -> Any:
+        """The Redis-shared state (None: not configured, unreachable, or not set up yet)."""
+        return self.parts.shared
 
     def _setup(self) -> None:
         """Load settings and start side services once; a bad config raises ``ConfigError`` (and retries later)."""
@@ -120,7 +121,7 @@ class KvrouteCallback(CustomLogger):
         wiring.build(self)
 
     def _group_kind(self, group: str) -> str:
-        s = self._settings
+        s = self.parts.settings
         return s.group(group).kind if s is not None else "auto"
 
     # --- routers -----------------------------------------------------------------------------------
@@ -129,7 +130,8 @@ class KvrouteCallback(CustomLogger):
         router = self.routers.get(group)
         return router if router is not None else wiring.router_for(self, group, backends)
 
-    def _attach(self, router: Router, policy: Policy, backends: Sequence[Backend]) -> None:
+    def attach(self, router: Router, policy: Policy, backends: Sequence[Backend]) -> None:
+        """Bind ``policy`` to its group's fleet (``wiring.attach``)."""
         wiring.attach(self, router, policy, backends)
 
     # --- the pick ----------------------------------------------------------------------------------
@@ -153,7 +155,7 @@ class KvrouteCallback(CustomLogger):
             return pick.pick(self, model, healthy_deployments, messages, request_kwargs, precise=precise)
         except Exception:
             log.debug("kvroute filter failed", exc_info=True)
-            self._count_error("filter")
+            self.count_error("filter")
             return healthy_deployments
 
     def filter(self, model: str, healthy: list, messages: Any, request_kwargs: dict | None) -> list:
@@ -165,7 +167,7 @@ class KvrouteCallback(CustomLogger):
         """The request's tenant and engine salt (``tenancy.tenant_salt``, keyed with this deployment's secret)."""
         return tenancy.tenant_salt(gs, meta, kwargs, self.chain)
 
-    def _app(self, meta: Mapping[str, Any], kwargs: Mapping[str, Any],
+    def app_of(self, meta: Mapping[str, Any], kwargs: Mapping[str, Any],
              state: RequestState | None = None) -> str | None:
         """The app behind metrics and rules: the request's app (kept on ``state``; without one, the same rule read
         from ``meta``) as a label bounded per key (``tenancy.AppNames``)."""
@@ -180,7 +182,7 @@ class KvrouteCallback(CustomLogger):
             return self.pre_call(kwargs)
         except Exception:
             log.debug("kvroute pre-call failed", exc_info=True)
-            self._count_error("pre_call")
+            self.count_error("pre_call")
             return None
 
     def pre_call(self, kwargs: dict) -> dict | None:
@@ -200,7 +202,7 @@ class KvrouteCallback(CustomLogger):
         try:
             outcomes.answered(self, self.ids.resolve(request_metadata(kwargs)))
         except Exception:
-            self._count_error("answered")
+            self.count_error("answered")
 
     async def async_post_call_streaming_deployment_hook(self, request_data: dict, response_chunk: Any,
                                                         call_type: Any) -> Any:
@@ -225,7 +227,7 @@ class KvrouteCallback(CustomLogger):
             try:
                 race = self.hedges.call(request_data)
             except Exception:
-                self._count_error("hedge")
+                self.count_error("hedge")
             if race is not None:
                 source = hedged(response, race)
         try:
@@ -246,7 +248,7 @@ class KvrouteCallback(CustomLogger):
                     self.billing.pre_response(request_data, usage_chunk,
                                               hidden=getattr(answered, "_hidden_params", None), streamed=True)
                 except Exception:
-                    self._count_error("billing")
+                    self.count_error("billing")
         except Exception:
             done = True  # an upstream error: the failure hooks report it
             if self.billing is not None and relayed:
@@ -263,7 +265,7 @@ class KvrouteCallback(CustomLogger):
         try:
             outcomes.first_token(self, request_metadata(kwargs))
         except Exception:
-            self._count_error("stream_chunk")
+            self.count_error("stream_chunk")
 
     def _cancelled(self, kwargs: Mapping[str, Any], relayed: int = 0, usage_chunk: Any = None) -> None:
         """The client went away: book what its provider bills for the attempt (``relayed`` output chunks, the
@@ -273,11 +275,11 @@ class KvrouteCallback(CustomLogger):
             try:
                 self.billing.cancelled(kwargs, relayed, getattr(usage_chunk, "usage", None))
             except Exception:
-                self._count_error("billing")
+                self.count_error("billing")
         try:
             outcomes.cancelled(self, self.ids.resolve(request_metadata(kwargs)))
         except Exception:
-            self._count_error("cancel")
+            self.count_error("cancel")
 
     # --- outcomes ----------------------------------------------------------------------------------
     async def async_log_success_event(self, kwargs: dict, response_obj: Any, start_time: Any, end_time: Any) -> None:
@@ -285,7 +287,7 @@ class KvrouteCallback(CustomLogger):
             self.on_success(kwargs, response_obj, start_time, end_time)
         except Exception:
             log.debug("kvroute success hook failed", exc_info=True)
-            self._count_error("success")
+            self.count_error("success")
 
     def on_success(self, kwargs: Mapping[str, Any], response_obj: Any, start_time: Any, end_time: Any) -> None:
         found = self.ids.resolve(request_metadata(kwargs))
@@ -299,7 +301,7 @@ class KvrouteCallback(CustomLogger):
             if self.billing is not None:
                 self.billing.pre_response(data, response)
         except Exception:
-            self._count_error("billing")
+            self.count_error("billing")
         return None
 
     async def async_pre_call_hook(self, user_api_key_dict: Any, cache: Any, data: dict, call_type: Any) -> None:
@@ -308,7 +310,7 @@ class KvrouteCallback(CustomLogger):
             if self.billing is not None:
                 self.billing.admit(data)
         except Exception:
-            self._count_error("billing")
+            self.count_error("billing")
         return None
 
     async def async_post_call_failure_hook(self, request_data: dict, original_exception: Exception,
@@ -318,7 +320,7 @@ class KvrouteCallback(CustomLogger):
             if self.billing is not None:
                 self.billing.request_failed(request_data, original_exception)
         except Exception:
-            self._count_error("billing")
+            self.count_error("billing")
         return None
 
     async def async_post_call_failure_deployment_hook(self, request_data: Mapping[str, Any], exception: Exception,
@@ -328,19 +330,19 @@ class KvrouteCallback(CustomLogger):
             found = self.ids.resolve(request_metadata(request_data))
             verdict = outcomes.attempt_verdict(self, request_data, exception, found)
         except Exception:
-            self._count_error("attempt_failure")
+            self.count_error("attempt_failure")
         try:
             if self.billing is not None:
                 self.billing.attempt_failed(request_data, exception, found=found,
                                             status=verdict.ledger_status if verdict is not None else None)
         except Exception:
-            self._count_error("billing")
+            self.count_error("billing")
         try:
             if verdict is not None:
                 outcomes.attempt_failed(self, request_data, exception, found, verdict)
         except Exception:
             log.debug("kvroute failure hook failed", exc_info=True)
-            self._count_error("attempt_failure")
+            self.count_error("attempt_failure")
 
     async def async_log_failure_event(self, kwargs: dict, response_obj: Any, start_time: Any, end_time: Any) -> None:
         try:
@@ -353,16 +355,17 @@ class KvrouteCallback(CustomLogger):
                                             if isinstance(exc, BaseException) else None)
             outcomes.request_failed(self, kwargs, error, found, verdict)
         except Exception:
-            self._count_error("failure")
+            self.count_error("failure")
 
     async def log_success_fallback_event(self, original_model_group: str, kwargs: dict,
                                          original_exception: Exception) -> None:
         try:
             self.metrics.fallbacks.labels(str(original_model_group), "litellm_fallback").inc()
         except Exception:
-            self._count_error("fallback")
+            self.count_error("fallback")
 
-    def _count_error(self, hook: str) -> None:
+    def count_error(self, hook: str) -> None:
+        """Count an error a hook caught (never raises)."""
         with contextlib.suppress(Exception):
             self.metrics.error(hook)
 
@@ -384,18 +387,18 @@ class KvrouteCallback(CustomLogger):
             try:
                 self.billing.close()
             except Exception:
-                self._count_error("billing_close")
-        if self._metrics is not None:
-            self._metrics.close()
+                self.count_error("billing_close")
+        if self.parts.metrics is not None:
+            self.parts.metrics.close()
         for group in self.precise.values():
             with contextlib.suppress(Exception):
                 group.stop()
         for scraper in self.scrapers.values():
             with contextlib.suppress(Exception):
                 scraper.stop()
-        if self._shared is not None:
+        if self.parts.shared is not None:
             with contextlib.suppress(Exception):
-                self._shared.close()
+                self.parts.shared.close()
 
 
 _instance: KvrouteCallback | None = None

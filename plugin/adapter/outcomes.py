@@ -85,7 +85,7 @@ def success(cb: CallbackHost, kwargs: Mapping[str, Any], response_obj: Any, star
         cb.health.record(backend_id, "success", now, ttft_s=ttft)
     if backend_id is None:
         return
-    app = ticket.app if ticket else cb._app(_metadata(kwargs), kwargs, found[0] if found else None)
+    app = ticket.app if ticket else cb.app_of(_metadata(kwargs), kwargs, found[0] if found else None)
     cb.metrics.completed(group, backend_id, app, prompt_tokens, cached, ttft, ledger_tokens(response_obj))
     if ticket is not None:
         cb.metrics.set_inflight([(backend_id, ticket.router.load.inflight(backend_id))])

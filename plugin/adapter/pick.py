@@ -11,6 +11,7 @@ from kvroute.plugin.adapter.request_ids import HEDGE_TO_KEY, Attempt
 from kvroute.plugin.adapter.request_labels import request_tags
 from kvroute.plugin.adapter.signals import deployment_id, request_metadata
 from kvroute.plugin.adapter.tenancy import SALT_ENGINES, set_engine_salt
+from kvroute.policies.attempts import RoutedAttempt
 from kvroute.policies.lifecycle import FAILURE, RequestOutcome
 
 if TYPE_CHECKING:
@@ -51,7 +52,7 @@ def pick(cb: CallbackHost, model: str, healthy: list, messages: Any, request_kwa
         allowed = pairs  # hosted group with every breaker open: let LiteLLM try (Portkey-style bypass)
     backends = [b for _, b in allowed]
     router = cb.router_for(group, backends)
-    app = cb._app(meta, kwargs, state)
+    app = cb.app_of(meta, kwargs, state)
     tags = request_tags(meta, s.tag_metadata_keys, kwargs.get("tags") if isinstance(kwargs.get("tags"), list)
                         else None)
     headers = meta.get("headers") if isinstance(meta.get("headers"), Mapping) else None
@@ -64,9 +65,9 @@ def pick(cb: CallbackHost, model: str, healthy: list, messages: Any, request_kwa
                                      tags=tags, headers=headers, tenant=tenant, salt=salt, client_salt=False)
     rule = cb.rules.resolve(group, app, tags) if len(cb.rules) else None
     policy = rule.policy if rule is not None else router.policy_for(group)
-    if cb._attached.get(id(policy)) != len(backends):
-        cb._attach(router, policy, backends)
-        cb._attached[id(policy)] = len(backends)
+    if cb.attached.get(id(policy)) != len(backends):
+        cb.attach(router, policy, backends)
+        cb.attached[id(policy)] = len(backends)
     decision = router.pick(request, [b.id for b in backends], group=group, policy=policy)
     if cb.decision_log is not None:
         cb.decision_log.write(group, decision, kwargs.get("litellm_call_id"))
@@ -91,10 +92,14 @@ def pick(cb: CallbackHost, model: str, healthy: list, messages: Any, request_kwa
 
 def pin(attempt: Attempt, router: Any, backend: str, app: str | None, prompt_tokens: int,
         cache_key: str | None, now: float, request: Any, policy: Any, salt: str | None) -> None:
-    """Write the pick onto the attempt's record."""
-    attempt.router, attempt.backend, attempt.app = router, backend, app
+    """Write the pick onto the attempt's record, which takes the router's record of it (a detached one holding
+    ``request`` where the router kept none: its bookkeeping failed, and counted the error)."""
+    routed = router.attempts.get(attempt.ticket)
+    if routed is None or routed.request is not request:
+        routed = RoutedAttempt(attempt.ticket, backend, now, charged=False, request=request)
+    attempt.router, attempt.backend, attempt.app, attempt.routed = router, backend, app, routed
     attempt.prompt_tokens, attempt.cache_key = prompt_tokens, cache_key
-    attempt.started, attempt.request, attempt.policy, attempt.salt = now, request, policy, salt
+    attempt.started, attempt.policy, attempt.salt = now, policy, salt
 
 
 def close_previous(cb: CallbackHost, meta: Mapping[str, Any], request: Mapping[str, Any]) -> None:
@@ -113,9 +118,9 @@ def close_previous(cb: CallbackHost, meta: Mapping[str, Any], request: Mapping[s
 
 def maybe_expire(cb: CallbackHost, now: float) -> None:
     """Every ``expire_every_s``: expire the routers' old picks and the attempts that never got an outcome."""
-    if now - cb._last_expire < cb.settings.expire_every_s:
+    if now - cb.last_expire < cb.settings.expire_every_s:
         return
-    cb._last_expire = now
+    cb.last_expire = now
     for router in cb.routers.values():
         router.expire()
     cb.ids.expire(now - cb.settings.max_request_age_s)

@@ -42,10 +42,12 @@ from typing import TYPE_CHECKING, Any
 from kvroute.billing.attribution import AppRule
 from kvroute.plugin.adapter.request_labels import LedgerLabels
 from kvroute.plugin.adapter.signals import REQUEST_KEY
+from kvroute.policies.attempts import RoutedAttempt
 from kvroute.policies.lifecycle import CANCELLED, RequestOutcome
 
 if TYPE_CHECKING:
     from kvroute.policies.outcomes import Attribution
+    from kvroute.policies.request import RoutingRequest
 
 SIG_KEY = "kvroute_sig"
 TICKET_KEY = "kvroute_rid"
@@ -80,8 +82,10 @@ class Attempt:
     cache_key: str | None = None
     started: float = 0.0  # clock reading of the pick, then of the upstream call
     first_token: bool = False
-    request: Any = None  # the ``RoutingRequest`` (for a policy that learns from outcomes)
-    policy: Any = None  # that policy (None when it does not learn)
+    #: the policy side's record of this attempt (its request, load charge and what the index predicted; held by
+    #: its router until the outcome), or None when kvroute did not route it
+    routed: RoutedAttempt | None = None
+    policy: Any = None  # the policy that picked it
     salt: str | None = None
     verdict: Attribution | None = None  # the failure's attribution, once classified
     hedge_lost: bool = False  # it raced a hedge and lost: closed, booked ``cancelled`` (``hedge_lost``)
@@ -90,6 +94,11 @@ class Attempt:
     def rid(self) -> str:
         """The ticket id (the routing policy's name for this attempt)."""
         return self.ticket
+
+    @property
+    def request(self) -> RoutingRequest | None:
+        """The routed ``RoutingRequest`` (kept on the policy side's record)."""
+        return self.routed.request if self.routed is not None else None
 
 
 @dataclass(slots=True)

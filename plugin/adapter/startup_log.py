@@ -58,7 +58,7 @@ def startup_line(callback: Any) -> str:
     if not s.redis_url:
         redis = "off (state local to this worker)"
     else:
-        redis = redact(s.redis_url) + (" (shared)" if callback._shared is not None else " (unreachable: local state)")
+        redis = redact(s.redis_url) + (" (shared)" if callback.shared is not None else " (unreachable: local state)")
     metrics = ", ".join(callback.mounted) or "not mounted"
     if s.metrics_port is not None:
         metrics += f", {s.metrics_host}:{s.metrics_port}"

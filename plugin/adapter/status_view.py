@@ -37,7 +37,7 @@ def status(cb: CallbackHost, show_api_base: bool = False) -> dict[str, Any]:
         if show_api_base:
             backends[b.id]["api_base"] = b.api_base
     mine = worker_status(cb)
-    peers = dict(getattr(cb._shared, "peer_status", None) or {}) if cb._shared is not None else {}
+    peers = dict(getattr(cb.shared, "peer_status", None) or {}) if cb.shared is not None else {}
     pending = mine["pending"] + sum(int(p.get("pending", 0)) for p in peers.values())
     groups = {}
     for name, router in cb.routers.items():
@@ -47,9 +47,9 @@ def status(cb: CallbackHost, show_api_base: bool = False) -> dict[str, Any]:
     out = {"groups": groups, "backends": backends, "rules": [r.name for r in cb.rules.rules],
            "pending": pending, "workers": 1 + len(peers),
            "hash_key": {"keyed": bool(cb.chain and cb.chain.keyed), "source": cb.chain_source}}
-    if cb._shared is not None:
+    if cb.shared is not None:
         out["hash_key"]["fingerprint"] = cb.chain_fingerprint
-        mismatch = list(getattr(cb._shared, "secret_mismatch", []))
+        mismatch = list(getattr(cb.shared, "secret_mismatch", []))
         out["hash_key"]["disagreeing_workers"] = mismatch
         if mismatch:
             out["hash_key"]["warning"] = (f"{len(mismatch)} live worker(s) use another hash_secret: their "
@@ -61,7 +61,7 @@ def status(cb: CallbackHost, show_api_base: bool = False) -> dict[str, Any]:
 def shared_state_status(cb: CallbackHost, peers: Mapping[str, Any]) -> dict[str, Any]:
     """The Redis link (stream entries applied, re-seeds after an emptied Redis, errors) and every live worker's
     replication lag (seconds), this one first; ``replication`` is this worker's, with recent percentiles."""
-    shared = cb._shared
+    shared = cb.shared
     mine = shared.replication() if hasattr(shared, "replication") else {}
     workers = {shared.worker_id: {**mine, "fingerprint": cb.chain_fingerprint, "cb": True}}
     for w, p in sorted(peers.items()):

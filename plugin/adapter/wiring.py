@@ -32,42 +32,44 @@ from kvroute.policies.registry import policy_names
 if TYPE_CHECKING:
     from kvroute.plugin.adapter.callback_host import CallbackHost
     from kvroute.plugin.adapter.deployments import Backend
+    from kvroute.plugin.adapter.parts import Parts
 
 log = logging.getLogger("kvroute.plugin")
 
 
 def build(cb: CallbackHost) -> None:
     """Load settings, metrics, the hash key, health, rules, billing and the proxy routes (once, at set-up)."""
-    if cb._settings is None:
-        cb._settings = load_settings(cb._proxy_config or proxy_config_path())
-    s = cb._settings
+    parts = cb.parts
+    if parts.settings is None:
+        parts.settings = load_settings(parts.proxy_config or proxy_config_path())
+    s = parts.settings
     from kvroute.billing.location import check_data_dir
 
     check_data_dir(s.data_dir)  # a file there: one line naming kvroute.data_dir, before anything uses it
-    if cb._metrics is None:
+    if parts.metrics is None:
         from prometheus_client import REGISTRY
 
-        cb._metrics = Metrics(REGISTRY, max_app_labels=s.max_app_labels,
-                              multiproc_dir=s.prometheus_multiproc_dir, shared_load=bool(s.redis_url))
+        parts.metrics = Metrics(REGISTRY, max_app_labels=s.max_app_labels,
+                                multiproc_dir=s.prometheus_multiproc_dir, shared_load=bool(s.redis_url))
     if cb.chain is None:  # before Redis: instances sharing state must be given the secret
         cb.chain, cb.chain_source = resolve_chain_key(
             s.hash_secret.get_secret_value() if s.hash_secret else None, s.redis_url, s.data_dir,
             s.hash_secret_file)
         cb.chain_fingerprint = fingerprint(cb.chain) if s.redis_url else ""  # compared with other instances
-    if cb._health is None:
-        cb._health = HealthAdapter.build(cb._metrics, breaker_config(s.breaker),
-                                         redis=connect_shared_state(cb))
-    if cb._shared is not None and hasattr(cb._shared, "status_source"):
-        cb._shared.status_source = cb.worker_status
-        cb._shared.fingerprint = cb.chain_fingerprint
-        cb._shared.on_heartbeat = lambda shared: cb.metrics.shared_state(
+    if parts.health is None:
+        parts.health = HealthAdapter.build(parts.metrics, breaker_config(s.breaker),
+                                           redis=connect_shared_state(parts))
+    if parts.shared is not None and hasattr(parts.shared, "status_source"):
+        parts.shared.status_source = cb.worker_status
+        parts.shared.fingerprint = cb.chain_fingerprint
+        parts.shared.on_heartbeat = lambda shared: cb.metrics.shared_state(
             len(shared.secret_mismatch), shared.replication()["lag_s"])
     cb.rules = RuleBook.from_settings(s.rules)
     if s.decision_log is not None and cb.decision_log is None:
         cb.decision_log = DecisionLog(s.decision_log)
     if s.metrics_port is not None:
         try:
-            cb._metrics.serve(s.metrics_port, s.metrics_host)
+            parts.metrics.serve(s.metrics_port, s.metrics_host)
         except OSError as exc:
             log.warning("kvroute: cannot serve metrics on port %s: %s", s.metrics_port, exc)
     in_proxy = "litellm.proxy.proxy_server" in sys.modules
@@ -77,7 +79,7 @@ def build(cb: CallbackHost) -> None:
     cb.ids.labels = LedgerLabels(tuple(s.tag_metadata_keys))
     start_billing(cb, s, in_proxy=in_proxy)
     cb.hedges = build_hedges(cb, s)
-    if cb._mount:
+    if parts.mount:
         mount_on_proxy(cb)
     learn_proxy_model_list(cb)
     log_startup(cb)
@@ -85,7 +87,7 @@ def build(cb: CallbackHost) -> None:
 
 def learn_proxy_model_list(cb: CallbackHost) -> None:
     """Classify the proxy's ``model_list`` up front so status shows every backend before traffic."""
-    path = cb._proxy_config or proxy_config_path()
+    path = cb.parts.proxy_config or proxy_config_path()
     if not path:
         return
     try:
@@ -107,20 +109,21 @@ def learn_proxy_model_list(cb: CallbackHost) -> None:
         cb.router_for(group, backends)
 
 
-def connect_shared_state(cb: CallbackHost) -> Any:
-    """The Redis-shared state of ``redis_url`` (None when not configured or unreachable)."""
-    s = cb._settings
+def connect_shared_state(parts: Parts) -> Any:
+    """Connect ``parts.shared`` to the Redis-shared state of ``redis_url`` (None when not configured or
+    unreachable); returns it."""
+    s = parts.settings
     if s is None or not s.redis_url:
         return None
     from kvroute.plugin.state import shared_state
 
     try:
-        cb._shared = shared_state.connect(s.redis_url,
-                                          shared_state.SharedStateConfig(namespace=s.redis_namespace))
+        parts.shared = shared_state.connect(s.redis_url,
+                                            shared_state.SharedStateConfig(namespace=s.redis_namespace))
     except Exception as exc:
         log.warning("kvroute: redis shared state unavailable (%s); routing on local state", exc)
-        cb._shared = None
-    return cb._shared
+        parts.shared = None
+    return parts.shared
 
 
 def build_hedges(cb: CallbackHost, s: KvrouteSettings) -> Hedges | None:
@@ -144,7 +147,7 @@ def build_hedges(cb: CallbackHost, s: KvrouteSettings) -> Hedges | None:
 def start_billing(cb: CallbackHost, s: KvrouteSettings, *, in_proxy: bool) -> None:
     """On by default in the proxy (embedded SQLite in the data directory); see ``billing_feed.billing_target``."""
     cb.billing_target = billing_target(s, in_proxy=in_proxy)  # where it records (the startup line says)
-    cb.billing = BillingFeed.start(s, cb.ids, in_proxy=in_proxy, on_error=cb._count_error)
+    cb.billing = BillingFeed.start(s, cb.ids, in_proxy=in_proxy, on_error=cb.count_error)
     cb.recorder = cb.billing.recorder if cb.billing is not None else None
     if cb.billing is not None:
         cb.billing.kind_of = lambda backend: hybrid.route_kind(cb.fleet.backends.get(backend))
@@ -190,13 +193,13 @@ def router_for(cb: CallbackHost, group: str, backends: Sequence[Backend]) -> Rou
     slots = max((b.slots or 1 for b in backends), default=1)
     if gs.mode == "precise":
         index = precise_index(index_config, chain, gs.precise, f"kvroute.groups.{group}.precise")
-    elif llamacpp and cb._shared is None:  # llama.cpp keeps whole prompts, not blocks (policies/prompt_index.py)
+    elif llamacpp and cb.shared is None:  # llama.cpp keeps whole prompts, not blocks (policies/prompt_index.py)
         index = PromptIndex(PromptIndexConfig(cache_tokens=s.kv_capacity_tokens, slots=slots,
                                               block_tokens=block_tokens))
-    elif cb._shared is not None:
+    elif cb.shared is not None:
         try:
-            index = cb._shared.index(group, index_config)
-            load = cb._shared.load(group)
+            index = cb.shared.index(group, index_config)
+            load = cb.shared.load(group)
         except Exception as exc:
             log.warning("kvroute: shared state for %s unavailable: %s", group, exc)
             index, load = None, None
@@ -242,7 +245,7 @@ def start_precise(cb: CallbackHost, group: str, block: Mapping[str, Any], index:
         raise  # a bad precise: block stops startup (settings validated its shape already)
     except Exception as exc:
         log.warning("kvroute: precise mode for %s unavailable: %s", group, exc)
-        cb._count_error("precise_setup")
+        cb.count_error("precise_setup")
 
 
 def start_scraper(cb: CallbackHost, group: str, backends: Sequence[Backend], router: Router) -> None:
@@ -260,7 +263,7 @@ def start_scraper(cb: CallbackHost, group: str, backends: Sequence[Backend], rou
             interval_s=cb.settings.metrics_scrape_interval_s, clock=cb.clock).start()
     except Exception as exc:
         log.warning("kvroute: engine metrics for %s unavailable: %s", group, exc)
-        cb._count_error("metrics_setup")
+        cb.count_error("metrics_setup")
 
 
 def attach(cb: CallbackHost, router: Router, policy: Policy, backends: Sequence[Backend]) -> None:
@@ -270,7 +273,7 @@ def attach(cb: CallbackHost, router: Router, policy: Policy, backends: Sequence[
         billing = cb.billing
         return hybrid.route_sides(backends, *(billing.price_view(b.id for b in backends) if billing else ({}, {})))
 
-    shared, group = cb._shared, backends[0].group if backends else None
+    shared, group = cb.shared, backends[0].group if backends else None
     share = (lambda p: hybrid.share_guard(p, shared, group)) if shared is not None and group is not None else None
     router.bind(policy, FleetView(
         health=cb.health.board, quotes=tuple(q for q in map(provider_quote, backends) if q is not None),

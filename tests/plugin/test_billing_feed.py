@@ -33,19 +33,19 @@ def _cb(**settings) -> KvrouteCallback:
 def test_app_comes_from_the_key_and_claims_only_where_the_key_allows() -> None:
     cb = _cb()
     keyed = {"user_api_key_hash": "h1", "user_api_key_alias": "acme", "app": "evil"}
-    assert cb._app(keyed, {}) == "acme"
+    assert cb.app_of(keyed, {}) == "acme"
     trusting = {"user_api_key_hash": "h2", "user_api_key_alias": "reseller", "app": "sub-1",
                 "user_api_key_metadata": {"kvroute_trusted_apps": ["*"]}}
-    assert cb._app(trusting, {}) == "sub-1"
-    assert cb._app({"app": "sdk-app"}, {}) == "sdk-app"  # no key at all (SDK): the caller is the operator
+    assert cb.app_of(trusting, {}) == "sub-1"
+    assert cb.app_of({"app": "sdk-app"}, {}) == "sdk-app"  # no key at all (SDK): the caller is the operator
 
 
 def test_label_cardinality_is_bounded_per_key() -> None:
     cb = _cb(max_apps_per_key=3)
     base = {"user_api_key_hash": "h", "user_api_key_alias": "r", "user_api_key_metadata": {"kvroute_trusted_apps": "*"}}
-    apps = [cb._app({**base, "app": f"junk{i}"}, {}) for i in range(60)]
+    apps = [cb.app_of({**base, "app": f"junk{i}"}, {}) for i in range(60)]
     assert apps[:3] == ["junk0", "junk1", "junk2"] and set(apps[3:]) == {"other"}
-    assert cb._app({**base, "user_api_key_hash": "h-other", "app": "fine"}, {}) == "fine"  # another key's budget
+    assert cb.app_of({**base, "user_api_key_hash": "h-other", "app": "fine"}, {}) == "fine"  # another key's budget
 
 
 class _Resp:

@@ -43,7 +43,7 @@ def test_workers_agree_on_prefix_holders_and_breakers(redis_url):
         msgs = [{"role": "system", "content": "shared prefix " * 300}, {"role": "user", "content": "q"}]
         chosen = a.filter("llama", deps(), msgs, {"metadata": {}})[0]["model_info"]["id"]
         finish_all(a)
-        assert a._shared is not None and a.routers["llama"].index.__class__.__name__ == "SharedPrefixIndex"
+        assert a.shared is not None and a.routers["llama"].index.__class__.__name__ == "SharedPrefixIndex"
         b.filter("llama", deps(), [{"role": "user", "content": "warm up " * 300}], {"metadata": {}})
         finish_all(b)
         router_b = b.routers["llama"]
@@ -57,5 +57,5 @@ def test_workers_agree_on_prefix_holders_and_breakers(redis_url):
         assert wait_for(lambda: b.health.state("r3", b.clock()) == "open")
     finally:
         for cb in (a, b):
-            if cb._shared is not None:
-                cb._shared.close()
+            if cb.shared is not None:
+                cb.shared.close()

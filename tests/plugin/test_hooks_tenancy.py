@@ -98,7 +98,8 @@ def test_tenant_comes_from_key_data_and_salt_is_a_keyed_digest():
                              {"cache_salt": "x"})
     assert plain == (tenant, salt) and flagged[1] != salt
     other = callback("app")
-    other._settings = load_settings(groups={"llama": {"isolation": "app"}}, hash_secret="another-secret-0123456789")
+    other.parts.settings = load_settings(groups={"llama": {"isolation": "app"}},
+                                         hash_secret="another-secret-0123456789")
     other.chain = None
     other._ready = False
     other._setup()

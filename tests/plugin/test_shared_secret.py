@@ -60,8 +60,8 @@ def send(cb: KvrouteCallback, msgs: list[dict]) -> str:
 
 def close(*cbs: KvrouteCallback) -> None:
     for cb in cbs:
-        if cb._shared is not None:
-            cb._shared.close()
+        if cb.shared is not None:
+            cb.shared.close()
 
 
 def dump(r: redis.Redis) -> list[bytes]:
@@ -139,12 +139,12 @@ def test_instances_with_different_secrets_are_said_loudly_and_kept_apart(redis_u
     c = instance(redis_url, ns, "first-secret-0123456789")
     try:
         with caplog.at_level(logging.ERROR, logger="kvroute.shared_state"):
-            assert wait_for(lambda: a._shared.secret_mismatch == [b._shared.worker_id])
-            assert wait_for(lambda: b._shared.secret_mismatch == sorted([a._shared.worker_id,
-                                                                          c._shared.worker_id]))
+            assert wait_for(lambda: a.shared.secret_mismatch == [b.shared.worker_id])
+            assert wait_for(lambda: b.shared.secret_mismatch == sorted([a.shared.worker_id,
+                                                                          c.shared.worker_id]))
         assert "uses a different hash_secret" in caplog.text
         status = a.status()
-        assert status["hash_key"]["disagreeing_workers"] == [b._shared.worker_id] and status["hash_key"]["warning"]
+        assert status["hash_key"]["disagreeing_workers"] == [b.shared.worker_id] and status["hash_key"]["warning"]
         assert c.status()["hash_key"]["fingerprint"] == status["hash_key"]["fingerprint"]
         text = a.metrics.registry.get_sample_value("kvroute_hash_secret_mismatch_workers")
         assert text == 1.0
@@ -152,7 +152,7 @@ def test_instances_with_different_secrets_are_said_loudly_and_kept_apart(redis_u
         send(a, messages("0000"))
         chosen = send(b, messages("1111"))
         b_keys = b.routers["llama"].fingerprint({"messages": messages("1111")}, model="llama").keys
-        assert wait_for(lambda: a._shared.counters.get("foreign", 0) > 0)
+        assert wait_for(lambda: a.shared.counters.get("foreign", 0) > 0)
         router_a = a.routers["llama"]
         assert router_a.index.match(b_keys, [chosen], router_a.clock()).get(chosen, 0) == 0
     finally:
@@ -164,23 +164,23 @@ def test_an_empty_redis_restart_splits_nothing(own_redis):
     a = instance(own_redis.url, ns, secret)
     b = instance(own_redis.url, ns, secret)
     try:
-        assert wait_for(lambda: a._shared.connected and b._shared.connected)
+        assert wait_for(lambda: a.shared.connected and b.shared.connected)
         own_redis.stop()
         own_redis.start()  # no persistence: everything in Redis is gone
         c = instance(own_redis.url, ns, secret)  # started after the restart
         try:
-            assert wait_for(lambda: all(x._shared.connected for x in (a, b, c)), timeout=15)
+            assert wait_for(lambda: all(x.shared.connected for x in (a, b, c)), timeout=15)
             msgs = messages("2024")
             chosen = send(a, msgs)
             router_c = c.routers.get("llama") or c.router_for("llama", [c.fleet.backend(d) for d in deps()])
             keys = router_c.fingerprint({"messages": msgs}, model="llama", client_salt=False).keys
             assert wait_for(lambda: router_c.index.match(keys, [chosen], router_c.clock()).get(chosen, 0) > 0)
             assert send(c, msgs) == chosen and send(b, msgs) == chosen
-            assert wait_for(lambda: not any(x._shared.secret_mismatch for x in (a, b, c)))
+            assert wait_for(lambda: not any(x.shared.secret_mismatch for x in (a, b, c)))
             # every instance's replication lag is on the status page (c applied a's update: it has one)
             assert wait_for(lambda: len(c.status()["shared_state"]["workers"]) == 3)
             workers = c.status()["shared_state"]["workers"]
-            assert 0 <= workers[c._shared.worker_id]["lag_s"] < 5 and all("lag_max_s" in w for w in workers.values())
+            assert 0 <= workers[c.shared.worker_id]["lag_s"] < 5 and all("lag_max_s" in w for w in workers.values())
         finally:
             close(c)
     finally:

@@ -132,10 +132,10 @@ def test_session_affinity_sticks_and_moves_minimally():
     router, _ = make("session_affinity")
     sessions = [f"user-{i}" for i in range(200)]
     first = {s: router.route({**group_prompt(0, 0), "user": s}, BACKENDS)[1].backend for s in sessions}
-    for rid in list(router._pending):
+    for rid in list(router.attempts.open):
         router.on_complete(rid)
     again = {s: router.route({**group_prompt(0, 1), "user": s}, BACKENDS)[1].backend for s in sessions}
-    for rid in list(router._pending):
+    for rid in list(router.attempts.open):
         router.on_complete(rid)
     assert first == again
     grown = {s: router.route({**group_prompt(0, 2), "user": s}, [*BACKENDS, "r4"])[1].backend for s in sessions}

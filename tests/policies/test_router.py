@@ -96,7 +96,7 @@ def test_cancel_releases_and_expire_cleans_lost_callbacks():
     router.route(LONG, ["a", "b"])
     t[0] = 100
     assert router.expire() == 1
-    assert router.load.total_inflight(["a", "b"]) == 0 and not router._pending
+    assert router.load.total_inflight(["a", "b"]) == 0 and not router.attempts.open
 
 
 def test_remove_backend_purges_state_and_groups_have_own_policies():
@@ -132,10 +132,10 @@ def test_first_token_settles_provisional_blocks():
     first, _ = router.route(LONG, ["a", "b"])
     router.on_first_token(first.request_id)
     sibling, d2 = router.route(LONG, ["a", "b"])
-    assert router._pending[sibling.request_id].confirmed_blocks == d2.matched_blocks > 0
+    assert router.attempts.open[sibling.request_id].confirmed_blocks == d2.matched_blocks > 0
     router.on_failure(first.request_id, before_prefill=False)
     router.on_cancel(sibling.request_id)
-    assert not router._provisional and not router._pending
+    assert not router._provisional and not router.attempts.open
 
 
 def test_a_repicked_request_id_becomes_the_newest_pending_and_the_oldest_is_released_first() -> None:
