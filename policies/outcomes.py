@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
-from kvroute.policies.health import Outcome, status_outcome
+from kvroute.policies.health import Outcome
 
 
 class FailureKind(StrEnum):
@@ -104,6 +104,32 @@ def _norm(text: str) -> str:
 
 
 _CANCEL_WORDS = ("cancellederror", "clientdisconnect", "requestaborted", "clientdisconnected")
+# Error-type words (LiteLLM/OpenAI exception names, OpenRouter ``error_type`` values), matched in a name lower-cased
+# with everything but letters and digits dropped; the first rule that matches names the kind (None: the backend's
+# own failure, whatever the default of the caller).
+_TYPE_RULES: tuple[tuple[FailureKind | None, tuple[str, ...]], ...] = (
+    (FailureKind.CANCELLED, ("cancel", "clientdisconnect", "aborted")),
+    (None, ("midstream", "timeout", "timedout", "connect", "connection")),
+    (FailureKind.CAPACITY, ("ratelimit", "overloaded", "capacity", "toomanyrequests", "quotaexceeded")),
+    (FailureKind.BACKEND_CONFIG, ("authentication", "unauthorized", "permission", "forbidden", "notfound",
+                                  "insufficientcredit", "paymentrequired", "invalidapikey")),
+    (FailureKind.REQUEST_INVALID, ("contextwindow", "contextlength", "contentpolicy", "badrequest", "unprocessable",
+                                   "invalidrequest", "validation", "toolarge")),
+    (None, ("serviceunavailable", "internalserver", "badgateway", "server", "apierror", "unavailable")),
+)
+
+
+def typed_kind(error_type: str | type | None, *, mid_stream: bool = False) -> FailureKind | None:
+    """The kind an error type's words name (an exception class or its name): cancelled, capacity, the backend's
+    configuration or the request; None for the backend's own failure, for no word known, and for anything but a
+    cancellation once the stream had started (``mid_stream``)."""
+    if error_type is None:
+        return None
+    word = _norm(error_type if isinstance(error_type, str) else getattr(error_type, "__name__", str(error_type)))
+    for kind, words in _TYPE_RULES:
+        if any(w in word for w in words):
+            return kind if kind is FailureKind.CANCELLED or not mid_stream else None
+    return None
 _ROUTER_WORDS = ("routerratelimiterror", "budgetexceeded", "proxyexception", "proxymodelnotfound",
                  "rejectedrequest", "nodeploymentsavailable", "invalidmodelname")
 _ROUTER_TEXT = ("no deployments available", "all deployments for selected model are in cooldown",
@@ -183,11 +209,6 @@ def _by_status(status: int, retry_after: float | None, mid_stream: bool) -> tupl
     return FailureKind.BACKEND_ERROR, True
 
 
-#: The kind an error type's words give when nothing else in the failure does.
-_TYPED_KIND = {Outcome.CAPACITY: FailureKind.CAPACITY, Outcome.CONFIG_FAILURE: FailureKind.BACKEND_CONFIG,
-               Outcome.CLIENT_ERROR: FailureKind.REQUEST_INVALID, Outcome.CANCELLED: FailureKind.CANCELLED}
-
-
 def classify_fields(http_status: int | None, error_class: str | None = None, message: str | None = None, *,
                     backend_called: bool | None = None) -> Attribution:
     """Attribute a failure known only by its logged fields (an HTTP status, an error class name, a message), by
@@ -206,13 +227,13 @@ def classify_fields(http_status: int | None, error_class: str | None = None, mes
         return verdict(FailureKind.TIMEOUT, True)
     if name not in _WRAPPERS and (any(w in name for w in _CONNECT_WORDS) or name == "connectionerror"):
         return verdict(FailureKind.CONNECT_ERROR, True)
-    typed = status_outcome(None, error_class) if error_class else None
+    typed = typed_kind(error_class) if error_class else None
     if http_status is not None:  # as ``classify`` reads an exception's ``status_code``
         kind, blamed = _by_status(http_status, retry_after, False)
-        if kind in (FailureKind.BACKEND_ERROR, FailureKind.REQUEST_INVALID) and typed is Outcome.CAPACITY:
+        if kind in (FailureKind.BACKEND_ERROR, FailureKind.REQUEST_INVALID) and typed is FailureKind.CAPACITY:
             kind, blamed = FailureKind.CAPACITY, True
         return verdict(kind, blamed)
-    kind = _TYPED_KIND.get(typed, FailureKind.BACKEND_ERROR) if typed is not None else FailureKind.BACKEND_ERROR
+    kind = typed or FailureKind.BACKEND_ERROR
     return verdict(kind, kind in BLAMING)
 
 
@@ -264,11 +285,10 @@ def classify(exc: BaseException | None, *, backend_called: bool | None = None,
         if status == 400 and any("apiconnectionerror" in n for n in names):
             return verdict(FailureKind.REQUEST_REJECTED, False)  # LiteLLM's own input validation
         kind, blamed = _by_status(status, retry_after, mid_stream)
-        if kind in (FailureKind.BACKEND_ERROR, FailureKind.REQUEST_INVALID):
-            typed = status_outcome(None, type(exc), mid_stream=mid_stream)
-            if typed is Outcome.CAPACITY:
-                kind, blamed = FailureKind.CAPACITY, True
+        if kind in (FailureKind.BACKEND_ERROR, FailureKind.REQUEST_INVALID) and \
+                typed_kind(type(exc), mid_stream=mid_stream) is FailureKind.CAPACITY:
+            kind, blamed = FailureKind.CAPACITY, True
         return verdict(kind, blamed)
-    typed = status_outcome(None, type(exc), mid_stream=mid_stream)
-    kind = _TYPED_KIND.get(typed, FailureKind.STREAM_CUT if mid_stream else FailureKind.BACKEND_ERROR)
+    kind = typed_kind(type(exc), mid_stream=mid_stream) or (
+        FailureKind.STREAM_CUT if mid_stream else FailureKind.BACKEND_ERROR)
     return verdict(kind, kind in BLAMING)

@@ -1,4 +1,5 @@
-"""Outcome classification, the breaker state machine (with property tests) and latency degradation."""
+"""The breaker's word as a view of the one failure classifier, the breaker state machine (with property tests)
+and latency degradation."""
 
 from __future__ import annotations
 
@@ -16,57 +17,56 @@ from kvroute.policies.health import (
     Outcome,
     Transition,
 )
-from kvroute.policies.health import status_outcome as classify
+from kvroute.policies.outcomes import FailureKind, classify_fields, typed_kind
 
-# --- classify -----------------------------------------------------------------------------------
+# --- the breaker's word: a view of the one classifier -------------------------------------------
 
 
 @pytest.mark.parametrize(
-    ("args", "kwargs", "expected"),
+    ("status", "error_type", "expected"),
     [
-        ((200,), {}, Outcome.SUCCESS),
-        ((None, None), {}, Outcome.SUCCESS),
-        ((500,), {}, Outcome.PROVIDER_FAILURE),
-        ((502,), {}, Outcome.PROVIDER_FAILURE),
-        ((529,), {}, Outcome.PROVIDER_FAILURE),
-        ((None, "APIConnectionError"), {}, Outcome.PROVIDER_FAILURE),
-        ((None, "Timeout"), {}, Outcome.PROVIDER_FAILURE),
-        ((408,), {}, Outcome.PROVIDER_FAILURE),
-        ((200,), {"ttft_timeout": True}, Outcome.PROVIDER_FAILURE),
-        ((200,), {"mid_stream": True}, Outcome.PROVIDER_FAILURE),
-        ((429,), {"retry_after_s": 3}, Outcome.CAPACITY),
-        ((429,), {}, Outcome.CAPACITY),
-        ((503,), {"retry_after_s": 5}, Outcome.CAPACITY),
-        ((503,), {}, Outcome.PROVIDER_FAILURE),
-        ((None, "provider_overloaded"), {}, Outcome.CAPACITY),
-        ((None, "RateLimitError"), {}, Outcome.CAPACITY),
-        ((401,), {}, Outcome.CONFIG_FAILURE),
-        ((402,), {}, Outcome.CONFIG_FAILURE),
-        ((403,), {}, Outcome.CONFIG_FAILURE),
-        ((404,), {}, Outcome.CONFIG_FAILURE),
-        ((None, "AuthenticationError"), {}, Outcome.CONFIG_FAILURE),
-        ((400,), {}, Outcome.CLIENT_ERROR),
-        ((413,), {}, Outcome.CLIENT_ERROR),
-        ((422,), {}, Outcome.CLIENT_ERROR),
-        ((400, "ContextWindowExceededError"), {}, Outcome.CLIENT_ERROR),
-        ((None, "asyncio.CancelledError"), {}, Outcome.CANCELLED),
-        ((499,), {}, Outcome.CANCELLED),
-        ((500, "CancelledError"), {"mid_stream": True}, Outcome.CANCELLED),
-        ((None, "SomethingUnknown"), {}, Outcome.PROVIDER_FAILURE),
-        (("junk",), {}, Outcome.SUCCESS),
+        (500, None, Outcome.PROVIDER_FAILURE),
+        (502, None, Outcome.PROVIDER_FAILURE),
+        (529, None, Outcome.PROVIDER_FAILURE),
+        (None, "APIConnectionError", Outcome.PROVIDER_FAILURE),
+        (None, "Timeout", Outcome.PROVIDER_FAILURE),
+        (408, None, Outcome.PROVIDER_FAILURE),
+        (429, None, Outcome.CAPACITY),
+        (503, None, Outcome.PROVIDER_FAILURE),
+        (None, "provider_overloaded", Outcome.CAPACITY),
+        (None, "RateLimitError", Outcome.CAPACITY),
+        (401, None, Outcome.CONFIG_FAILURE),
+        (402, None, Outcome.CONFIG_FAILURE),
+        (403, None, Outcome.CONFIG_FAILURE),
+        (404, None, Outcome.CONFIG_FAILURE),
+        (None, "AuthenticationError", Outcome.CONFIG_FAILURE),
+        (400, None, Outcome.CLIENT_ERROR),
+        (413, None, Outcome.CLIENT_ERROR),
+        (422, None, Outcome.CLIENT_ERROR),
+        (400, "ContextWindowExceededError", Outcome.CLIENT_ERROR),
+        (None, "asyncio.CancelledError", Outcome.CANCELLED),
+        (499, None, Outcome.CANCELLED),
+        (None, "SomethingUnknown", Outcome.PROVIDER_FAILURE),
     ],
 )
-def test_classify(args, kwargs, expected):
-    assert classify(*args, **kwargs) is expected
+def test_the_breakers_word_is_the_classifiers_verdict_seen_through_its_table(status, error_type, expected):
+    assert classify_fields(status, error_type).outcome is expected
 
 
-def test_classify_accepts_exception_classes():
+def test_type_words_name_a_kind_from_a_class_or_a_name_and_only_a_cancellation_once_streaming():
     class RateLimitError(Exception):
         pass
 
-    assert classify(None, RateLimitError) is Outcome.CAPACITY
-    assert classify(None, TimeoutError) is Outcome.PROVIDER_FAILURE
-    assert classify(None, ConnectionRefusedError) is Outcome.PROVIDER_FAILURE
+    assert typed_kind(RateLimitError) is FailureKind.CAPACITY
+    assert typed_kind("provider_overloaded") is FailureKind.CAPACITY
+    assert typed_kind("AuthenticationError") is FailureKind.BACKEND_CONFIG
+    assert typed_kind("ContextWindowExceededError") is FailureKind.REQUEST_INVALID
+    assert typed_kind("Cancelled") is FailureKind.CANCELLED
+    assert typed_kind(TimeoutError) is None and typed_kind(ConnectionRefusedError) is None  # the backend's own
+    assert typed_kind("ServiceUnavailableError") is None and typed_kind("SomethingUnknown") is None
+    assert typed_kind(None) is None
+    assert typed_kind(RateLimitError, mid_stream=True) is None  # a started stream that fails is a cut
+    assert typed_kind("CancelledError", mid_stream=True) is FailureKind.CANCELLED
 
 
 # --- breaker ------------------------------------------------------------------------------------
