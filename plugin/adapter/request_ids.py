@@ -18,11 +18,11 @@ client-controlled and are used for none of them. Client-sent ``kvroute_*`` ident
 what billing saw, the failure verdict), the backends that failed it and the exceptions already judged; the attempts
 still awaiting an outcome are indexed in ``open``. The request's app (``kvroute.billing.attribution``, the one rule
 the ledger, metrics and routing rules share) is resolved once, when kvroute first sees the request, and kept on its
-state. Evicting a request (the oldest beyond ``max_requests``) forgets all of it at once. A request is also
-forgotten once it has been quiet for ``quiet_s`` (no attempt running, none begun or closed since): its attempts are
-over, and LiteLLM's late events for them (the success log runs after the response) have come. An attempt runs
-while it awaits its routed outcome, or was sent upstream and neither booked nor judged (for ``stale_s`` at most).
-A hook resolves its attempt once (``resolve``: one HMAC check).
+state. Evicting a request (the least recently changed beyond ``max_requests``) forgets all of it at once. A
+request is also forgotten once it has been quiet for ``quiet_s`` (no attempt running, none begun or closed since):
+its attempts are over, and LiteLLM's late events for them (the success log runs after the response) have come. An
+attempt runs while it awaits its routed outcome, or was sent upstream and neither booked nor judged (for ``stale_s``
+at most). A hook resolves its attempt once (``resolve``: one HMAC check).
 """
 
 from __future__ import annotations
@@ -117,6 +117,7 @@ class RequestState:
     cancelled: bool = False  # its client went away and its attempt is booked ``cancelled`` (nothing else is)
     failed: list[str] = field(default_factory=list)  # backends blamed for this request's failed attempts
     judged: list[BaseException] = field(default_factory=list)  # exceptions whose verdict was applied
+    changed: float = 0.0  # when an attempt of it last began or closed (``RequestIds.requests`` is in this order)
 
     def note_failed(self, backend: str) -> None:
         """Remember ``backend`` failed this request (a retry avoids it while others remain)."""
@@ -190,7 +191,6 @@ class RequestIds:
         self.open: OrderedDict[str, Attempt] = OrderedDict()  # routed attempts awaiting an outcome, by ticket id
         self.quiet_s, self.stale_s = quiet_s, stale_s
         self.clock = clock
-        self._changed: OrderedDict[str, float] = OrderedDict()  # request id -> when it last changed, oldest first
 
     def _sign(self, request_id: str) -> str:
         return hmac.new(self._key, request_id.encode(), hashlib.sha256).hexdigest()[:24]
@@ -221,10 +221,9 @@ class RequestIds:
             session_id, tags = self.labels(meta)
             state = self.requests[rid] = RequestState(rid, meta[SIG_KEY], app=self.app_rule(meta),
                                                       session_id=session_id, tags=tags)
-            self._changed[rid] = self.clock()
+            state.changed = self.clock()
             while len(self.requests) > self.max_requests:
-                old_id, old = self.requests.popitem(last=False)
-                self._changed.pop(old_id, None)
+                _, old = self.requests.popitem(last=False)
                 for attempt in old.attempts:
                     self.close(attempt.ticket, cancel=True)
         return state
@@ -300,30 +299,30 @@ class RequestIds:
         self.release_quiet()
 
     def _touch(self, request_id: str) -> None:
-        if request_id in self.requests:
-            self._changed[request_id] = self.clock()
-            self._changed.move_to_end(request_id)
+        state = self.requests.get(request_id)
+        if state is not None:
+            state.changed = self.clock()
+            self.requests.move_to_end(request_id)
 
-    def _running(self, state: RequestState, changed: float, now: float) -> bool:
+    def _running(self, state: RequestState, now: float) -> bool:
         """Whether an attempt of ``state`` still runs: routed and awaiting its outcome, or sent and not yet booked
         nor judged (until ``stale_s`` after the request last changed)."""
         for a in state.attempts:
             if self.open.get(a.ticket) is a:
                 return True
-            if a.sent and not a.recorded and a.verdict is None and not a.hedge_lost and now - changed < self.stale_s:
+            unsettled = a.sent and not a.recorded and a.verdict is None and not a.hedge_lost
+            if unsettled and now - state.changed < self.stale_s:
                 return True
         return False
 
     def release_quiet(self) -> int:
         """Forget the requests quiet for ``quiet_s`` (no attempt running, no change); how many were forgotten."""
         now, quiet = self.clock(), []
-        for rid, changed in self._changed.items():
-            if changed > now - self.quiet_s:
+        for rid, state in self.requests.items():  # least recently changed first
+            if state.changed > now - self.quiet_s:
                 break
-            state = self.requests.get(rid)
-            if state is None or not self._running(state, changed, now):  # else a long stream: looked at next time
+            if not self._running(state, now):  # else a long stream: looked at next time
                 quiet.append(rid)
         for rid in quiet:
-            del self._changed[rid]
-            self.requests.pop(rid, None)
+            del self.requests[rid]
         return len(quiet)

@@ -75,7 +75,7 @@ def test_a_finished_request_is_forgotten_once_quiet_and_a_running_one_is_kept() 
     t[0] = 601.0
     ids.expire(horizon=-1.0)
     assert ids.state(sent) is None and ids.state(running) is not None  # an outcome that never came: given up
-    assert set(ids.requests) == {running["kvroute_request"]} and list(ids._changed) == list(ids.requests)
+    assert set(ids.requests) == {running["kvroute_request"]}
 
 
 def test_the_store_stays_bounded_by_what_one_quiet_period_holds() -> None:
@@ -89,4 +89,19 @@ def test_the_store_stays_bounded_by_what_one_quiet_period_holds() -> None:
         if i % 300 == 0:  # the callback's periodic expire (every 30 s)
             ids.expire(horizon=t[0] - 600.0)
             sizes.append(len(ids.requests))
-    assert max(sizes) <= 10 * (60 + 30) + 1 and len(ids._changed) == len(ids.requests)
+    assert max(sizes) <= 10 * (60 + 30) + 1
+
+
+def test_the_store_is_in_order_of_last_change_so_a_full_store_evicts_the_least_recently_changed() -> None:
+    t = [0.0]
+    ids = RequestIds(max_requests=2, clock=lambda: t[0])
+    old, old_attempt = _routed(ids)
+    t[0] = 1.0
+    newer, _ = _routed(ids)
+    t[0] = 2.0
+    ids.close(old_attempt.ticket)  # the older request just changed: now the newest
+    assert list(ids.requests) == [newer["kvroute_request"], old["kvroute_request"]]
+    assert ids.requests[old["kvroute_request"]].changed == 2.0
+    t[0] = 3.0
+    _routed(ids)
+    assert ids.state(old) is not None and ids.state(newer) is None
