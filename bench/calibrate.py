@@ -142,11 +142,11 @@ def sim_cell(repeats: list[dict]) -> dict:
 
 
 def run_sim(workloads: list[str], cores: float, background: Mapping[str, float] | float,
-            hops_ms: Mapping[str, float] | Mapping[str, Mapping[str, float]], say,
+            hops_ms: Mapping[str, Mapping[str, float]], say,
             tokenize: Tokenize | None = None, repeats: int = 1, jitters: dict[str, Jitter] | None = None,
             costs: Mapping[str, float] | None = None) -> dict:
-    """The simulator's figures per workload and router (``hops_ms``: each router's round trip as measured, one for
-    every workload or per workload):
+    """The simulator's figures per workload and router (``hops_ms``: per workload, each router's round trip as
+    measured; a router missing: none):
     ``repeats`` runs per cell, repeat ``n`` with its requests moved by the workload's measured jitter drawn with
     seed ``n`` (``bench/calibrate_jitter.py``; no jitter: every repeat the same timeline), each workload's engines
     ``costs`` times slower than the preset (measured; none: 1), medians and the repeats."""
@@ -162,7 +162,7 @@ def run_sim(workloads: list[str], cores: float, background: Mapping[str, float] 
     for name in workloads:
         workload = build(name, size, capacity)
         jitter = jitters.get(name, Jitter())
-        hops = hops_ms.get(name, {}) if isinstance(hops_ms.get(name), Mapping) else hops_ms
+        hops = hops_ms.get(name, {})
         cells = {}
         for rival, policy in ROUTERS:
             hop_s = float(hops.get(rival) or 0.0) / 1000.0

@@ -121,15 +121,15 @@ def test_nearest_rank():
 
 def test_a_small_calibrate_run_on_the_simulator_side():
     said: list[str] = []
-    out = calibrate.run_sim(["demo"], 2.0, 0.0, {"kvroute": 50.0}, said.append, tokenize=_bytes)
+    out = calibrate.run_sim(["demo"], 2.0, 0.0, {"demo": {"kvroute": 50.0}}, said.append, tokenize=_bytes)
     cells = out["workloads"]["demo"]
     assert set(cells) == {r for r, _ in calibrate.ROUTERS} and said and said[0].startswith("sim demo: ")
     assert all(c["failed"] == 0 and c["requests"] == 24 for c in cells.values())
     assert cells["kvroute"]["cached_share"] > cells["sglang-rr"]["cached_share"] + 0.2
     assert cells["smg-ca"]["cached_share"] > cells["sglang-rr"]["cached_share"] + 0.2
     assert all(0 < c["ttft_p50_ms"] <= c["ttft_p90_ms"] for c in cells.values())
-    assert out["hop_ms"] == {"kvroute": 50.0} and out["cache_tokens"] == calibrate.cache_tokens()
-    busy = calibrate.run_sim(["demo"], 2.0, 2.0, {"kvroute": 50.0}, said.append, tokenize=_bytes)
+    assert out["hop_ms"] == {"demo": {"kvroute": 50.0}} and out["cache_tokens"] == calibrate.cache_tokens()
+    busy = calibrate.run_sim(["demo"], 2.0, 2.0, {"demo": {"kvroute": 50.0}}, said.append, tokenize=_bytes)
     rr, busy_rr = cells["sglang-rr"], busy["workloads"]["demo"]["sglang-rr"]
     assert busy_rr["ttft_p90_ms"] > rr["ttft_p90_ms"]  # a busy host slows the replicas
 
@@ -153,9 +153,10 @@ def test_hops_come_from_the_real_runs_under_load_else_the_idle_fleet_else_none()
     assert calibrate.hops_ms(real) == {"demo": {"kvroute": 46.0, "smg-ca": 4.0, "sglang-rr": 0.0}}
     assert calibrate.hops_ms(None) == {}
     said: list[str] = []
-    per_workload = calibrate.run_sim(["demo"], 2.0, 0.0, {"demo": {"kvroute": 50.0}}, said.append, tokenize=_bytes)
-    flat = calibrate.run_sim(["demo"], 2.0, 0.0, {"kvroute": 50.0}, said.append, tokenize=_bytes)
-    assert per_workload["workloads"] == flat["workloads"]
+    slow_hop = calibrate.run_sim(["demo"], 2.0, 0.0, {"demo": {"kvroute": 80.0}}, said.append, tokenize=_bytes)
+    no_hop = calibrate.run_sim(["demo"], 2.0, 0.0, {}, said.append, tokenize=_bytes)
+    p50 = [run["workloads"]["demo"]["kvroute"]["ttft_p50_ms"] for run in (slow_hop, no_hop)]
+    assert p50[0] > p50[1]  # each TTFT carries the router's round trip
 
 
 def test_engine_cost_is_the_replicas_cpu_per_computed_token_over_every_run():
