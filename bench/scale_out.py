@@ -31,6 +31,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shared_state_bench import _start_redis
 
+from kvroute.plugin.dev.child_processes import tree_rss_mib
 from kvroute.plugin.dev.fleet import Fleet, ReplicaOptions
 from kvroute.plugin.dev.instances import ProxyInstances
 from kvroute.plugin.dev.proxy_process import ModelGroup, build_proxy_config
@@ -46,24 +47,6 @@ def proxy_config(replica_bases: list[str]) -> dict:
     cfg["kvroute"] = {"default_policy": "cache_aware",
                       "groups": {"llama": {"policy": "cache_aware", "knobs": {"min_prefix_tokens": 256}}}}
     return cfg
-
-
-def group_rss_mib(pid: int) -> float:
-    """Resident memory of every process in ``pid``'s process group (the proxy and anything it forked)."""
-    total = 0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            if os.getpgid(int(entry)) != pid:
-                continue
-            with open(f"/proc/{entry}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1])
-        except (OSError, ProcessLookupError, ValueError):
-            continue
-    return total / 1024
 
 
 async def agreement(fleet: ProxyInstances, probes: int, seed: int) -> tuple[int, int]:
@@ -96,7 +79,7 @@ async def one_size(n: int, redis_url: str, replicas: Fleet, plan: SprayPlan, pro
     with ProxyInstances(cfg, n, redis_url=redis_url, namespace=f"scale-{uuid.uuid4().hex[:6]}",
                         hash_secret=HASH_SECRET) as fleet:
         started_s = time.monotonic() - t0
-        rss_idle = [group_rss_mib(pid) for pid in fleet.pids()]
+        rss_idle = [tree_rss_mib(pid) for pid in fleet.pids()]
         before = await engine_tokens(replicas.base_urls)
         t1 = time.monotonic()
         result = await spray(fleet.base_urls, fleet.master_key, plan)
@@ -108,7 +91,7 @@ async def one_size(n: int, redis_url: str, replicas: Fleet, plan: SprayPlan, pro
                 reasons[reason] = reasons.get(reason, 0) + count
         agreed, asked = await agreement(fleet, probes, seed=plan.seed + 7)
         statuses = [fleet.status(i) for i in range(n)]
-        rss = [group_rss_mib(pid) for pid in fleet.pids()]
+        rss = [tree_rss_mib(pid) for pid in fleet.pids()]
     prompt, cached = after[0] - before[0], after[1] - before[1]
     lags = [s["shared_state"]["replication"] for s in statuses]
     p50s = [lag["lag_p50_s"] for lag in lags if lag["lag_p50_s"] is not None]

@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import random
 import tempfile
 import time
@@ -36,6 +35,7 @@ from typing import Any
 
 import httpx
 
+from kvroute.plugin.dev.child_processes import tree_rss_mib
 from kvroute.plugin.dev.fleet import Fleet, ReplicaOptions
 from kvroute.plugin.dev.proxy_process import ModelGroup, ProxyProcess, build_proxy_config
 
@@ -59,26 +59,6 @@ class Arm:
     bases: list[str]
     outcomes: Counter = field(default_factory=Counter)
     samples: list[tuple[float, float]] = field(default_factory=list)  # (seconds since start, MB)
-
-
-def tree_rss_mb(pid: int) -> float:
-    """Resident memory of ``pid`` and all its descendants, MB (``/proc``; 0 once gone)."""
-    total, todo, seen = 0, [pid], set()
-    while todo:
-        p = todo.pop()
-        if p in seen:
-            continue
-        seen.add(p)
-        try:
-            status = Path(f"/proc/{p}/status").read_text()
-            for task in os.listdir(f"/proc/{p}/task"):
-                todo += [int(c) for c in Path(f"/proc/{p}/task/{task}/children").read_text().split()]
-        except (OSError, ValueError):
-            continue
-        for line in status.splitlines():
-            if line.startswith("VmRSS:"):
-                total += int(line.split()[1])
-    return total / 1024
 
 
 def slope_mb_per_10min(samples: list[tuple[float, float]]) -> float | None:
@@ -148,7 +128,7 @@ async def sample(arms: list[Arm], start: float, period_s: float) -> None:
     while True:
         for arm in arms:
             if arm.proxy.process is not None:
-                arm.samples.append((round(time.monotonic() - start, 1), round(tree_rss_mb(arm.proxy.process.pid), 2)))
+                arm.samples.append((round(time.monotonic() - start, 1), round(tree_rss_mib(arm.proxy.process.pid), 2)))
         await asyncio.sleep(period_s)
 
 
@@ -173,7 +153,7 @@ async def drive(arms: list[Arm], args: argparse.Namespace) -> int:
         if inflight:
             await asyncio.wait(inflight, timeout=60)
         for arm in arms:  # a last sample after the tail drained
-            arm.samples.append((round(time.monotonic() - start, 1), round(tree_rss_mb(arm.proxy.process.pid), 2)))
+            arm.samples.append((round(time.monotonic() - start, 1), round(tree_rss_mib(arm.proxy.process.pid), 2)))
         for task in background:
             task.cancel()
         return i

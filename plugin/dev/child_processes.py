@@ -232,3 +232,23 @@ class ChildOwner:
             self.stop()
         finally:
             self._leave_signals()
+
+
+def tree_rss_mib(pid: int) -> float:
+    """Resident memory of ``pid`` and all its descendants in MiB (Linux ``/proc``; 0 once gone or elsewhere)."""
+    total, todo, seen = 0, [pid], set()
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+            for task in os.listdir(f"/proc/{p}/task"):
+                todo += [int(c) for c in Path(f"/proc/{p}/task/{task}/children").read_text().split()]
+        except (OSError, ValueError):
+            continue
+        for line in status.splitlines():
+            if line.startswith("VmRSS:"):
+                total += int(line.split()[1])
+    return total / 1024

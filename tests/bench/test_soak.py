@@ -16,6 +16,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import soak  # noqa: E402
 
+from kvroute.plugin.dev.child_processes import tree_rss_mib  # noqa: E402
+
 
 def test_slope_is_least_squares_in_mb_per_ten_minutes():
     assert soak.slope_mb_per_10min([(t, 100 + 0.01 * t + (-1) ** t * 0.5) for t in range(0, 600, 5)]) == \
@@ -33,7 +35,7 @@ def test_verdict_compares_kvroute_with_plain_within_the_tolerance():
 
 
 def test_tree_rss_counts_this_process():
-    assert soak.tree_rss_mb(os.getpid()) > 1.0
+    assert tree_rss_mib(os.getpid()) > 1.0
 
 
 def test_the_mix_has_every_kind_shared_prefixes_one_offs_and_many_sessions():
