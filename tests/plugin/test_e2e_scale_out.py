@@ -107,21 +107,22 @@ async def send_to(fleet: ProxyInstances, i: int, messages: list[dict]) -> str | 
 MISSES: list[str] = []
 
 
-async def decide(fleet: ProxyInstances, j: int, messages: list[dict], holder: str | None) -> str:
+async def decide(fleet: ProxyInstances, j: int, messages: list[dict], holder: str | None) -> tuple[str, str | None]:
     """Instance ``j`` sends ``messages``: ``match`` (to ``holder``, counted ``prefix_match``), ``spill`` (it knew a
-    holder but load moved the request: ``prefix_spill``) or ``miss`` (anything else, noted in ``MISSES``)."""
+    holder but load moved the request: ``prefix_spill``) or ``miss`` (anything else, noted in ``MISSES``); with the
+    replica that served it."""
     before = fleet.decisions(j, "llama")
     backend = await send_to(fleet, j, messages)
     after = fleet.decisions(j, "llama")
     delta = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
     if backend == holder and delta.get("prefix_match", 0) == 1:
-        return "match"
+        return "match", backend
     MISSES.append(f"instance {j}: {backend} (holder {holder}), decisions {delta}")
-    return "spill" if delta.get("prefix_spill", 0) == 1 else "miss"
+    return ("spill" if delta.get("prefix_spill", 0) == 1 else "miss"), backend
 
 
 async def follows(fleet: ProxyInstances, j: int, messages: list[dict], holder: str | None) -> bool:
-    return await decide(fleet, j, messages, holder) == "match"
+    return (await decide(fleet, j, messages, holder))[0] == "match"
 
 
 async def test_four_instances_keep_one_instances_cached_share(stack):
@@ -148,7 +149,12 @@ async def test_a_prefix_sent_to_one_instance_is_a_match_on_every_other(stack):
         await asyncio.sleep(0.3)  # replication takes tens of milliseconds (status: shared_state.replication)
         for j in range(len(fleet)):
             if j != probe % len(fleet):
-                outcomes.append(await decide(fleet, j, probe_messages(probe, 1 + j), holder))
+                outcome, served = await decide(fleet, j, probe_messages(probe, 1 + j), holder)
+                outcomes.append(outcome)
+                # Each follow-up extends the last, so whoever served it holds the longest prefix: after a spill
+                # that is the new replica, and the next instance's longest match is there.
+                holder = served
+                await asyncio.sleep(0.3)
     agreed, total = outcomes.count("match"), len(outcomes)
     lags = [fleet.status(i)["shared_state"]["replication"] for i in range(len(fleet))]
     print(f"\nagreement {agreed}/{total}; replication lag p50/p90 per instance: "
