@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from kvroute.plugin.adapter.attempt_events import AttemptEvents
     from kvroute.plugin.adapter.billing_feed import BillingFeed
     from kvroute.plugin.adapter.decision_log import DecisionLog
     from kvroute.plugin.adapter.deployments import Backend, Deployments
@@ -60,6 +61,9 @@ class CallbackHost(Protocol):
 
     @property
     def shared(self) -> Any: ...
+
+    @property
+    def events(self) -> AttemptEvents: ...
 
     def router_for(self, group: str, backends: Sequence[Backend]) -> Router: ...
 

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvroute.plugin.adapter.attempt_events import AttemptEvents, Ended, How, Payload
 from kvroute.plugin.adapter.request_ids import ATTEMPT_KEY, HEDGE_TO_KEY, TICKET_KEY
 from kvroute.plugin.adapter.signals import chunk_has_output, request_metadata
 from kvroute.policies.hedging import HedgeConfig, Hedger, HedgeRoute
@@ -171,11 +172,11 @@ class Hedges:
     """The groups' hedgers and how a proxy stream of one is raced (built once by the callback's set-up)."""
 
     def __init__(self, configs: Mapping[str, HedgeConfig], *, fleet: Any, ids: Any, available: Callable[[str], bool],
-                 billing: Any, metrics: Any, expected_hit: Callable[[str], float],
+                 billing: Any, metrics: Any, events: AttemptEvents, expected_hit: Callable[[str], float],
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.hedgers = {group: Hedger(cfg) for group, cfg in configs.items()}
         self.fleet, self.ids, self.available, self.billing, self.metrics = fleet, ids, available, billing, metrics
-        self.expected_hit, self.clock = expected_hit, clock
+        self.events, self.expected_hit, self.clock = events, expected_hit, clock
 
     def call(self, request_data: dict) -> HedgeCall | None:
         """The race of a proxy stream whose group hedges and whose attempt went to a route (None: no race)."""
@@ -210,14 +211,11 @@ class Hedges:
             loser = state.latest(backend=backend)
             if loser is None:
                 return
-            metrics.hedges.labels(group, "lost").inc()
-            if billing is not None:
-                billing.hedge_lost(request_data, loser, produced, primary=backend == primary.backend)
-            spend = getattr(loser.policy, "record_extra_spend", None)  # a hybrid group's spend cap counts it
-            if callable(spend):
-                spend(self.clock(), backend, loser.prompt_tokens, produced, f"{loser.ticket}:hedge_lost")
+            # booked (non-final), its pick's load released, its cost counted against a hybrid group's spend cap
+            self.events.ended(Ended(How.HEDGE_LOST, (state, loser), self.ids.open_attempt((state, loser)), backend,
+                                    self.clock(), payload=Payload(request_data), produced=produced,
+                                    primary=backend == primary.backend))
             loser.hedge_lost = True
-            self.ids.close(loser.ticket, cancel=True)  # release its pick's load
 
         def won(backend: str, stream: Any) -> None:
             if backend != primary.backend:

@@ -4,9 +4,11 @@ Request flow (verified on LiteLLM 1.110.2): ``async_filter_deployments`` (pick; 
 ``async_pre_call_deployment_hook`` (the deployment really used) → ``async_log_success_event`` or
 ``async_post_call_failure_deployment_hook`` (per attempt) + ``async_log_failure_event`` (request level).
 Attempts are linked through a routing id written into the request's metadata dict (shared by every hook).
-Every hook keeps LiteLLM's signature, resolves its attempt record once, catches its own errors and counts them,
-and delegates: ``pick`` (the choice), ``tenancy`` (tenant, salt, app), ``outcomes`` (load, policy, breaker,
-metrics), ``billing_feed`` (the ledger), ``wiring`` (set-up) and ``status_view`` (status).
+Every hook keeps LiteLLM's signature, resolves its attempt record once, catches its own errors and counts them.
+The hooks translate LiteLLM's payloads into an attempt's events (``attempt_events``: picked, sent, first token,
+answered, ended), which the ledger (``ledger_listener``), routing and the metrics (``outcomes``) listen to;
+``pick`` makes the choice, ``tenancy`` finds tenant, salt and app, ``billing_feed`` books the request-level
+events, ``wiring`` sets up and ``status_view`` reports.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import logging
 import os
 import sys
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from typing import Any
 from litellm.integrations.custom_logger import CustomLogger
 
 from kvroute.plugin.adapter import outcomes, pick, status_view, tenancy, wiring
+from kvroute.plugin.adapter.attempt_events import AttemptEvents, Ended, How, Payload
 from kvroute.plugin.adapter.billing_feed import BillingFeed
 from kvroute.plugin.adapter.decision_log import DecisionLog
 from kvroute.plugin.adapter.deployments import Backend, Deployments, litellm_cost_map
@@ -33,7 +35,7 @@ from kvroute.plugin.adapter.parts import Parts
 from kvroute.plugin.adapter.peer_filters import PeerFilters
 from kvroute.plugin.adapter.request_ids import ATTEMPT_KEY, TICKET_KEY, Attempt, RequestIds, RequestState
 from kvroute.plugin.adapter.rules import RuleBook
-from kvroute.plugin.adapter.signals import HealthAdapter, chunk_has_output, request_metadata
+from kvroute.plugin.adapter.signals import HealthAdapter, chunk_has_output, deployment_id, request_metadata
 from kvroute.plugin.settings import GroupSettings, KvrouteSettings
 from kvroute.policies import ChainKey, Router
 from kvroute.policies.base import Policy
@@ -77,9 +79,9 @@ class KvrouteCallback(CustomLogger):
         self.chain_fingerprint = ""
 
     @property
-    def tickets(self) -> OrderedDict[str, Attempt]:
-        """Routed attempts awaiting their outcome, by ticket id."""
-        return self.ids.open
+    def tickets(self) -> dict[str, Attempt]:
+        """Routed attempts awaiting their outcome, by ticket id (a snapshot)."""
+        return {a.ticket: a for a in self.ids.open_attempts()}
 
     # --- lazy set-up (the proxy imports the module before its config and router exist) -----------
     @property
@@ -100,6 +102,13 @@ class KvrouteCallback(CustomLogger):
         self._setup()
         assert self.parts.health is not None
         return self.parts.health
+
+    @property
+    def events(self) -> AttemptEvents:
+        """An attempt's events and their listeners (built on set-up)."""
+        self._setup()
+        assert self.parts.events is not None
+        return self.parts.events
 
     @property
     def shared(self) -> Any:
@@ -200,7 +209,9 @@ class KvrouteCallback(CustomLogger):
 
     def _answered(self, kwargs: Mapping[str, Any]) -> None:
         try:
-            outcomes.answered(self, self.ids.resolve(request_metadata(kwargs)))
+            ticket = self.ids.open_attempt(self.ids.resolve(request_metadata(kwargs)))
+            if ticket is not None:
+                self.events.answered(ticket)
         except Exception:
             self.count_error("answered")
 
@@ -262,8 +273,18 @@ class KvrouteCallback(CustomLogger):
                 self._cancelled(request_data, relayed, usage_chunk)
 
     def _first_token(self, kwargs: Mapping[str, Any]) -> None:
+        """A streamed chunk arrived: on the attempt's first, prefill is over (later chunks return before any check:
+        the attempt their metadata names has already seen its first token, so there is nothing to do)."""
         try:
-            outcomes.first_token(self, request_metadata(kwargs))
+            meta = request_metadata(kwargs)
+            named = meta.get(TICKET_KEY) if isinstance(meta, dict) else None
+            seen = self.ids.attempt_of(named) if isinstance(named, str) else None
+            if seen is not None and seen[1].first_token:
+                return
+            ticket = self.ids.open_attempt(self.ids.resolve(meta))
+            if ticket is not None and not ticket.first_token:
+                ticket.first_token = True
+                self.events.first_token(ticket)
         except Exception:
             self.count_error("stream_chunk")
 
@@ -271,13 +292,12 @@ class KvrouteCallback(CustomLogger):
         """The client went away: book what its provider bills for the attempt (``relayed`` output chunks, the
         provider's early usage if a chunk carried one), then release load (what was prefilled may stay cached);
         neutral for health."""
-        if self.billing is not None:
-            try:
-                self.billing.cancelled(kwargs, relayed, getattr(usage_chunk, "usage", None))
-            except Exception:
-                self.count_error("billing")
         try:
-            outcomes.cancelled(self, self.ids.resolve(request_metadata(kwargs)))
+            found = self.ids.resolve(request_metadata(kwargs))
+            ticket = self.ids.open_attempt(found)
+            self.events.ended(Ended(How.CANCELLED, found, ticket, ticket.backend if ticket is not None else None,
+                                    self.clock(), payload=Payload(kwargs, relayed=relayed,
+                                                                  usage=getattr(usage_chunk, "usage", None))))
         except Exception:
             self.count_error("cancel")
 
@@ -291,9 +311,11 @@ class KvrouteCallback(CustomLogger):
 
     def on_success(self, kwargs: Mapping[str, Any], response_obj: Any, start_time: Any, end_time: Any) -> None:
         found = self.ids.resolve(request_metadata(kwargs))
-        if self.billing is not None:
-            self.billing.success(kwargs, response_obj, start_time, end_time, found=found)
-        outcomes.success(self, kwargs, response_obj, start_time, end_time, found)
+        ticket = self.ids.open_attempt(found)
+        self.events.ended(Ended(
+            How.SUCCESS, found, ticket, deployment_id(kwargs) or (ticket.backend if ticket else None), self.clock(),
+            answer=outcomes.answer_of(kwargs, response_obj, start_time, end_time, ticket),
+            payload=Payload(kwargs, response_obj, start_time, end_time)))
 
     async def async_post_call_success_hook(self, data: dict, user_api_key_dict: Any, response: Any) -> Any:
         """Proxy, before the response goes out: record the final success (a kill after the answer loses nothing)."""
@@ -328,18 +350,14 @@ class KvrouteCallback(CustomLogger):
         found = verdict = None
         try:
             found = self.ids.resolve(request_metadata(request_data))
-            verdict = outcomes.attempt_verdict(self, request_data, exception, found)
+            verdict = outcomes.attempt_verdict(request_data, exception, found)
         except Exception:
             self.count_error("attempt_failure")
         try:
-            if self.billing is not None:
-                self.billing.attempt_failed(request_data, exception, found=found,
-                                            status=verdict.ledger_status if verdict is not None else None)
-        except Exception:
-            self.count_error("billing")
-        try:
-            if verdict is not None:
-                outcomes.attempt_failed(self, request_data, exception, found, verdict)
+            ticket = self.ids.open_attempt(found)
+            self.events.ended(Ended(How.FAILED, found, ticket,
+                                    deployment_id(request_data) or (ticket.backend if ticket else None), self.clock(),
+                                    verdict, exception, payload=Payload(request_data, exception=exception)))
         except Exception:
             log.debug("kvroute failure hook failed", exc_info=True)
             self.count_error("attempt_failure")
@@ -349,11 +367,13 @@ class KvrouteCallback(CustomLogger):
             exc = kwargs.get("exception")
             error = exc if isinstance(exc, BaseException) else RuntimeError(str(exc))
             found = self.ids.resolve(request_metadata(kwargs))
-            verdict = outcomes.request_verdict(self, kwargs, error, found)
-            if self.billing is not None:
+            verdict = outcomes.request_verdict(kwargs, error, found)
+            if self.billing is not None:  # booked as the request's event
                 self.billing.logged_failure(kwargs, exc, status=verdict.ledger_status
                                             if isinstance(exc, BaseException) else None)
-            outcomes.request_failed(self, kwargs, error, found, verdict)
+            ending = outcomes.request_failure_ending(kwargs, error, found, verdict, self.clock())
+            if ending is not None:
+                self.events.ended(ending)
         except Exception:
             self.count_error("failure")
 

@@ -1,15 +1,15 @@
-"""Outcomes of an attempt, fanned out once: the pick's load, the policy, the breaker and the metrics.
-
-Each hook resolves its attempt record once (``RequestIds.resolve``) and a failure is classified once
-(``kvroute.policies.outcomes.classify``); the verdict is kept on the record, and billing reads the same verdict.
+"""What an attempt's events mean for routing and for the metrics (two listeners of ``AttemptEvents``), and the
+translations the hooks make first: LiteLLM's success payload into an ``Answer``, a failure into its one verdict
+(``kvroute.policies.outcomes.classify``, kept on the attempt; the ledger, the breaker and the metric label read it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from kvroute.plugin.adapter.request_ids import TICKET_KEY, Attempt, RequestState
+from kvroute.plugin.adapter.attempt_events import Answer, Ended, How
+from kvroute.plugin.adapter.request_ids import Attempt, RequestState
 from kvroute.plugin.adapter.signals import (
     cached_tokens_of,
     completion_tokens_of,
@@ -17,6 +17,7 @@ from kvroute.plugin.adapter.signals import (
     duration_s,
     ledger_tokens,
     prompt_tokens_of,
+    request_metadata,
     ttft_of,
 )
 from kvroute.policies.lifecycle import CANCELLED, FAILURE, SUCCESS, RequestOutcome
@@ -28,73 +29,19 @@ if TYPE_CHECKING:
 Found = tuple[RequestState, Attempt] | None
 
 
-def answered(cb: CallbackHost, found: Found) -> None:
-    """The whole answer is back: release the pick's load now (the success event may come much later)."""
-    ticket = cb.ids.open_attempt(found)
-    if ticket is not None:
-        ticket.router.on_answered(ticket.rid)
-
-
-def first_token(cb: CallbackHost, meta: Any) -> None:
-    """A streamed chunk arrived: on the attempt's first, prefill is over (later chunks return before any check:
-    the attempt their metadata names has already seen its first token, so there is nothing to do)."""
-    named = meta.get(TICKET_KEY) if isinstance(meta, dict) else None
-    seen = cb.ids.open.get(named) if isinstance(named, str) else None
-    if seen is not None and seen.first_token:
-        return
-    ticket = cb.ids.open_attempt(cb.ids.resolve(meta))
-    if ticket is not None and not ticket.first_token:
-        ticket.first_token = True
-        ticket.router.on_first_token(ticket.rid)
-
-
-def cancelled(cb: CallbackHost, found: Found) -> None:
-    """The client went away: release load (what was prefilled may stay cached); neutral for health."""
-    ticket = cb.ids.open_attempt(found)
-    if ticket is None:
-        return
-    cb.ids.close(ticket.ticket)
-    ticket.router.finish(ticket.request, RequestOutcome(CANCELLED, ticket.backend, cb.clock(), health="cancelled",
-                                                        started_at=ticket.started), policy=ticket.policy)
-    if ticket.backend is not None:
-        cb.metrics.failed(ticket.backend, "cancelled", app=ticket.app)
-
-
-def success(cb: CallbackHost, kwargs: Mapping[str, Any], response_obj: Any, start_time: Any, end_time: Any,
-            found: Found) -> None:
-    """A successful attempt: settle the pick with the cached tokens seen, teach the policy, record health."""
-    ticket = cb.ids.open_attempt(found)
-    if ticket is not None:
-        cb.ids.close(ticket.ticket)
+def answer_of(kwargs: Mapping[str, Any], response: Any, start: Any, end: Any, attempt: Attempt | None) -> Answer:
+    """The figures of LiteLLM's success event for ``attempt`` (None: not one kvroute issued)."""
     slo = kwargs.get("standard_logging_object")
     slo = slo if isinstance(slo, Mapping) else {}
-    backend_id = deployment_id(kwargs) or (ticket.backend if ticket else None)
-    cached = cached_tokens_of(response_obj)
-    ttft = ttft_of(kwargs, slo, start_time, end_time)
-    group = str(slo.get("model_group") or (ticket.group if ticket else "") or "")
-    prompt_tokens = prompt_tokens_of(response_obj, slo)
-    now = cb.clock()
-    if ticket is not None:
-        # finish releases prefill and decode load and settles the blocks (no first-token step needed), then the
-        # policy learns and the breaker hears the success
-        ticket.router.finish(ticket.request, RequestOutcome(
-            SUCCESS, backend_id, now, cached_tokens=cached, ttft_s=ttft,
-            output_tokens=completion_tokens_of(response_obj), duration_s=duration_s(start_time, end_time),
-            prompt_tokens=prompt_tokens or None, health="success", started_at=ticket.started), policy=ticket.policy)
-    elif backend_id is not None:  # not routed by kvroute: the breaker still hears it
-        cb.health.record(backend_id, "success", now, ttft_s=ttft)
-    if backend_id is None:
-        return
-    app = ticket.app if ticket else cb.app_of(_metadata(kwargs), kwargs, found[0] if found else None)
-    cb.metrics.completed(group, backend_id, app, prompt_tokens, cached, ttft, ledger_tokens(response_obj))
-    if ticket is not None:
-        cb.metrics.set_inflight([(backend_id, ticket.router.load.inflight(backend_id))])
+    return Answer(group=str(slo.get("model_group") or (attempt.group if attempt else "") or ""),
+                  cached_tokens=cached_tokens_of(response), ttft_s=ttft_of(kwargs, slo, start, end),
+                  prompt_tokens=prompt_tokens_of(response, slo), output_tokens=completion_tokens_of(response),
+                  duration_s=duration_s(start, end), ledger_tokens=ledger_tokens(response))
 
 
-def attempt_verdict(cb: CallbackHost, request_data: Mapping[str, Any], exception: BaseException,
-                    found: Found) -> Attribution:
+def attempt_verdict(request_data: Mapping[str, Any], exception: BaseException, found: Found) -> Attribution:
     """The verdict on the failed attempt ``found`` names (classified once; kept on its record)."""
-    ticket = cb.ids.open_attempt(found)
+    ticket = found[1] if found is not None and found[1].awaiting else None
     backend_called = deployment_id(request_data) is not None or bool(ticket and ticket.backend is not None)
     verdict = classify(exception, first_token=bool(ticket and ticket.first_token))
     verdict = verdict if backend_called else verdict.unsent()
@@ -103,37 +50,9 @@ def attempt_verdict(cb: CallbackHost, request_data: Mapping[str, Any], exception
     return verdict
 
 
-def attempt_failed(cb: CallbackHost, request_data: Mapping[str, Any], exception: BaseException,
-                   found: Found, verdict: Attribution) -> Attribution:
-    """One attempt failed: release its pick and feed the breaker what the verdict blames."""
-    state = found[0] if found is not None else None
-    if state is not None:
-        state.note_judged(exception)
-    ticket = cb.ids.open_attempt(found)
-    if ticket is not None:
-        cb.ids.close(ticket.ticket)
-    backend_id = deployment_id(request_data) or (ticket.backend if ticket else None)
-    if ticket is not None:
-        kind = CANCELLED if verdict.kind is FailureKind.CANCELLED else FAILURE
-        ticket.router.finish(ticket.request, RequestOutcome(
-            kind, backend_id, cb.clock(), before_prefill=verdict.before_prefill,
-            health=verdict.outcome.value if backend_id is not None else None,
-            retry_after_s=verdict.retry_after_s, started_at=ticket.started), policy=ticket.policy)
-    if backend_id is None:
-        return verdict
-    if ticket is not None and verdict.blames_backend and state is not None:
-        state.note_failed(backend_id)
-    if ticket is None:
-        judge(cb, backend_id, verdict, None)
-    else:  # finish told the breaker
-        cb.metrics.failed(backend_id, verdict.outcome.value)
-    return verdict
-
-
-def request_verdict(cb: CallbackHost, kwargs: Mapping[str, Any], exception: BaseException,
-                    found: Found) -> Attribution:
+def request_verdict(kwargs: Mapping[str, Any], exception: BaseException, found: Found) -> Attribution:
     """The verdict on a request-level failure event (classified once, for the breaker and the ledger alike)."""
-    ticket = cb.ids.open_attempt(found)
+    ticket = found[1] if found is not None and found[1].awaiting else None
     backend = deployment_id(kwargs)
     if ticket is not None and backend and ticket.backend != backend:
         return classify(exception)  # a newer attempt is in flight: the failed one was called
@@ -141,38 +60,120 @@ def request_verdict(cb: CallbackHost, kwargs: Mapping[str, Any], exception: Base
     return verdict if ticket is not None and ticket.backend is not None else verdict.unsent()
 
 
-def request_failed(cb: CallbackHost, kwargs: Mapping[str, Any], exception: BaseException, found: Found,
-                   verdict: Attribution) -> Attribution | None:
-    """LiteLLM's request-level failure event: judge it only when no per-attempt hook did (a bare SDK call,
-    a cancellation). Its metadata may already name a newer attempt (a fallback's pick runs before this
-    event), so only a verdict that blames a backend, or a cancellation, may touch that ticket."""
+def request_failure_ending(kwargs: Mapping[str, Any], exception: BaseException, found: Found,
+                           verdict: Attribution, now: float) -> Ended | None:
+    """LiteLLM's request-level failure event as an attempt's end, where no per-attempt hook judged it (a bare SDK
+    call, a cancellation); None when it ends nothing. Its metadata may already name a newer attempt (a fallback's
+    pick runs before this event): then only a verdict that blames the backend that failed counts, and the newer
+    attempt is left alone. The ledger booked the event at request level (no attempt payload)."""
     state = found[0] if found is not None else None
     if state is not None and state.was_judged(exception):
         return None
-    ticket = cb.ids.open_attempt(found)
+    ticket = found[1] if found is not None and found[1].awaiting else None
     backend = deployment_id(kwargs)
     if ticket is not None and backend and ticket.backend != backend:
-        # the metadata already names a newer attempt (a retry or a mid-stream continuation picked elsewhere):
-        # judge the backend that failed, and leave the other attempt's ticket alone
-        if verdict.blames_backend:
-            state.note_judged(exception)  # type: ignore[union-attr]
-            judge(cb, backend, verdict, None)
-        return verdict
+        if not verdict.blames_backend:
+            return None
+        return Ended(How.FAILED, found, None, backend, now, verdict, exception=exception)
     if ticket is not None and (verdict.blames_backend or verdict.kind is FailureKind.CANCELLED):
         ticket.verdict = verdict
-        return attempt_failed(cb, kwargs, exception, found, verdict)
-    return verdict
+        return Ended(How.FAILED, found, ticket, backend or ticket.backend, now, verdict, exception=exception)
+    return None
 
 
-def judge(cb: CallbackHost, backend_id: str, verdict: Attribution, started: float | None) -> None:
-    """Give the breaker and the metrics one attempt's verdict (a neutral one hands a half-open probe back)."""
-    outcome = verdict.outcome.value
-    cb.health.record(backend_id, outcome, cb.clock(), retry_after_s=verdict.retry_after_s,
-                     started_at=started)
-    cb.metrics.failed(backend_id, outcome)
+class Routing:
+    """The routing side of an attempt's events: the pick's load and index (``Router``), the policy's lesson and the
+    breaker (``Router.finish`` tells it; an attempt kvroute did not route tells it directly)."""
+
+    name = "routing"
+
+    def __init__(self, cb: CallbackHost) -> None:
+        self.cb = cb
+
+    def sent(self, found: tuple[RequestState, Attempt], backend: str | None, data: Mapping[str, Any]) -> None:
+        attempt = found[1]
+        if attempt.awaiting and backend is not None:
+            attempt.router.on_attempt(attempt.rid, backend)  # LiteLLM sent it elsewhere: the pick's load follows
+
+    def first_token(self, attempt: Attempt) -> None:
+        attempt.router.on_first_token(attempt.rid)
+
+    def answered(self, attempt: Attempt) -> None:
+        attempt.router.on_answered(attempt.rid)
+
+    def picked(self, attempt: Attempt, now: float) -> None:
+        self.cb.health.admit(attempt.backend, now)  # a half-open breaker lets this one through as its probe
+
+    def ended(self, e: Ended) -> None:
+        if e.how is How.SUCCESS:
+            self._success(e)
+        elif e.how is How.FAILED:
+            self._failed(e)
+        elif e.open is not None:  # cancelled, superseded, a lost hedge, evicted: the load goes, the breaker
+            t = e.open  # hears only a client's leaving (neutral: a half-open probe goes back)
+            health = "cancelled" if e.how is How.CANCELLED else None
+            kind = FAILURE if e.how is How.SUPERSEDED else CANCELLED
+            t.router.finish(t.request, RequestOutcome(kind, t.backend, e.at, health=health, started_at=t.started
+                                                      if health else None), policy=t.policy)
+        if e.how is How.HEDGE_LOST and e.found is not None:  # a hybrid group's spend cap counts what it cost
+            loser = e.found[1]
+            spend = getattr(loser.policy, "record_extra_spend", None)
+            if callable(spend):
+                spend(e.at, e.backend, loser.prompt_tokens, e.produced, f"{loser.ticket}:hedge_lost")
+
+    def _success(self, e: Ended) -> None:
+        a = e.answer
+        t = e.open
+        if t is not None:
+            # finish releases prefill and decode load and settles the blocks (no first-token step needed), then the
+            # policy learns and the breaker hears the success
+            t.router.finish(t.request, RequestOutcome(
+                SUCCESS, e.backend, e.at, cached_tokens=a.cached_tokens, ttft_s=a.ttft_s,
+                output_tokens=a.output_tokens, duration_s=a.duration_s, prompt_tokens=a.prompt_tokens or None,
+                health="success", started_at=t.started), policy=t.policy)
+        elif e.backend is not None:  # not routed by kvroute: the breaker still hears it
+            self.cb.health.record(e.backend, "success", e.at, ttft_s=a.ttft_s)
+
+    def _failed(self, e: Ended) -> None:
+        verdict, state, t = e.verdict, e.found[0] if e.found is not None else None, e.open
+        if verdict is None:
+            return
+        if state is not None and e.exception is not None:
+            state.note_judged(e.exception)
+        if t is not None:
+            kind = CANCELLED if verdict.kind is FailureKind.CANCELLED else FAILURE
+            t.router.finish(t.request, RequestOutcome(
+                kind, e.backend, e.at, before_prefill=verdict.before_prefill,
+                health=verdict.outcome.value if e.backend is not None else None,
+                retry_after_s=verdict.retry_after_s, started_at=t.started), policy=t.policy)
+            if e.backend is not None and verdict.blames_backend and state is not None:
+                state.note_failed(e.backend)  # a retry avoids it
+        elif e.backend is not None:  # a backend kvroute did not route (or no longer awaits): the breaker hears it
+            self.cb.health.record(e.backend, verdict.outcome.value, e.at, retry_after_s=verdict.retry_after_s)
 
 
-def _metadata(kwargs: Mapping[str, Any]) -> Mapping[str, Any]:
-    from kvroute.plugin.adapter.signals import request_metadata
+class Counts:
+    """The metrics of an attempt's end: completions with their tokens and TTFT, failures by the verdict's word."""
 
-    return request_metadata(kwargs) or {}
+    name = "metrics"
+
+    def __init__(self, cb: CallbackHost, app_of: Callable[[Mapping[str, Any], Mapping[str, Any],
+                                                           RequestState | None], str | None]) -> None:
+        self.cb, self.app_of = cb, app_of
+
+    def ended(self, e: Ended) -> None:
+        metrics, t = self.cb.metrics, e.open
+        if e.how is How.SUCCESS and e.backend is not None:
+            a = e.answer
+            data = e.payload.data if e.payload is not None else {}
+            app = t.app if t is not None else self.app_of(request_metadata(data) or {}, data,
+                                                           e.found[0] if e.found else None)
+            metrics.completed(a.group, e.backend, app, a.prompt_tokens, a.cached_tokens, a.ttft_s, a.ledger_tokens)
+            if t is not None:
+                metrics.set_inflight([(e.backend, t.router.load.inflight(e.backend))])
+        elif e.how is How.FAILED and e.backend is not None and e.verdict is not None:
+            metrics.failed(e.backend, e.verdict.outcome.value)
+        elif e.how is How.CANCELLED and t is not None and t.backend is not None:
+            metrics.failed(t.backend, "cancelled", app=t.app)
+        elif e.how is How.HEDGE_LOST and e.found is not None:
+            metrics.hedges.labels(e.found[1].group, "lost").inc()

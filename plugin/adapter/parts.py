@@ -1,4 +1,5 @@
-"""``Parts``: the services one callback runs on (settings, metrics, health, shared state), built once by ``wiring``."""
+"""``Parts``: the services one callback runs on (settings, metrics, health, shared state, the attempts' events),
+built once by ``wiring``."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from kvroute.plugin.adapter.attempt_events import AttemptEvents
     from kvroute.plugin.adapter.metrics import Metrics
     from kvroute.plugin.adapter.signals import HealthAdapter
     from kvroute.plugin.settings import KvrouteSettings
@@ -21,3 +23,4 @@ class Parts:
     health: HealthAdapter | None = None
     mount: bool = True  # mount the status routes on a running proxy
     shared: Any = None  # the Redis-shared state (None: not configured or unreachable; state local to this worker)
+    events: AttemptEvents | None = None  # an attempt's events and their listeners (ledger, routing, metrics)

@@ -6,13 +6,13 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvroute.plugin.adapter import hybrid
+from kvroute.plugin.adapter.attempt_events import Ended, How
 from kvroute.plugin.adapter.hosted import forward_cache_key
 from kvroute.plugin.adapter.request_ids import HEDGE_TO_KEY, Attempt
 from kvroute.plugin.adapter.request_labels import request_tags
 from kvroute.plugin.adapter.signals import deployment_id, request_metadata
 from kvroute.plugin.adapter.tenancy import SALT_ENGINES, set_engine_salt
 from kvroute.policies.attempts import RoutedAttempt
-from kvroute.policies.lifecycle import FAILURE, RequestOutcome
 
 if TYPE_CHECKING:
     from kvroute.plugin.adapter.callback_host import CallbackHost
@@ -80,12 +80,11 @@ def pick(cb: CallbackHost, model: str, healthy: list, messages: Any, request_kwa
             cb.metrics.fallbacks.labels(group, "no_acceptable_provider").inc()
             return []
         return [d for d, _ in allowed]
-    cb.health.admit(decision.backend, now)
     cache_key = None
     if request.session_key or request.keys:
         cache_key = f"kvr-{request.session_key or format(request.prefix_key(1024) or 0, 'x')}"
     pin(attempt, router, decision.backend, app, request.prompt_tokens, cache_key, now, request, policy, salt)
-    cb.ids.hold(attempt)
+    cb.events.picked(attempt, now)
     chosen = [d for d, b in allowed if b.id == decision.backend]
     return chosen or [d for d, _ in allowed]
 
@@ -93,10 +92,12 @@ def pick(cb: CallbackHost, model: str, healthy: list, messages: Any, request_kwa
 def pin(attempt: Attempt, router: Any, backend: str, app: str | None, prompt_tokens: int,
         cache_key: str | None, now: float, request: Any, policy: Any, salt: str | None) -> None:
     """Write the pick onto the attempt's record, which takes the router's record of it (a detached one holding
-    ``request`` where the router kept none: its bookkeeping failed, and counted the error)."""
+    ``request`` where the router kept none: its bookkeeping failed, and counted the error; the router holds it
+    then, so that the attempt awaits its outcome like any other)."""
     routed = router.attempts.get(attempt.ticket)
     if routed is None or routed.request is not request:
         routed = RoutedAttempt(attempt.ticket, backend, now, charged=False, request=request)
+        router.attempts.put(routed)
     attempt.router, attempt.backend, attempt.app, attempt.routed = router, backend, app, routed
     attempt.prompt_tokens, attempt.cache_key = prompt_tokens, cache_key
     attempt.started, attempt.policy, attempt.salt = now, policy, salt
@@ -108,12 +109,10 @@ def close_previous(cb: CallbackHost, meta: Mapping[str, Any], request: Mapping[s
     prev = cb.ids.ticket_of(meta)
     if not prev:
         return
-    attempt = cb.ids.close(prev)
-    if attempt is not None:  # superseded: the policy hears it now; its late failure hook finds no attempt
-        attempt.router.finish(attempt.request, RequestOutcome(FAILURE, attempt.backend, cb.clock()),
-                              policy=attempt.policy)
-    if cb.billing is not None:
-        cb.billing.superseded(prev, request)
+    found = cb.ids.attempt_of(prev)
+    t = cb.ids.open_attempt(found)  # superseded: the policy hears it now; its late failure hook finds no attempt
+    cb.events.ended(Ended(How.SUPERSEDED, found, t, t.backend if t is not None else None, cb.clock(),
+                          request=request))
 
 
 def maybe_expire(cb: CallbackHost, now: float) -> None:
@@ -123,7 +122,7 @@ def maybe_expire(cb: CallbackHost, now: float) -> None:
     cb.last_expire = now
     for router in cb.routers.values():
         router.expire()
-    cb.ids.expire(now - cb.settings.max_request_age_s)
+    cb.ids.release_quiet()
     cb.metrics.set_inflight((b.id, cb.routers[b.group].load.inflight(b.id))
                             for b in cb.fleet.backends.values() if b.group in cb.routers)
 
@@ -134,13 +133,9 @@ def pre_call(cb: CallbackHost, kwargs: dict) -> dict | None:
     found = cb.ids.resolve(request_metadata(kwargs))
     backend_id = deployment_id(kwargs)
     ticket = cb.ids.open_attempt(found)
-    if ticket is not None and backend_id is not None and backend_id != ticket.backend:
-        ticket.router.on_attempt(ticket.rid, backend_id)  # LiteLLM sent it elsewhere: move the pick's load
-    if found is not None:
-        attempt = found[1]
-        attempt.backend = backend_id or attempt.backend
-        if cb.billing is not None:
-            cb.billing.attempt_started(attempt, kwargs)
+    if found is not None:  # the pick's load follows where LiteLLM sent it; the ledger notes the start
+        cb.events.sent(found, backend_id, kwargs)
+        found[1].backend = backend_id or found[1].backend
     if ticket is None or backend_id is None:
         return None
     ticket.started = cb.clock()

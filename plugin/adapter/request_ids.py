@@ -15,10 +15,12 @@ LiteLLM's trace id, ``x-session-id`` and ``litellm_call_id`` (settable with the 
 client-controlled and are used for none of them. Client-sent ``kvroute_*`` identity keys of any type are dropped.
 
 ``RequestIds`` is the only per-request store: a ``RequestState`` holds its ``Attempt`` records (what the pick chose,
-what billing saw, the failure verdict), the backends that failed it and the exceptions already judged; the attempts
-still awaiting an outcome are indexed in ``open``. The request's app (``kvroute.billing.attribution``, the one rule
-the ledger, metrics and routing rules share) is resolved once, when kvroute first sees the request, and kept on its
-state. Evicting a request (the least recently changed beyond ``max_requests``) forgets all of it at once. A
+what billing saw, the failure verdict), the backends that failed it and the exceptions already judged. A routed
+attempt awaits its outcome while its router holds its policy-side record (``Attempt.awaiting``): the router's
+``Attempts`` is the one index of open attempts, and its expiry is theirs. The request's app
+(``kvroute.billing.attribution``, the one rule the ledger, metrics and routing rules share) is resolved once, when
+kvroute first sees the request, and kept on its state. Evicting a request (the least recently changed beyond
+``max_requests``) forgets all of it at once, and ends its open attempts (``evicted``, through ``events``). A
 request is also forgotten once it has been quiet for ``quiet_s`` (no attempt running, none begun or closed since):
 its attempts are over, and LiteLLM's late events for them (the success log runs after the response) have come. An
 attempt runs while it awaits its routed outcome, or was sent upstream and neither booked nor judged (for ``stale_s``
@@ -40,12 +42,13 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from kvroute.billing.attribution import AppRule
+from kvroute.plugin.adapter.attempt_events import Ended, How
 from kvroute.plugin.adapter.request_labels import LedgerLabels
 from kvroute.plugin.adapter.signals import REQUEST_KEY
 from kvroute.policies.attempts import RoutedAttempt
-from kvroute.policies.lifecycle import CANCELLED, RequestOutcome
 
 if TYPE_CHECKING:
+    from kvroute.plugin.adapter.attempt_events import AttemptEvents
     from kvroute.policies.outcomes import Attribution
     from kvroute.policies.request import RoutingRequest
 
@@ -99,6 +102,12 @@ class Attempt:
     def request(self) -> RoutingRequest | None:
         """The routed ``RoutingRequest`` (kept on the policy side's record)."""
         return self.routed.request if self.routed is not None else None
+
+    @property
+    def awaiting(self) -> bool:
+        """Whether kvroute routed it and its router still awaits its outcome (holds its record)."""
+        routed = self.routed
+        return routed is not None and self.router is not None and self.router.attempts.get(self.ticket) is routed
 
 
 @dataclass(slots=True)
@@ -173,7 +182,10 @@ _IDS = _IdSource()
 
 
 class RequestIds:
-    """Issues and verifies ledger request ids and counts attempts (bounded: the oldest requests are forgotten)."""
+    """Issues and verifies ledger request ids and counts attempts (bounded: the oldest requests are forgotten); a
+    listener of the attempts' ends (an end is a change of its request)."""
+
+    name = "requests"
 
     def __init__(self, max_requests: int = MAX_REQUESTS,
                  app_rule: Callable[[Mapping[str, Any]], str | None] | None = None,
@@ -188,9 +200,10 @@ class RequestIds:
         #: metadata -> (session id, tags) the request's ledger events carry (the plugin sets its tag keys)
         self.labels: Callable[[Mapping[str, Any]], tuple[str | None, tuple[str, ...]]] = labels or LedgerLabels()
         self.requests: OrderedDict[str, RequestState] = OrderedDict()
-        self.open: OrderedDict[str, Attempt] = OrderedDict()  # routed attempts awaiting an outcome, by ticket id
         self.quiet_s, self.stale_s = quiet_s, stale_s
         self.clock = clock
+        #: where an evicted request's open attempts end (the callback's ``AttemptEvents``; None: nowhere)
+        self.events: AttemptEvents | None = None
 
     def _sign(self, request_id: str) -> str:
         return hmac.new(self._key, request_id.encode(), hashlib.sha256).hexdigest()[:24]
@@ -225,7 +238,8 @@ class RequestIds:
             while len(self.requests) > self.max_requests:
                 _, old = self.requests.popitem(last=False)
                 for attempt in old.attempts:
-                    self.close(attempt.ticket, cancel=True)
+                    if attempt.awaiting and self.events is not None:
+                        self.events.ended(Ended(How.EVICTED, (old, attempt), attempt, attempt.backend, self.clock()))
         return state
 
     def state(self, meta: Any) -> RequestState | None:
@@ -268,35 +282,19 @@ class RequestIds:
         """The request and current attempt ``meta`` names, verified once (None when kvroute did not write it)."""
         return self.attempt_of(self.ticket_of(meta))
 
-    def hold(self, attempt: Attempt) -> None:
-        """Index a routed attempt as awaiting its outcome."""
-        self.open[attempt.ticket] = attempt
+    @staticmethod
+    def open_attempt(found: tuple[RequestState, Attempt] | None) -> Attempt | None:
+        """The attempt of ``found`` if it still awaits its routed outcome."""
+        return found[1] if found is not None and found[1].awaiting else None
 
-    def open_attempt(self, found: tuple[RequestState, Attempt] | None) -> Attempt | None:
-        """The attempt of ``found`` if it still awaits its outcome."""
-        if found is None:
-            return None
-        attempt = found[1]
-        return attempt if self.open.get(attempt.ticket) is attempt else None
+    def ended(self, e: Ended) -> None:
+        """An attempt of a request ended: the request changed (it is the newest, and quiet from now)."""
+        if e.found is not None:
+            self._touch(e.found[0].request_id)
 
-    def close(self, ticket_id: str, *, cancel: bool = False) -> Attempt | None:
-        """Stop awaiting an attempt's outcome (``cancel``: also release its pick's load); the attempt or None."""
-        attempt = self.open.pop(ticket_id, None)
-        if attempt is not None:
-            self._touch(ticket_id.rpartition(":")[0])
-        if attempt is not None and cancel and attempt.router is not None:
-            attempt.router.finish(attempt.request, RequestOutcome(CANCELLED, attempt.backend, attempt.router.clock()),
-                                  policy=attempt.policy)
-        return attempt
-
-    def expire(self, horizon: float) -> None:
-        """Forget open attempts picked before ``horizon`` (their pick's load expires in the router)."""
-        while self.open:
-            attempt = next(iter(self.open.values()))
-            if attempt.started >= horizon:
-                break
-            self.open.popitem(last=False)
-        self.release_quiet()
+    def open_attempts(self) -> list[Attempt]:
+        """Every routed attempt still awaiting its outcome."""
+        return [a for state in list(self.requests.values()) for a in state.attempts if a.awaiting]
 
     def _touch(self, request_id: str) -> None:
         state = self.requests.get(request_id)
@@ -308,7 +306,7 @@ class RequestIds:
         """Whether an attempt of ``state`` still runs: routed and awaiting its outcome, or sent and not yet booked
         nor judged (until ``stale_s`` after the request last changed)."""
         for a in state.attempts:
-            if self.open.get(a.ticket) is a:
+            if a.awaiting:
                 return True
             unsettled = a.sent and not a.recorded and a.verdict is None and not a.hedge_lost
             if unsettled and now - state.changed < self.stale_s:

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 def worker_status(cb: CallbackHost) -> dict[str, Any]:
     """This worker's own counters (the shared state publishes them so any worker can answer for all)."""
-    return {"pending": len(cb.ids.open),
+    return {"pending": sum(len(router.attempts) for router in list(cb.routers.values())),
             "errors": {name: router.errors for name, router in list(cb.routers.items())}}
 
 

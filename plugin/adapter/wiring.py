@@ -9,11 +9,13 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvroute.billing.attribution import AppRule
-from kvroute.plugin.adapter import hybrid
+from kvroute.plugin.adapter import hybrid, outcomes
+from kvroute.plugin.adapter.attempt_events import AttemptEvents
 from kvroute.plugin.adapter.billing_feed import BillingFeed, billing_target
 from kvroute.plugin.adapter.decision_log import DecisionLog
 from kvroute.plugin.adapter.hedge import Hedges
 from kvroute.plugin.adapter.hosted import provider_quote
+from kvroute.plugin.adapter.ledger_listener import Ledger
 from kvroute.plugin.adapter.metrics import Metrics
 from kvroute.plugin.adapter.request_labels import LedgerLabels
 from kvroute.plugin.adapter.rules import RuleBook
@@ -78,11 +80,24 @@ def build(cb: CallbackHost) -> None:
     cb.ids.app_rule = AppRule(tuple(s.app_metadata_keys), operator_calls=not in_proxy)
     cb.ids.labels = LedgerLabels(tuple(s.tag_metadata_keys))
     start_billing(cb, s, in_proxy=in_proxy)
+    parts.events = attempt_events(cb)
+    cb.ids.events = parts.events
     cb.hedges = build_hedges(cb, s)
     if parts.mount:
         mount_on_proxy(cb)
     learn_proxy_model_list(cb)
     log_startup(cb)
+
+
+def attempt_events(cb: CallbackHost) -> AttemptEvents:
+    """An attempt's events with their listeners, in call order: the ledger (while billing is on), routing (load,
+    index, policy, breaker), the metrics, and the request store."""
+    events = AttemptEvents(cb.count_error)
+    events.subscribe(Ledger(lambda: cb.billing))
+    events.subscribe(outcomes.Routing(cb))
+    events.subscribe(outcomes.Counts(cb, cb.app_of))
+    events.subscribe(cb.ids)
+    return events
 
 
 def learn_proxy_model_list(cb: CallbackHost) -> None:
@@ -140,8 +155,10 @@ def build_hedges(cb: CallbackHost, s: KvrouteSettings) -> Hedges | None:
         learned = getattr(router.policy_for(b.group), "expected_hit", None) if router is not None else None
         return float(learned(backend)) if callable(learned) else 0.0
 
+    assert cb.parts.events is not None
     return Hedges(configs, fleet=cb.fleet, ids=cb.ids, available=lambda b: cb.health.available(b, cb.clock()),
-                  billing=cb.billing, metrics=cb.metrics, expected_hit=expected_hit, clock=cb.clock)
+                  billing=cb.billing, metrics=cb.metrics, events=cb.parts.events, expected_hit=expected_hit,
+                  clock=cb.clock)
 
 
 def start_billing(cb: CallbackHost, s: KvrouteSettings, *, in_proxy: bool) -> None:

@@ -90,7 +90,7 @@ class _Traffic:
 
 
 def _open_counts(cb: KvrouteCallback) -> dict[str, int]:
-    counts = {"ids.open": len(cb.ids.open)}
+    counts = {"awaiting": len(cb.ids.open_attempts())}
     for group, router in cb.routers.items():
         counts[f"{group}.attempts"] = len(router.attempts)
         counts[f"{group}.inflight"] = router.load.total_inflight(BACKENDS)
@@ -109,10 +109,10 @@ def test_every_store_releases_its_attempts(tmp_path: Path) -> None:
     lost = 120 // len(kinds)  # only the attempts never heard of again are open, still within their age
     counts = _open_counts(cb)
     assert counts.pop("llama.prefill") > 0
-    assert counts == {"ids.open": lost, "llama.attempts": lost, "llama.inflight": lost, "llama.queued": lost}
+    assert counts == {"awaiting": lost, "llama.attempts": lost, "llama.inflight": lost, "llama.queued": lost}
     traffic.t[0] += 61.0  # past max_request_age_s: the next pick expires what never ended
     traffic.succeed(traffic.pick({}))
-    assert _open_counts(cb) == {"ids.open": 0, "llama.attempts": 0, "llama.inflight": 0, "llama.queued": 0,
+    assert _open_counts(cb) == {"awaiting": 0, "llama.attempts": 0, "llama.inflight": 0, "llama.queued": 0,
                                 "llama.prefill": 0}
     assert not router._provisional
 
@@ -123,7 +123,7 @@ def test_the_request_store_is_bounded_and_evicting_a_request_ends_its_attempts(t
         traffic.serve("lost")
     cb, router = traffic.cb, traffic.cb.routers["llama"]
     assert len(cb.ids.requests) == MAX_REQUESTS
-    assert len(cb.ids.open) == len(router.attempts) == router.load.total_inflight(BACKENDS) == MAX_REQUESTS
+    assert len(cb.ids.open_attempts()) == len(router.attempts) == router.load.total_inflight(BACKENDS) == MAX_REQUESTS
 
 
 def test_the_router_bounds_its_open_attempts(tmp_path: Path) -> None:

@@ -21,7 +21,6 @@ def finish_all(cb: KvrouteCallback) -> None:
     """Complete every routed request (as the success hook would), so load does not steer the next pick."""
     for rid, ticket in list(cb.tickets.items()):
         ticket.router.on_complete(rid, cached_tokens=0)
-        del cb.tickets[rid]
 
 
 def wait_for(cond, timeout: float = 5.0) -> bool:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
-from kvroute.plugin.adapter.request_ids import ATTEMPT_KEY, REQUEST_KEY, SIG_KEY, TICKET_KEY, RequestIds
+from kvroute.plugin.adapter.attempt_events import Ended, How
+from kvroute.plugin.adapter.request_ids import ATTEMPT_KEY, REQUEST_KEY, SIG_KEY, TICKET_KEY, Attempt, RequestIds
+from kvroute.policies.attempts import Attempts, RoutedAttempt
 
 
 @pytest.mark.parametrize("junk", ["x", {"a": 1}, [1, 2], 10**30, None, "", 3])
@@ -50,12 +54,24 @@ def test_another_process_cannot_vouch_for_an_id() -> None:
     assert RequestIds().request_of(meta) is None
 
 
-def _routed(ids: RequestIds) -> tuple[dict, object]:
-    """A request with one routed attempt awaiting its outcome."""
+ROUTER = SimpleNamespace(attempts=Attempts())  # what an attempt's ``awaiting`` reads of its router
+
+
+def _routed(ids: RequestIds) -> tuple[dict, Attempt]:
+    """A request with one routed attempt awaiting its outcome (its router holds its record)."""
     meta: dict = {}
     _, attempt = ids.new_attempt(meta, "llama", "r0")
-    ids.hold(attempt)
+    attempt.router, attempt.routed = ROUTER, RoutedAttempt(attempt.ticket, "r0", 0.0)
+    ROUTER.attempts.put(attempt.routed)
+    assert attempt.awaiting
     return meta, attempt
+
+
+def _end(ids: RequestIds, attempt: Attempt) -> None:
+    """The attempt's outcome came: its router lets it go, and the request store hears the end."""
+    ROUTER.attempts.pop(attempt.ticket)
+    state = ids.attempt_of(attempt.ticket)
+    ids.ended(Ended(How.SUCCESS, state, None, attempt.backend, ids.clock()))
 
 
 def test_a_finished_request_is_forgotten_once_quiet_and_a_running_one_is_kept() -> None:
@@ -65,15 +81,15 @@ def test_a_finished_request_is_forgotten_once_quiet_and_a_running_one_is_kept() 
     running, _ = _routed(ids)
     sent: dict = {}
     ids.new_attempt(sent, "hosted", "h0")[1].sent = True  # sent upstream, not routed, nothing booked yet
-    ids.close(done_attempt.ticket)
+    _end(ids, done_attempt)
     t[0] = 59.0
-    ids.expire(horizon=-1.0)
+    ids.release_quiet()
     assert ids.state(done) is not None  # a late event (the success log) still finds it
     t[0] = 61.0
-    ids.expire(horizon=-1.0)
+    ids.release_quiet()
     assert ids.state(done) is None and ids.state(running) is not None and ids.state(sent) is not None
     t[0] = 601.0
-    ids.expire(horizon=-1.0)
+    ids.release_quiet()
     assert ids.state(sent) is None and ids.state(running) is not None  # an outcome that never came: given up
     assert set(ids.requests) == {running["kvroute_request"]}
 
@@ -85,9 +101,9 @@ def test_the_store_stays_bounded_by_what_one_quiet_period_holds() -> None:
     for i in range(20_000):  # 10 requests a second for over half an hour, each answered within a second
         t[0] = i / 10
         _, attempt = _routed(ids)
-        ids.close(attempt.ticket)
+        _end(ids, attempt)
         if i % 300 == 0:  # the callback's periodic expire (every 30 s)
-            ids.expire(horizon=t[0] - 600.0)
+            ids.release_quiet()
             sizes.append(len(ids.requests))
     assert max(sizes) <= 10 * (60 + 30) + 1
 
@@ -99,7 +115,7 @@ def test_the_store_is_in_order_of_last_change_so_a_full_store_evicts_the_least_r
     t[0] = 1.0
     newer, _ = _routed(ids)
     t[0] = 2.0
-    ids.close(old_attempt.ticket)  # the older request just changed: now the newest
+    _end(ids, old_attempt)  # the older request just changed: now the newest
     assert list(ids.requests) == [newer["kvroute_request"], old["kvroute_request"]]
     assert ids.requests[old["kvroute_request"]].changed == 2.0
     t[0] = 3.0

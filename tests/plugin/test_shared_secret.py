@@ -54,7 +54,6 @@ def send(cb: KvrouteCallback, msgs: list[dict]) -> str:
     chosen = cb.filter("llama", deps(), msgs, {"metadata": {}})[0]["model_info"]["id"]
     for rid, ticket in list(cb.tickets.items()):
         ticket.router.on_complete(rid, cached_tokens=0)
-        del cb.tickets[rid]
     return chosen
 
 
