@@ -74,7 +74,11 @@ def request_failure_ending(kwargs: Mapping[str, Any], exception: BaseException, 
     if ticket is not None and backend and ticket.backend != backend:
         if not verdict.blames_backend:
             return None
-        return Ended(How.FAILED, found, None, backend, now, verdict, exception=exception)
+        failed = state.latest(backend=backend) if state is not None else None  # the older attempt that failed
+        if failed is None and state is not None:
+            state.note_judged(exception)  # no attempt of it named that backend: the request still knows it judged
+        return Ended(How.FAILED, (state, failed) if failed is not None else None, None, backend, now, verdict,
+                     exception=exception)
     if ticket is not None and (verdict.blames_backend or verdict.kind is FailureKind.CANCELLED):
         ticket.verdict = verdict
         return Ended(How.FAILED, found, ticket, backend or ticket.backend, now, verdict, exception=exception)

@@ -110,6 +110,8 @@ def close_previous(cb: CallbackHost, meta: Mapping[str, Any], request: Mapping[s
     if not prev:
         return
     found = cb.ids.attempt_of(prev)
+    if found is None or found[1].ended:  # its outcome came (a failure hook runs before LiteLLM's retry)
+        return
     t = cb.ids.open_attempt(found)  # superseded: the policy hears it now; its late failure hook finds no attempt
     cb.events.ended(Ended(How.SUPERSEDED, found, t, t.backend if t is not None else None, cb.clock(),
                           request=request))

@@ -92,6 +92,7 @@ class Attempt:
     salt: str | None = None
     verdict: Attribution | None = None  # the failure's attribution, once classified
     hedge_lost: bool = False  # it raced a hedge and lost: closed, booked ``cancelled`` (``hedge_lost``)
+    ended: bool = False  # its ``ended`` event was emitted (each attempt ends once)
 
     @property
     def rid(self) -> str:
@@ -290,6 +291,7 @@ class RequestIds:
     def ended(self, e: Ended) -> None:
         """An attempt of a request ended: the request changed (it is the newest, and quiet from now)."""
         if e.found is not None:
+            e.found[1].ended = True
             self._touch(e.found[0].request_id)
 
     def open_attempts(self) -> list[Attempt]:

@@ -1,0 +1,111 @@
+"""An attempt's life as events, through the real hooks: every attempt is picked and sent once and ends exactly once,
+with how it ended; listeners run in order (the ledger before routing, so a kill between them loses nothing
+billable), and one that raises is counted without stopping the others."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+from test_attempt_stores_bounded import _Traffic
+
+from kvroute.plugin.adapter.attempt_events import AttemptEvents, Ended, How
+from kvroute.plugin.adapter.metrics import Metrics
+
+
+class _Log:
+    """Records every event of every attempt by ticket id."""
+
+    def __init__(self, name: str = "log") -> None:
+        self.name = name
+        self.seen: list[tuple[str, str, str]] = []  # (event, ticket, detail)
+
+    def picked(self, attempt, now: float) -> None:
+        self.seen.append(("picked", attempt.ticket, attempt.backend))
+
+    def sent(self, found, backend, data) -> None:
+        self.seen.append(("sent", found[1].ticket, backend))
+
+    def first_token(self, attempt) -> None:
+        self.seen.append(("first_token", attempt.ticket, ""))
+
+    def answered(self, attempt) -> None:
+        self.seen.append(("answered", attempt.ticket, ""))
+
+    def ended(self, e: Ended) -> None:
+        self.seen.append(("ended", e.found[1].ticket if e.found else "?", e.how.value))
+
+
+def test_every_attempt_is_picked_sent_and_ended_once_through_the_hooks(tmp_path: Path) -> None:
+    traffic = _Traffic(tmp_path)
+    log = _Log()
+    traffic.cb.events.subscribe(log)
+    kinds = ("success", "answered", "retried", "superseded", "cancelled")
+    for kind in kinds * 4:
+        traffic.serve(kind)
+    ends = Counter(t for e, t, _ in log.seen if e == "ended")
+    picks = [t for e, t, _ in log.seen if e == "picked"]
+    assert len(picks) == len(set(picks)) == 4 * 7  # retried and superseded pick twice
+    assert set(ends) == set(picks) and set(ends.values()) == {1}, ends
+    sent = [t for e, t, _ in log.seen if e == "sent"]
+    assert sorted(sent) == sorted(picks)
+    hows = Counter(d for e, _, d in log.seen if e == "ended")
+    assert hows == {"success": 4 * 4, "failed": 4, "superseded": 4, "cancelled": 4}
+    assert Counter(e for e, _, _ in log.seen if e in ("first_token", "answered")) == {"answered": 4,
+                                                                                       "first_token": 4}
+    assert not traffic.cb.tickets  # every routed attempt let go
+
+
+def test_an_attempt_ends_before_the_next_pick_of_its_request_begins(tmp_path: Path) -> None:
+    traffic = _Traffic(tmp_path)
+    log = _Log()
+    traffic.cb.events.subscribe(log)
+    traffic.serve("superseded")
+    order = [(e, t) for e, t, _ in log.seen if e in ("picked", "ended")]
+    first, second = order[0][1], order[-1][1]
+    assert order == [("picked", first), ("ended", first), ("picked", second), ("ended", second)]
+
+
+def test_listeners_run_in_order_and_a_failing_one_is_counted_not_fatal() -> None:
+    errors: list[str] = []
+    events = AttemptEvents(errors.append)
+    calls: list[str] = []
+
+    class Broken:
+        name = "broken"
+
+        def ended(self, e: Ended) -> None:
+            calls.append("broken")
+            raise RuntimeError("boom")
+
+    class After:
+        name = "after"
+
+        def ended(self, e: Ended) -> None:
+            calls.append("after")
+
+    events.subscribe(Broken())
+    events.subscribe(After())
+    events.ended(Ended(How.EVICTED, None, None, None, 0.0))
+    assert calls == ["broken", "after"] and errors == ["broken"]
+    assert events.listeners("ended") == ["broken", "after"] and events.listeners("sent") == []
+
+
+@pytest.mark.parametrize("billing", ["off", "sqlite"])
+def test_the_ledger_listens_first(tmp_path: Path, billing: str) -> None:
+    from kvroute.plugin.adapter.litellm_hooks import KvrouteCallback
+    from kvroute.plugin.settings import KvrouteSettings
+
+    db = "off" if billing == "off" else f"sqlite:///{tmp_path / 'ledger.db'}"
+    cb = KvrouteCallback(KvrouteSettings(data_dir=tmp_path / "d", billing_db=db),
+                         metrics=Metrics(CollectorRegistry()), mount=False)
+    try:
+        assert cb.events.listeners("ended") == ["billing", "routing", "metrics", "requests"]
+        assert cb.events.listeners("sent") == ["billing", "routing"]
+        assert (cb.billing is None) == (billing == "off")
+    finally:
+        import asyncio
+
+        asyncio.run(cb.aclose())
