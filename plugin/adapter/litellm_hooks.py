@@ -312,10 +312,14 @@ class KvrouteCallback(CustomLogger):
     def on_success(self, kwargs: Mapping[str, Any], response_obj: Any, start_time: Any, end_time: Any) -> None:
         found = self.ids.resolve(request_metadata(kwargs))
         ticket = self.ids.open_attempt(found)
+        try:
+            answer = outcomes.answer_of(kwargs, response_obj, start_time, end_time, ticket)
+        except Exception:  # the ledger still books what the payload says (its own reader dead-letters the rest)
+            self.count_error("success")
+            answer = None
         self.events.ended(Ended(
             How.SUCCESS, found, ticket, deployment_id(kwargs) or (ticket.backend if ticket else None), self.clock(),
-            answer=outcomes.answer_of(kwargs, response_obj, start_time, end_time, ticket),
-            payload=Payload(kwargs, response_obj, start_time, end_time)))
+            answer=answer, payload=Payload(kwargs, response_obj, start_time, end_time)))
 
     async def async_post_call_success_hook(self, data: dict, user_api_key_dict: Any, response: Any) -> Any:
         """Proxy, before the response goes out: record the final success (a kill after the answer loses nothing)."""

@@ -5,11 +5,11 @@ translations the hooks make first: LiteLLM's success payload into an ``Answer``,
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvroute.plugin.adapter.attempt_events import Answer, Ended, How
-from kvroute.plugin.adapter.request_ids import Attempt, RequestState
+from kvroute.plugin.adapter.request_ids import Attempt, RequestIds, RequestState
 from kvroute.plugin.adapter.signals import (
     cached_tokens_of,
     completion_tokens_of,
@@ -27,6 +27,9 @@ if TYPE_CHECKING:
     from kvroute.plugin.adapter.callback_host import CallbackHost
 
 Found = tuple[RequestState, Attempt] | None
+#: a success whose payload could not be read (the error is counted): it still ends, with nothing learned from it
+UNREAD = Answer(group="", cached_tokens=None, ttft_s=None, prompt_tokens=0, output_tokens=None, duration_s=None,
+                ledger_tokens=None)
 
 
 def answer_of(kwargs: Mapping[str, Any], response: Any, start: Any, end: Any, attempt: Attempt | None) -> Answer:
@@ -41,7 +44,7 @@ def answer_of(kwargs: Mapping[str, Any], response: Any, start: Any, end: Any, at
 
 def attempt_verdict(request_data: Mapping[str, Any], exception: BaseException, found: Found) -> Attribution:
     """The verdict on the failed attempt ``found`` names (classified once; kept on its record)."""
-    ticket = found[1] if found is not None and found[1].awaiting else None
+    ticket = RequestIds.open_attempt(found)
     backend_called = deployment_id(request_data) is not None or bool(ticket and ticket.backend is not None)
     verdict = classify(exception, first_token=bool(ticket and ticket.first_token))
     verdict = verdict if backend_called else verdict.unsent()
@@ -52,7 +55,7 @@ def attempt_verdict(request_data: Mapping[str, Any], exception: BaseException, f
 
 def request_verdict(kwargs: Mapping[str, Any], exception: BaseException, found: Found) -> Attribution:
     """The verdict on a request-level failure event (classified once, for the breaker and the ledger alike)."""
-    ticket = found[1] if found is not None and found[1].awaiting else None
+    ticket = RequestIds.open_attempt(found)
     backend = deployment_id(kwargs)
     if ticket is not None and backend and ticket.backend != backend:
         return classify(exception)  # a newer attempt is in flight: the failed one was called
@@ -69,7 +72,7 @@ def request_failure_ending(kwargs: Mapping[str, Any], exception: BaseException, 
     state = found[0] if found is not None else None
     if state is not None and state.was_judged(exception):
         return None
-    ticket = found[1] if found is not None and found[1].awaiting else None
+    ticket = RequestIds.open_attempt(found)
     backend = deployment_id(kwargs)
     if ticket is not None and backend and ticket.backend != backend:
         if not verdict.blames_backend:
@@ -126,8 +129,7 @@ class Routing:
                 spend(e.at, e.backend, loser.prompt_tokens, e.produced, f"{loser.ticket}:hedge_lost")
 
     def _success(self, e: Ended) -> None:
-        a = e.answer
-        t = e.open
+        a, t = e.answer or UNREAD, e.open
         if t is not None:
             # finish releases prefill and decode load and settles the blocks (no first-token step needed), then the
             # policy learns and the breaker hears the success
@@ -161,17 +163,16 @@ class Counts:
 
     name = "metrics"
 
-    def __init__(self, cb: CallbackHost, app_of: Callable[[Mapping[str, Any], Mapping[str, Any],
-                                                           RequestState | None], str | None]) -> None:
-        self.cb, self.app_of = cb, app_of
+    def __init__(self, cb: CallbackHost) -> None:
+        self.cb = cb
 
     def ended(self, e: Ended) -> None:
         metrics, t = self.cb.metrics, e.open
-        if e.how is How.SUCCESS and e.backend is not None:
+        if e.how is How.SUCCESS and e.backend is not None and e.answer is not None:
             a = e.answer
             data = e.payload.data if e.payload is not None else {}
-            app = t.app if t is not None else self.app_of(request_metadata(data) or {}, data,
-                                                           e.found[0] if e.found else None)
+            app = t.app if t is not None else self.cb.app_of(request_metadata(data) or {}, data,
+                                                              e.found[0] if e.found else None)
             metrics.completed(a.group, e.backend, app, a.prompt_tokens, a.cached_tokens, a.ttft_s, a.ledger_tokens)
             if t is not None:
                 metrics.set_inflight([(e.backend, t.router.load.inflight(e.backend))])

@@ -95,7 +95,7 @@ def attempt_events(cb: CallbackHost) -> AttemptEvents:
     events = AttemptEvents(cb.count_error)
     events.subscribe(Ledger(lambda: cb.billing))
     events.subscribe(outcomes.Routing(cb))
-    events.subscribe(outcomes.Counts(cb, cb.app_of))
+    events.subscribe(outcomes.Counts(cb))
     events.subscribe(cb.ids)
     return events
 

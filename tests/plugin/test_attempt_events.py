@@ -109,3 +109,30 @@ def test_the_ledger_listens_first(tmp_path: Path, billing: str) -> None:
         import asyncio
 
         asyncio.run(cb.aclose())
+
+
+def test_a_success_whose_figures_cannot_be_read_is_still_booked_and_releases_its_pick(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvroute.plugin.adapter import outcomes
+    from kvroute.plugin.adapter.billing_feed import BillingFeed
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.events: list = []
+
+        def record(self, event) -> None:
+            self.events.append(event)
+
+    traffic = _Traffic(tmp_path)
+    rec = Recorder()
+    traffic.cb.billing = BillingFeed(rec, traffic.cb.ids)
+
+    def unreadable(*args, **kwargs):
+        raise ValueError("a payload nothing foresaw")
+
+    monkeypatch.setattr(outcomes, "answer_of", unreadable)
+    traffic.serve("success")
+    router = traffic.cb.routers["llama"]
+    assert len(rec.events) == 1 and rec.events[0].status == "success"  # the ledger did not depend on the figures
+    assert not traffic.cb.tickets and len(router.attempts) == 0  # the pick was released, not left to expire
+    assert sum(router.load.inflight(b) for b in ("r-0", "r-1", "r-2")) == 0
