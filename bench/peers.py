@@ -2,22 +2,23 @@
 strategies, on the same fleet.
 
 Starts N replicas (fake engines or llama.cpp, through ``plugin/dev/fleet.py``), then every rival in front of them
-(``bench/peers_rivals.py``): each Rust router's ``cache_aware`` directly and behind LiteLLM, its session-sticky
-mode directly, LiteLLM's strategies and affinity checks, LiteLLM + kvroute. Each workload
-(``bench/peers_workloads.py``: demo, apps, agent, shared) is replayed once per rival per repeat, rivals
-interleaved (A B C … A B C …), every run with its own prompt salt. Per rival: cached-token share (the engines'
-own counters), TTFT p50/p90, req/s, failures, wasted prefill (``bench/peers_waste.py``), spread over replicas
-(max/mean prompt tokens served), routing CPU per request (every process of the rival's chain: LiteLLM and the
-router, summed), and same-repeat ratios against kvroute and LiteLLM simple-shuffle (medians over repeats).
-``--fleet fake --engine-model llamacpp`` runs fake engines that model the llama.cpp replicas (one slot, the host
-prompt cache, the tiny model's speed and tokens, the host's cores shared: ``plugin/dev/fake_llamacpp.py``) with the
-llama.cpp fleet's sizes, and kvroute's deployments say ``engine: llamacpp``. Per workload the result also records
-the host's CPU: cores busy on average, of which the replicas' (``host_cpu``); ``--hop`` also measures each rival's
-own round trip on the idle fleet (``hop_ms``). Usage::
+(``bench/peers_rivals.py``): each Rust router's ``cache_aware`` directly and behind LiteLLM, its session-sticky mode
+directly, LiteLLM's strategies and affinity checks, LiteLLM + kvroute. Each workload (``bench/peers_workloads.py``:
+demo, apps, agent, shared) is replayed once per rival per repeat, rivals interleaved (A B C … A B C …); every
+replica is emptied before each run and every rival of a repeat replays the same prompts (``--no-fresh-fleet``: one
+fleet throughout, each run its own prompt salt). Per rival: cached-token share (the engines' own counters), TTFT
+p50/p90, req/s, failures, wasted prefill (``bench/peers_waste.py``), spread over replicas (max/mean prompt tokens
+served), routing CPU per request (every process of the rival's chain: LiteLLM and the router, summed), and
+same-repeat ratios against kvroute and LiteLLM simple-shuffle (medians over repeats). ``--fleet fake --engine-model
+llamacpp`` runs fake engines that model the llama.cpp replicas (one slot, the host prompt cache, the tiny model's
+speed and tokens, the host's cores shared: ``plugin/dev/fake_llamacpp.py``) with the llama.cpp fleet's sizes, and
+kvroute's deployments say ``engine: llamacpp``. Per workload the result also records the host's CPU: cores busy on
+average, of which the replicas' (``host_cpu``); ``--hop`` also measures each rival's own round trip on the idle
+fleet (``hop_ms``). Usage::
 
     LITELLM_LOCAL_MODEL_COST_MAP=True .venv/bin/python bench/peers.py [--fleet fake|llamacpp]
         [--engine-model vllm|llamacpp] [--workload demo --workload shared ...] [--repeats 3]
-        [--rival kvroute --rival smg-ca ...] [--quick] [--hop] [--json]
+        [--rival kvroute --rival smg-ca ...] [--quick] [--hop] [--no-fresh-fleet] [--json]
 """
 
 from __future__ import annotations
@@ -410,7 +411,7 @@ def run(args: argparse.Namespace, say) -> dict:
                                    getattr(args, "engine_cost", 1.0))
         fleet = stack.enter_context(Fleet(args.replicas, engine=args.fleet, options=options, name_prefix="peers"))
         api_bases = fleet.api_bases
-        relays = None
+        relays, token_calls = None, {}
         if args.fleet == "llamacpp":  # llama.cpp's replicas look alike: relays stamp each one's name on its answers
             relays = stack.enter_context(ReplicaRelays([r.port for r in fleet.replicas],
                                                        [r.name for r in fleet.replicas]))
@@ -449,7 +450,7 @@ def run(args: argparse.Namespace, say) -> dict:
                     who = "" if args.fresh_fleet else rival.spec.key
                     salt = hashlib.sha256(f"{name}-{repeat}-{who}-{started_at}".encode()).hexdigest()[:16]
                     if args.fresh_fleet:
-                        _restart(fleet, relays)
+                        _restart(fleet, relays, token_calls)
                     runs[rival.spec.key].append(_one_run(rival, workload, fleet.model, args.fleet,
                                                          fleet.base_urls, salt, 4 if llama else 64, relays,
                                                          turn_delays(name, repeat) if turn_delays else None))
@@ -462,12 +463,10 @@ def run(args: argparse.Namespace, say) -> dict:
             if probe is not None:
                 result["workloads"][name]["engine_probe"] = probe
         if args.fleet == "fake":  # which vLLM token endpoints the routers called (vllm-router's cache_aware does)
-            calls: dict[str, int] = {}
             with httpx.Client(timeout=10.0, trust_env=False) as client:
                 for url in fleet.base_urls:
-                    for path, n in client.get(url + "/admin/stats").json().get("token_calls", {}).items():
-                        calls[path] = calls.get(path, 0) + n
-            result["engine_token_calls"] = calls
+                    _add_token_calls(token_calls, client, url)
+            result["engine_token_calls"] = token_calls
         for rival in rivals:
             if rival.spec.key in result["rivals"]:
                 result["rivals"][rival.spec.key]["proxy_errors"] = rival.proxy_errors()
@@ -476,12 +475,25 @@ def run(args: argparse.Namespace, say) -> dict:
     return result
 
 
-def _restart(fleet: Fleet, relays: ReplicaRelays | None) -> None:
-    """Every replica stopped and started empty (the relays follow them to their new ports)."""
+def _restart(fleet: Fleet, relays: ReplicaRelays | None, token_calls: dict[str, int]) -> None:
+    """Every replica empty again: llama.cpp's stopped and started (the relays follow them to their new ports), a
+    fake engine's cache and counters cleared in place (``/admin/reset``; the routers keep its address), its
+    tokenizer-endpoint calls so far added to ``token_calls`` first."""
+    if relays is None:
+        with httpx.Client(timeout=10.0, trust_env=False) as client:
+            for base in fleet.base_urls:
+                _add_token_calls(token_calls, client, base)
+                client.post(base + "/admin/reset").raise_for_status()
+        return
     for i in range(len(fleet.replicas)):
         replica = fleet.restart(i)
         if relays is not None:
             relays.retarget(i, replica.port)
+
+
+def _add_token_calls(calls: dict[str, int], client: httpx.Client, base_url: str) -> None:
+    for path, n in client.get(base_url + "/admin/stats").json().get("token_calls", {}).items():
+        calls[path] = calls.get(path, 0) + n
 
 
 # ---------------------------------------------------------------------------------------------- output
@@ -552,9 +564,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--rival", action="append", help="only these rivals (repeatable), e.g. kvroute")
     p.add_argument("--quick", action="store_true", help="tiny workloads, one repeat: a CI smoke run")
-    p.add_argument("--fresh-fleet", action="store_true",
+    p.add_argument("--fresh-fleet", action=argparse.BooleanOptionalAction, default=True,
                    help="restart every replica before each run, and give every rival of a repeat the same prompts: "
-                        "identical request sequences from identical fleet states (what bench/peers_diff.py compares)")
+                        "identical request sequences from identical fleet states, so shares are compared on the same "
+                        "tokens (what bench/peers_diff.py compares; the default). --no-fresh-fleet: one fleet for "
+                        "the whole run, each rival its own prompts")
     p.add_argument("--probe", action="store_true",
                    help="llama.cpp: time every replica's prefill before each workload (the result's engine_probe)")
     p.add_argument("--busy-cores", type=int, default=0, metavar="N",

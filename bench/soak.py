@@ -35,7 +35,7 @@ from typing import Any
 
 import httpx
 
-from kvroute.plugin.dev.child_processes import tree_rss_mib
+from kvroute.plugin.dev.child_processes import tree_rss_by_process, tree_rss_mib
 from kvroute.plugin.dev.fleet import Fleet, ReplicaOptions
 from kvroute.plugin.dev.proxy_process import ModelGroup, ProxyProcess, build_proxy_config
 
@@ -59,6 +59,7 @@ class Arm:
     bases: list[str]
     outcomes: Counter = field(default_factory=Counter)
     samples: list[tuple[float, float]] = field(default_factory=list)  # (seconds since start, MB)
+    processes: list[tuple[float, dict[str, float]]] = field(default_factory=list)  # (seconds, {process: MB})
 
 
 def slope_mb_per_10min(samples: list[tuple[float, float]]) -> float | None:
@@ -128,7 +129,9 @@ async def sample(arms: list[Arm], start: float, period_s: float) -> None:
     while True:
         for arm in arms:
             if arm.proxy.process is not None:
-                arm.samples.append((round(time.monotonic() - start, 1), round(tree_rss_mib(arm.proxy.process.pid), 2)))
+                at, each = round(time.monotonic() - start, 1), tree_rss_by_process(arm.proxy.process.pid)
+                arm.samples.append((at, round(sum(each.values()), 2)))
+                arm.processes.append((at, {k: round(v, 2) for k, v in each.items()}))
         await asyncio.sleep(period_s)
 
 
@@ -165,7 +168,21 @@ def summary(arm: Arm, warmup_s: float) -> dict[str, Any]:
     return {"rss_start_mb": arm.samples[0][1] if arm.samples else None,
             "rss_warmup_mb": after[0][1] if after else None, "rss_end_mb": after[-1][1] if after else None,
             "rss_max_mb": max((m for _, m in arm.samples), default=None),
-            "slope_mb_per_10min": _round(slope_mb_per_10min(after)), "outcomes": dict(sorted(arm.outcomes.items()))}
+            "slope_mb_per_10min": _round(slope_mb_per_10min(after)), "outcomes": dict(sorted(arm.outcomes.items())),
+            "processes": per_process(arm.processes, warmup_s)}
+
+
+def per_process(samples: list[tuple[float, dict[str, float]]], warmup_s: float) -> dict[str, dict[str, Any]]:
+    """Each process of the proxy's tree: its RSS at the end of warm-up and at the end, and its slope after warm-up
+    (which process of a tree grows: a proxy worker, the ledger's drainer)."""
+    names = sorted({name for _, each in samples for name in each})
+    out: dict[str, dict[str, Any]] = {}
+    for name in names:
+        series = [(at, each[name]) for at, each in samples if at >= warmup_s and name in each]
+        if series:
+            out[name] = {"rss_warmup_mb": series[0][1], "rss_end_mb": series[-1][1],
+                         "slope_mb_per_10min": _round(slope_mb_per_10min(series))}
+    return out
 
 
 def _round(value: float | None) -> float | None:
@@ -213,7 +230,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     result = {"minutes": args.minutes, "warmup_minutes": args.warmup_minutes, "rate_per_s": args.rate,
               "requests_per_arm": sent, "replicas": args.replicas, "sample_s": args.sample_s,
               "tolerance_mb_per_10min": TOLERANCE_MB_PER_10MIN, "arms": rows, "verdict": verdict(rows),
-              "samples": {a.name: a.samples for a in arms}}
+              "samples": {a.name: a.samples for a in arms}, "process_samples": {a.name: a.processes for a in arms}}
     if trace is not None:  # the last report of each proxy's census (and tracemalloc's, with SOAK_TRACEMALLOC=1)
         result["trace"] = {p.stem.removeprefix("trace-"): json.loads(p.read_text()) for p in trace.glob("trace-*.txt")}
         result["trace_dir"] = str(trace)
@@ -229,6 +246,10 @@ def render(result: dict[str, Any]) -> str:
         outcomes = ", ".join(f"{k} {v}" for k, v in r["outcomes"].items())
         lines.append(f"| {name} | {r['rss_start_mb']} | {r['rss_warmup_mb']} | {r['rss_end_mb']} | "
                      f"{r['slope_mb_per_10min']} | {outcomes} |")
+    for name, r in result["arms"].items():
+        for process, f in r.get("processes", {}).items():
+            lines.append(f"- {name} process {process}: {f['rss_warmup_mb']} → {f['rss_end_mb']} MB, "
+                         f"{f['slope_mb_per_10min']} MB/10 min after warm-up")
     lines.append(f"verdict: {result['verdict']} (flat: kvroute's slope after warm-up at most "
                  f"{result['tolerance_mb_per_10min']:g} MB/10 min above plain's)")
     return "\n".join(lines)

@@ -463,13 +463,13 @@ class PreciseIndex(LocatorParts):
         if backend not in self._covered:
             self.fallback.confirm(backend, keys, cached_blocks, now, predicted_blocks)
 
-    def forget(self, backend: str, keys: Sequence[int]) -> None:
+    def forget(self, backend: str, keys: Sequence[int], computed_blocks: int = 0) -> None:
         if backend not in self._covered:
-            self.fallback.forget(backend, keys)
+            self.fallback.forget(backend, keys, computed_blocks)
             return
         s = self._spec.get(backend)
         if s is not None:
-            for key in keys:
+            for key in keys[computed_blocks:]:
                 s.pop(key, None)
 
     def remove_backend(self, backend: str) -> None:

@@ -32,8 +32,9 @@ class PrefixLocator(Protocol):
         """Correct the index with what the backend reported as cached for a finished request."""
         ...
 
-    def forget(self, backend: str, keys: Sequence[int]) -> None:
-        """Take keys back out for a backend (the request failed before it computed them)."""
+    def forget(self, backend: str, keys: Sequence[int], computed_blocks: int = 0) -> None:
+        """The request for ``keys`` failed before ``backend`` computed them: take back out what the index recorded
+        for it past the first ``computed_blocks`` (what the backend already held)."""
         ...
 
     def remove_backend(self, backend: str) -> None: ...
@@ -257,12 +258,13 @@ class PrefixIndex(LocatorParts):
         if last is None or last < now or self.config.ttl_s:
             self.record(backend, keys, now)  # evicted meanwhile (or TTL to extend): the engine holds it now
 
-    def forget(self, backend: str, keys: Sequence[int]) -> None:
-        """Drop keys for a backend (a request that failed before prefill, or an engine removal)."""
+    def forget(self, backend: str, keys: Sequence[int], computed_blocks: int = 0) -> None:
+        """Drop ``keys`` past the first ``computed_blocks`` for a backend (a request that failed before prefill,
+        or an engine removal)."""
         state = self._backends.get(backend)
         if state is None:
             return
-        for key in keys:
+        for key in keys[computed_blocks:]:
             state.entries.pop(key, None)
 
     def remove_backend(self, backend: str) -> None:

@@ -58,10 +58,13 @@ class PromptIndexConfig:
 
 
 class _Backend:
-    __slots__ = ("cache_tokens", "engine_size", "entries", "next_id", "pending", "refs", "used")
+    __slots__ = ("cache_tokens", "displaced", "engine_size", "entries", "next_id", "pending", "refs", "used")
 
     def __init__(self, cache_tokens: int) -> None:
         self.pending: set[int] = set()  # entries whose request has not been answered yet
+        # pending entry -> the entries its recording dropped (id, keys, last use, engine size): put back if its
+        # request fails before the engine ran it
+        self.displaced: dict[int, list[tuple[int, tuple[int, ...], float, int | None]]] = {}
         self.engine_size: dict[int, int] = {}  # entry -> the engine's count of it (prompt and answer), once known
         self.entries: OrderedDict[int, tuple[int, ...]] = OrderedDict()  # oldest first; the newest are the slots
         self.used: dict[int, float] = {}  # entry -> when it was last sent or answered
@@ -283,8 +286,10 @@ class PromptIndex(LocatorParts):
             self._note_return(state, keys, now)
         kept, _ = self._after(state, keys)
         keep = set(kept)
-        for eid in [e for e in state.entries if e not in keep]:
-            self._drop(state, eid)
+        dropped = [e for e in state.entries if e not in keep]
+        displaced = [(e, state.entries[e], state.used.get(e, now), state.engine_size.get(e)) for e in dropped]
+        for e in dropped:
+            self._drop(state, e)
         eid = state.next_id
         state.next_id += 1
         entry = tuple(keys)
@@ -292,14 +297,23 @@ class PromptIndex(LocatorParts):
         state.used[eid] = now
         if sent:
             state.pending.add(eid)
-        for key in entry:
-            state.refs[key] = state.refs.get(key, 0) + 1
+            if displaced:
+                state.displaced[eid] = displaced
+        self._ref(state, entry)
 
     def _drop(self, state: _Backend, eid: int) -> None:
         state.used.pop(eid, None)
         state.pending.discard(eid)
+        state.displaced.pop(eid, None)
         state.engine_size.pop(eid, None)
-        for key in state.entries.pop(eid):
+        self._unref(state, state.entries.pop(eid))
+
+    def _ref(self, state: _Backend, entry: tuple[int, ...]) -> None:
+        for key in entry:
+            state.refs[key] = state.refs.get(key, 0) + 1
+
+    def _unref(self, state: _Backend, entry: tuple[int, ...]) -> None:
+        for key in entry:
             left = state.refs[key] - 1
             if left:
                 state.refs[key] = left
@@ -329,16 +343,34 @@ class PromptIndex(LocatorParts):
                 if state.entries[eid][: len(entry)] == entry:
                     state.used[eid] = now
                     state.pending.discard(eid)
+                    state.displaced.pop(eid, None)
                     break
 
-    def forget(self, backend: str, keys: Sequence[int]) -> None:
-        """The request failed before its prefill: its entry goes."""
+    def forget(self, backend: str, keys: Sequence[int], computed_blocks: int = 0) -> None:
+        """The request for the prompt ``keys`` failed before the engine ran it (``computed_blocks``, what it already
+        held, stays held): its entry goes, and the entries its recording pushed out come back, as the engine
+        never saved or restored anything for it; the budget then holds as always."""
         state = self._backends.get(backend)
         if state is None:
             return
         entry = tuple(keys)
-        for eid in [e for e, v in state.entries.items() if v == entry][-1:]:
-            self._drop(state, eid)
+        found = [e for e, v in state.entries.items() if v == entry and e in state.pending][-1:] or \
+            [e for e, v in state.entries.items() if v == entry][-1:]
+        if not found:
+            return
+        displaced = state.displaced.get(found[0], [])
+        self._drop(state, found[0])
+        for eid, held, used, size in displaced:
+            if eid in state.entries:
+                continue
+            state.entries[eid] = held
+            state.used[eid] = used
+            if size is not None:
+                state.engine_size[eid] = size
+            self._ref(state, held)
+        if displaced:
+            state.entries = OrderedDict(sorted(state.entries.items()))
+            self._evict(state)
 
     def remove_backend(self, backend: str) -> None:
         self._backends.pop(backend, None)

@@ -345,7 +345,7 @@ class Router:
         now = self.clock()
         self._settle(pending)
         keys = pending.request.keys
-        self.index.forget(pending.backend, keys[pending.matched_blocks:])
+        self.index.forget(pending.backend, keys, pending.matched_blocks)
         matched = self.index.match(keys, [backend], now).get(backend, 0)
         self.state.load.move(request_id, backend, now)  # the charge follows (on the same record)
         pending.backend, pending.matched_blocks, pending.settled = backend, matched, False
@@ -394,7 +394,7 @@ class Router:
             return
         self._settle(pending)
         if before_prefill:
-            self.index.forget(pending.backend, pending.request.keys[pending.matched_blocks:])
+            self.index.forget(pending.backend, pending.request.keys, pending.matched_blocks)
 
     def on_cancel(self, request_id: str) -> None:
         """A cancelled request releases its load; what it prefilled may stay cached."""

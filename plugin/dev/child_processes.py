@@ -236,7 +236,14 @@ class ChildOwner:
 
 def tree_rss_mib(pid: int) -> float:
     """Resident memory of ``pid`` and all its descendants in MiB (Linux ``/proc``; 0 once gone or elsewhere)."""
-    total, todo, seen = 0, [pid], set()
+    return sum(tree_rss_by_process(pid).values())
+
+
+def tree_rss_by_process(pid: int) -> dict[str, float]:
+    """Resident memory in MiB of ``pid`` and each of its descendants, keyed ``"<pid> <what>"`` (what: the module
+    a ``python -m`` runs, else the program's name); empty once gone or elsewhere."""
+    found: dict[str, float] = {}
+    todo, seen = [pid], set()
     while todo:
         p = todo.pop()
         if p in seen:
@@ -248,7 +255,19 @@ def tree_rss_mib(pid: int) -> float:
                 todo += [int(c) for c in Path(f"/proc/{p}/task/{task}/children").read_text().split()]
         except (OSError, ValueError):
             continue
-        for line in status.splitlines():
-            if line.startswith("VmRSS:"):
-                total += int(line.split()[1])
-    return total / 1024
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        rss = fields.get("VmRSS")
+        if rss is not None:
+            found[f"{p} {_program(p, fields.get('Name', '?').strip())}"] = int(rss.split()[0]) / 1024
+    return found
+
+
+def _program(pid: int, name: str) -> str:
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return name
+    if "-m" in argv[:-1]:
+        return argv[argv.index("-m") + 1]
+    script = argv[1] if len(argv) > 1 and Path(argv[0]).name.startswith("python") else ""
+    return Path(script).name if script and not script.startswith("-") else name

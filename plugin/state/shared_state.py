@@ -147,11 +147,11 @@ class SharedPrefixIndex(LocatorParts):
         self._shared._queue_index(self.group, ("c", backend, _as_list(keys), int(cached_blocks),
                                                -1 if predicted_blocks is None else int(predicted_blocks)))
 
-    def forget(self, backend: str, keys: Sequence[int]) -> None:
+    def forget(self, backend: str, keys: Sequence[int], computed_blocks: int = 0) -> None:
         with self._lock:
-            self.local.forget(backend, keys)
+            self.local.forget(backend, keys, computed_blocks)
         if keys:
-            self._shared._queue_index(self.group, ("f", backend, _as_list(keys)))
+            self._shared._queue_index(self.group, ("f", backend, _as_list(keys), int(computed_blocks)))
 
     def remove_backend(self, backend: str) -> None:
         with self._lock:
@@ -190,8 +190,8 @@ class SharedPrefixIndex(LocatorParts):
                 self.local.record(backend, op[2], now)
             elif kind == "c":
                 self.local.confirm(backend, op[2], int(op[3]), now, None if op[4] < 0 else int(op[4]))
-            elif kind == "f":
-                self.local.forget(backend, op[2])
+            elif kind == "f":  # an op without the count is from a worker that sent only the keys to drop
+                self.local.forget(backend, op[2], int(op[3]) if len(op) > 3 else 0)
             elif kind == "x":
                 self.local.remove_backend(backend)
 

@@ -333,3 +333,16 @@ def test_config_validation_and_bounded_queue():
     stats = shared.stats()
     assert stats["outbox"] == 10 and stats["dropped"] == 10 and not stats["connected"]
     assert router.index.blocks() > 0  # local routing state is complete regardless
+
+
+def test_a_forget_op_keeps_what_the_backend_held_and_an_older_workers_op_still_applies():
+    from kvroute.plugin.state.shared_state import SharedPrefixIndex
+
+    idx = SharedPrefixIndex(shared=None, group="g")  # type: ignore[arg-type]  # apply() reads no shared state
+    keys = [11, 12, 13, 14]
+    idx.local.record("b", keys, 0.0)
+    idx.apply(("f", "b", keys, 2), 0.0)  # failed before prefill; the first two blocks were held already
+    assert idx.local.match(keys, ["b"], 0.0) == {"b": 2}
+    idx.local.record("b", keys, 0.0)
+    idx.apply(("f", "b", keys[3:]), 0.0)  # a worker of the last release sends only the keys to drop
+    assert idx.local.match(keys, ["b"], 0.0) == {"b": 3}

@@ -114,6 +114,27 @@ def test_forget_takes_a_failed_prompt_back_out():
     assert ix.backends() == []
 
 
+def test_a_failed_request_gives_back_what_its_recording_pushed_out():
+    """LiteLLM retries a failed attempt elsewhere; the replica never ran it, so it still holds what it held: the
+    failed prompt's entry goes and the prompts its recording displaced are held again, oldest first as before."""
+    ix = index(cache_blocks=12)
+    ix.record("x", A0, 0.0)
+    ix.record("x", B0, 1.0)  # A0 saved beside the slot's B0
+    ix.confirm("x", B0, 0, 1.5)
+    before = entries(ix)
+    other = list(range(500, 510))
+    ix.record("x", other, 2.0)  # would save B0 and push A0 out of the 12-block budget
+    assert tuple(A0) not in entries(ix)
+    ix.forget("x", other, 0)
+    assert entries(ix) == before
+    assert ix.match(A1, ["x"], 3.0) == {"x": len(A0)} and ix.match(B1, ["x"], 3.0) == {"x": len(B0)}
+    # a failed continuation after a prefix match: its entry goes whole, the conversation it continued stays
+    ix.record("x", B1, 4.0)
+    ix.forget("x", B1, len(B0))
+    assert entries(ix) == before
+    assert ix.evictions("x", other, 5.0) < (len(A0) + len(B0)) * BT  # nothing pending is left at full worth
+
+
 def test_bad_configuration_is_refused():
     with pytest.raises(ValueError):
         PromptIndexConfig(slots=0)

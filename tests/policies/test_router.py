@@ -172,3 +172,28 @@ def test_an_answered_request_releases_its_load_and_still_confirms_the_index_late
     t[0] = 100.0
     router.expire()  # its outcome never came: dropped once older than max_request_age_s
     assert router.pending_backend(req2.request_id) is None
+
+
+def test_a_failed_follow_up_on_a_prompt_index_leaves_the_conversation_held_and_nothing_pending():
+    """llama.cpp keeps whole prompts: a follow-up's attempt that failed (and LiteLLM retried elsewhere) was never
+    run by its replica, so the replica still holds the conversation so far, and no never-answered prompt there is
+    priced as live (it repelled every later first turn from that replica for a minute)."""
+    from kvroute.policies.prompt_index import PromptIndex, PromptIndexConfig
+
+    index = PromptIndex(PromptIndexConfig(cache_tokens=4096, block_tokens=64))
+    router = Router(RouterConfig(), index=index)
+    first = {"model": "m", "messages": [{"role": "system", "content": "s " * 3000}, {"role": "user", "content": "q1"}]}
+    req, dec = router.route(first, ["a", "b"])
+    router.on_complete(req.request_id, cached_tokens=0, backend=dec.backend)
+    follow = {"model": "m", "messages": [*first["messages"], {"role": "assistant", "content": "a1 " * 40},
+                                         {"role": "user", "content": "q2 " * 40}]}
+    req2, dec2 = router.route(follow, ["a", "b"])
+    assert dec2.backend == dec.backend and dec2.reason == "prefix_match"
+    other = "b" if dec.backend == "a" else "a"
+    router.on_attempt(req2.request_id, other)  # LiteLLM's retry went elsewhere after the holder's attempt failed
+    router.on_failure(req2.request_id, before_prefill=True)
+    now = router.clock()
+    held = router.index.match(req.keys, [dec.backend], now=now)
+    assert held == {dec.backend: len(req.keys)}  # the first turn's prompt is held where it was computed
+    state = index._backends[dec.backend]
+    assert not state.pending and list(state.entries.values()) == [tuple(req.keys)]
