@@ -14,8 +14,9 @@ off by default: ``epsilon`` inf; when on, a holder of the prefix is over it only
 score (weighted scorers, ``policies/scorers.py``, each in seconds; a session's first request that some backend
 holds a prefix of also pays each backend's recent busy seconds, the work its sessions keep bringing, since the
 session's later turns stay where it starts) → pick (lowest; near-ties go to the longer match, among equal
-matches to the cheapest, exact ties to the prefix's rendezvous order for warm requests, or the least busy then
-least recently used backend for cold ones, exact ties again by the prefix's rendezvous order); the decision
+matches to the cheapest, exact ties to the prefix's rendezvous order for warm requests, or for cold ones the
+backend whose held conversations they put least at risk where the index weighs them, then the least busy, then
+least recently used, exact ties again by the prefix's rendezvous order); the decision
 reports the prefill it wastes (tokens another backend held). A holder is thus kept or left by predicted TTFT:
 its queue plus the prefill of what it lacks against another's queue plus the full recompute.
 Seconds come from an ``EngineSpeed`` prior (knobs) times a factor the load tracker learns per backend from
@@ -237,8 +238,9 @@ class CacheAware(Policy):
     def _pick_by_cost(self, request: RoutingRequest, costs: dict[str, float], matched: dict[str, int],
                       top_holder: int, state: RoutingState, now: float) -> tuple[str, str]:
         """(backend, reason): the lowest cost; near-ties go to the longer match, among equal matches to the
-        cheapest, exact ties to the prefix's rendezvous order for warm requests, or the least busy then least
-        recently used backend for cold ones (exact ties again by the prefix's rendezvous order)."""
+        cheapest, exact ties to the prefix's rendezvous order for warm requests, or for cold ones the backend
+        whose held conversations it puts least at risk (``live_tokens``, where the index weighs them), then the
+        least busy, then least recently used (exact ties again by the prefix's rendezvous order)."""
         cfg = self.config
         load = state.load
         best_cost = min(costs.values())
@@ -255,7 +257,13 @@ class CacheAware(Policy):
             backend = (holders[0] if len(holders) == 1
                        else self._first_in_order(state.rendezvous, request.keys[0], holders))
             return backend, "prefix_match" if best_match >= top_holder else "prefix_spill"
-        rank = {b: (load.busy(b, now), load.last_pick(b), costs[b]) for b in near}
+        # a new prompt goes where it puts the fewest live tokens at risk (whole blocks: a stale prompt counts
+        # nothing), then to the least busy, then least recently used backend
+        index = state.index
+        live_of = index.live_tokens or (index.fallback.live_tokens if index.fallback else None)
+        bt = request.block_tokens
+        rank = {b: (int(live_of(b, now) // bt) if live_of is not None and bt > 0 else 0, load.busy(b, now),
+                    load.last_pick(b), costs[b]) for b in near}
         least = min(rank.values())
         tied = [b for b in near if rank[b] == least]
         # Exact ties (an idle fleet, or several routers that have not yet seen each other's picks) go to

@@ -51,7 +51,8 @@ class LocatorParts:
     index answering for backends without events; ``capacity_blocks(backend)``; ``holdings(backends)``;
     ``evictions(backend, keys, now)``: held tokens a new prompt pushes out; ``set_capacity(backend, tokens)``;
     ``learn_size(backend, keys, engine_tokens)`` and ``set_token_ratio(ratio)``: entries sized in the
-    engine's tokens."""
+    engine's tokens; ``live_tokens(backend, now)``: held tokens weighed by how likely their conversations are to
+    come back (what a new prompt placed beside them puts at risk)."""
 
     tail_block_tokens: float | None = None
     fallback: Any = None
@@ -61,6 +62,7 @@ class LocatorParts:
     set_capacity: Callable[[str, int], None] | None = None
     learn_size: Callable[[str, Sequence[int], int], None] | None = None
     set_token_ratio: Callable[[float], None] | None = None
+    live_tokens: Callable[[str, float], float] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -179,14 +179,24 @@ class PromptIndex(LocatorParts):
         if state is None or not state.entries:
             return 0.0
         _, lost = self._after(state, keys, then_saved=True)
-        bt, half, cap = self.config.block_tokens, self.value_half_life_s, self.config.value_half_life_s
+        bt, half = self.config.block_tokens, self.value_half_life_s
+        return sum(max(0.0, self._size(state, eid) - _common(state.entries[eid], keys) * bt)
+                   * self._worth(state, eid, now, half) for eid in lost)
 
-        def worth(eid: int) -> float:  # a running request's prompt is all there (unless it never came back)
-            age = max(0.0, now - state.used.get(eid, now))
-            return 1.0 if eid in state.pending and age < cap else 0.5 ** (age / half)
+    def live_tokens(self, backend: str, now: float) -> float:
+        """Tokens ``backend`` holds, each entry weighed by its worth (as ``evictions`` weighs them): what a new
+        prompt placed beside them puts at risk, whatever its size turns out to be in the engine's tokens."""
+        state = self._backends.get(backend)
+        if state is None:
+            return 0.0
+        half = self.value_half_life_s
+        return sum(self._size(state, eid) * self._worth(state, eid, now, half) for eid in state.entries)
 
-        return sum(max(0.0, self._size(state, eid) - _common(state.entries[eid], keys) * bt) * worth(eid)
-                   for eid in lost)
+    def _worth(self, state: _Backend, eid: int, now: float, half: float) -> float:
+        """A running request's prompt is all there (unless it never came back); an answered one halves every
+        ``half`` seconds unused."""
+        age = max(0.0, now - state.used.get(eid, now))
+        return 1.0 if eid in state.pending and age < self.config.value_half_life_s else 0.5 ** (age / half)
 
     @property
     def value_half_life_s(self) -> float:

@@ -434,3 +434,31 @@ def test_a_prompt_index_weighs_each_answered_prompt_by_the_engines_count():
     assert index.token_ratio == pytest.approx(router.token_ratio) and router.token_ratio > 1.0
     assert state.engine_size[eid] == 2 * req.prompt_tokens + 10
     assert index._size(state, eid) == pytest.approx((2 * req.prompt_tokens + 10) / router.token_ratio)
+
+
+def test_a_new_prompt_goes_beside_no_live_conversation_on_whole_prompt_caches():
+    """llama.cpp replicas, both idle: one holds a conversation answered a moment ago, the other only prompts of
+    conversations that ended long ago but served more lately. A new app's first turn goes to the second: beside
+    the live conversation its save could push that one out, whatever the index believes of their sizes (a new
+    text's tokens per character is not known before its first answer)."""
+    from kvroute.policies import RequestOutcome
+    from kvroute.policies.lifecycle import SUCCESS
+    from kvroute.policies.prompt_index import PromptIndex, PromptIndexConfig
+
+    clock = Clock()
+    index = PromptIndex(PromptIndexConfig(cache_tokens=64_000, block_tokens=64, value_half_life_s=5.0))
+    router = Router(RouterConfig(), clock=clock, index=index)
+    for i in range(3):  # "b" served more, long ago: busier by the decayed busy seconds
+        req, _ = router.route(group_prompt(10 + i, 0), ["b"])
+        clock.t += 2.0
+        router.finish(req, RequestOutcome(SUCCESS, "b", clock.t, cached_tokens=0))
+    clock.t += 30.0
+    live, _ = router.route(group_prompt(1, 0), ["a"])
+    clock.t += 0.2
+    router.finish(live, RequestOutcome(SUCCESS, "a", clock.t, cached_tokens=0))
+    clock.t += 0.1
+    assert router.load.busy("a", clock.t) < router.load.busy("b", clock.t)
+    assert index.live_tokens("a", clock.t) > 0.9 * live.prompt_tokens
+    assert index.live_tokens("b", clock.t) < 64  # under one block: counts nothing
+    _, dec = router.route(group_prompt(2, 0), ["a", "b"])
+    assert dec.reason == "cold" and dec.backend == "b", dec
