@@ -22,7 +22,7 @@ import math
 from collections.abc import Callable, Sequence
 
 import xxhash
-from peers_workloads import Workload
+from peers_workloads import Workload, system_content
 
 from kvroute.plugin.dev.fake_engine import render_chat
 from kvroute.plugin.dev.fake_llamacpp import LlamaCppModel
@@ -60,7 +60,7 @@ def sim_workload(workload: Workload, tokenize: Tokenize, block_tokens: int = 16,
     requests: list[SimRequest] = []
     last_of_flow: list[int] = []
     for n, flow in enumerate(workload.flows):
-        messages = [{"role": "system", "content": f"[{salt}] {flow.system}"}]
+        messages = [{"role": "system", "content": system_content(salt, flow)}]
         previous: SimRequest | None = None
         for t, turn in enumerate(flow.turns):
             messages.append({"role": "user", "content": turn})

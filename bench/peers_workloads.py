@@ -7,14 +7,16 @@ shared-prefix chat; ``apps`` is several apps × multi-turn sessions with Poisson
 ``agent`` is tool-calling loops whose context grows past one replica's cache; ``shared`` is the field's
 one-shared-prefix shape (one system prompt of 2,548 tokens, each request its own 7,252-token question, 3 req/s
 on 2 workers there) scaled to this fleet: the same split shrunk to 3/4 of one replica's cache, 1.5 req/s per
-replica (fake engines; llama.cpp: 0.5). Every prompt of a run starts with the run's salt, so no run
-reuses the cache another run left behind. The replay records, per request, which replica answered (the
+replica (fake engines; llama.cpp: 0.5). Every prompt of a run starts with a salt of the run and its system prompt
+(``system_content``), so no run reuses the cache another run left behind, and unrelated prompts of one run share
+nothing but the chat template. The replay records, per request, which replica answered (the
 ``system_fingerprint`` the fake engine stamps; None where an engine does not say) and what it reported cached.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import random
 import time
@@ -246,16 +248,27 @@ async def stream_one(client: httpx.AsyncClient, body: dict, headers: Mapping[str
     return out
 
 
+def system_content(salt: str, flow: Conversation) -> str:
+    """``flow``'s system prompt behind a salt of the run (``salt``) and of that system prompt (of the conversation
+    itself for a one-off prompt), 16 hex characters: prompts of one system prompt share it, unrelated ones share
+    nothing but the chat template. A run-wide salt was a prefix every prompt of the run shared, which the engines
+    counted as cached wherever a replica had served any of them (up to ~20 tokens of a new prompt's first turn,
+    decided by where a router happened to put it)."""
+    who = flow.system_id if flow.system_id >= 0 else f"own-{flow.conv_id}"
+    return f"[{hashlib.sha256(f'{salt}-{who}'.encode()).hexdigest()[:16]}] {flow.system}"
+
+
 async def replay(base_url: str, headers: Mapping[str, str], model: str, workload: Workload, salt: str,
                  timeout_s: float = 120.0,
                  flow_headers: Callable[[Conversation], Mapping[str, str]] | None = None,
                  delays: Callable[[Conversation, int], float] | None = None) -> RunResult:
-    """Send every flow of ``workload`` to ``base_url`` (streaming, usage included); every prompt starts with
-    ``salt``. Each conversation carries its session key in ``x-litellm-session-id`` (LiteLLM's session affinity and
-    kvroute read it) and, the same value, in ``x-session-id`` (vllm-router's sticky and hash policies read it
-    first; SMG's sticky sessions are pointed at it with ``--routing-key-headers``); ``flow_headers`` adds a
-    flow's own (e.g. its app's API key); ``delays(flow, n)`` holds turn ``n`` back that many seconds more (turn 0:
-    after the flow's start; later turns: after the turn before ends)."""
+    """Send every flow of ``workload`` to ``base_url`` (streaming, usage included); every system prompt is salted
+    with ``salt`` by ``system_content``. Each conversation carries its session key in ``x-litellm-session-id``
+    (LiteLLM's session affinity and kvroute read it) and, the same value, in ``x-session-id`` (vllm-router's
+    sticky and hash policies read it first; SMG's sticky sessions are pointed at it with
+    ``--routing-key-headers``); ``flow_headers`` adds a flow's own (e.g. its app's API key); ``delays(flow, n)``
+    holds turn ``n`` back that many seconds more (turn 0: after the flow's start; later turns: after the turn
+    before ends)."""
     result = RunResult()
     limit = workload.concurrency or len(workload.flows) or 1
     gate = asyncio.Semaphore(limit)
@@ -269,7 +282,7 @@ async def replay(base_url: str, headers: Mapping[str, str], model: str, workload
             if delay > 0:
                 await asyncio.sleep(delay)
             async with gate:
-                messages: list[dict] = [{"role": "system", "content": f"[{salt}] {flow.system}"}]
+                messages: list[dict] = [{"role": "system", "content": system_content(salt, flow)}]
                 key = f"{salt}-{flow.conv_id}"
                 session = {"x-litellm-session-id": key, "x-session-id": key,
                            **(flow_headers(flow) if flow_headers else {})}

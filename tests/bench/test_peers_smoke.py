@@ -155,3 +155,18 @@ def test_every_peer_router_installs_from_a_hashed_file_that_pins_it():
     for kind in KINDS.values():
         text = kind.requirements.read_text()
         assert f"\n{kind.pin} \\\n    --hash=sha256:" in text, f"{kind.requirements} lacks {kind.pin} with hashes"
+
+
+def test_prompts_of_one_system_prompt_share_their_salt_and_unrelated_prompts_share_none():
+    from peers_workloads import system_content
+
+    from kvroute.plugin.dev.workloads import Conversation
+
+    def flow(conv: str, system_id: int, system: str = "S") -> Conversation:
+        return Conversation(conv_id=conv, system=system, turns=("q",), system_id=system_id)
+
+    a, b = system_content("run1", flow("c0", 1)), system_content("run1", flow("c1", 1))
+    other, own = system_content("run1", flow("c2", 2)), system_content("run1", flow("c3", -1))
+    assert a == b  # one app's sessions: the same prefix
+    assert len({a[:18], other[:18], own[:18], system_content("run2", flow("c0", 1))[:18]}) == 4
+    assert {len(a), len(other), len(own)} == {len("[0123456789abcdef] S")}  # one length: the same blocks
