@@ -7,6 +7,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import soak  # noqa: E402
 
-from kvroute.plugin.dev.child_processes import tree_rss_mib  # noqa: E402
+from kvroute.plugin.dev.child_processes import tree_rss_by_process, tree_rss_mib  # noqa: E402
 
 
 def test_slope_is_least_squares_in_mb_per_ten_minutes():
@@ -34,8 +35,29 @@ def test_verdict_compares_kvroute_with_plain_within_the_tolerance():
     assert soak.verdict({"kvroute": {"slope_mb_per_10min": None}}) == "too short"
 
 
-def test_tree_rss_counts_this_process():
+def test_tree_rss_counts_this_process_and_names_each_process_of_the_tree():
     assert tree_rss_mib(os.getpid()) > 1.0
+    child = subprocess.Popen([sys.executable, "-m", "http.server", "0", "--bind", "127.0.0.1"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(100):  # until the child has imported its module
+            each = tree_rss_by_process(os.getpid())
+            if f"{child.pid} http.server" in each and each[f"{child.pid} http.server"] > 5.0:
+                break
+            time.sleep(0.05)
+        assert f"{child.pid} http.server" in each, each  # a ``python -m`` child is named by its module
+        assert any(k.startswith(f"{os.getpid()} ") for k in each), each
+        assert sum(each.values()) == pytest.approx(tree_rss_mib(os.getpid()), rel=0.2)
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_each_process_of_a_tree_gets_its_own_slope_after_warm_up():
+    samples = [(t, {"1 litellm": 400 + 0.01 * t, "2 kvroute.billing.drain": 70.0}) for t in range(0, 1200, 5)]
+    out = soak.per_process(samples, warmup_s=120)
+    assert out["1 litellm"]["slope_mb_per_10min"] == pytest.approx(6.0)
+    assert out["2 kvroute.billing.drain"] == {"rss_warmup_mb": 70.0, "rss_end_mb": 70.0, "slope_mb_per_10min": 0.0}
 
 
 def test_the_mix_has_every_kind_shared_prefixes_one_offs_and_many_sessions():
