@@ -58,6 +58,7 @@ class Arm:
     proxy: ProxyProcess
     bases: list[str]
     outcomes: Counter = field(default_factory=Counter)
+    served: Counter = field(default_factory=Counter)  # answers by the deployment that gave them (x-litellm-model-id)
     samples: list[tuple[float, float]] = field(default_factory=list)  # (seconds since start, MB)
     processes: list[tuple[float, dict[str, float]]] = field(default_factory=list)  # (seconds, {process: MB})
 
@@ -101,6 +102,7 @@ async def send(c: httpx.AsyncClient, arm: Arm, body: dict[str, Any], headers: di
         if kind == "whole":
             r = await c.post(url, json=body, headers={**arm.proxy.headers, **headers})
             arm.outcomes[f"whole_{r.status_code}"] += 1
+            arm.served[r.headers.get("x-litellm-model-id", "-")] += r.status_code == 200
             return
         async with c.stream("POST", url, json=body, headers={**arm.proxy.headers, **headers}) as r:
             chunks = 0
@@ -110,6 +112,7 @@ async def send(c: httpx.AsyncClient, arm: Arm, body: dict[str, Any], headers: di
                     if kind == "cancel" and chunks >= 2:
                         break  # leaving the block closes the connection: the client went away
             arm.outcomes[f"{kind}_{r.status_code}"] += 1
+            arm.served[r.headers.get("x-litellm-model-id", "-")] += r.status_code == 200
     except httpx.HTTPError as exc:
         arm.outcomes[f"{kind}_{type(exc).__name__}"] += 1
 
@@ -169,7 +172,7 @@ def summary(arm: Arm, warmup_s: float) -> dict[str, Any]:
             "rss_warmup_mb": after[0][1] if after else None, "rss_end_mb": after[-1][1] if after else None,
             "rss_max_mb": max((m for _, m in arm.samples), default=None),
             "slope_mb_per_10min": _round(slope_mb_per_10min(after)), "outcomes": dict(sorted(arm.outcomes.items())),
-            "processes": per_process(arm.processes, warmup_s)}
+            "processes": per_process(arm.processes, warmup_s), "served_by": dict(sorted(arm.served.items()))}
 
 
 def per_process(samples: list[tuple[float, dict[str, float]]], warmup_s: float) -> dict[str, dict[str, Any]]:
@@ -247,6 +250,8 @@ def render(result: dict[str, Any]) -> str:
         lines.append(f"| {name} | {r['rss_start_mb']} | {r['rss_warmup_mb']} | {r['rss_end_mb']} | "
                      f"{r['slope_mb_per_10min']} | {outcomes} |")
     for name, r in result["arms"].items():
+        if r.get("served_by"):
+            lines.append(f"- {name} answers by deployment: " + ", ".join(f"{k} {v}" for k, v in r["served_by"].items()))
         for process, f in r.get("processes", {}).items():
             lines.append(f"- {name} process {process}: {f['rss_warmup_mb']} → {f['rss_end_mb']} MB, "
                          f"{f['slope_mb_per_10min']} MB/10 min after warm-up")
