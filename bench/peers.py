@@ -486,9 +486,7 @@ def _restart(fleet: Fleet, relays: ReplicaRelays | None, token_calls: dict[str, 
                 client.post(base + "/admin/reset").raise_for_status()
         return
     for i in range(len(fleet.replicas)):
-        replica = fleet.restart(i)
-        if relays is not None:
-            relays.retarget(i, replica.port)
+        relays.retarget(i, fleet.restart(i).port)
 
 
 def _add_token_calls(calls: dict[str, int], client: httpx.Client, base_url: str) -> None:

@@ -257,6 +257,8 @@ class CacheAware(Policy):
             backend = (holders[0] if len(holders) == 1
                        else self._first_in_order(state.rendezvous, request.keys[0], holders))
             return backend, "prefix_match" if best_match >= top_holder else "prefix_spill"
+        if len(near) == 1:
+            return near[0], "cold" if top_holder == 0 else "prefix_spill"
         # a new prompt goes where it puts the fewest live tokens at risk (whole blocks: a stale prompt counts
         # nothing), then to the least busy, then least recently used backend
         index = state.index

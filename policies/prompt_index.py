@@ -62,9 +62,9 @@ class _Backend:
 
     def __init__(self, cache_tokens: int) -> None:
         self.pending: set[int] = set()  # entries whose request has not been answered yet
-        # pending entry -> the entries its recording dropped (id, keys, last use, engine size): put back if its
-        # request fails before the engine ran it
-        self.displaced: dict[int, list[tuple[int, tuple[int, ...], float, int | None]]] = {}
+        # pending entry -> the entries its recording dropped (id, keys, last use, engine size, pending): put back if
+        # its request fails before the engine ran it
+        self.displaced: dict[int, list[tuple[int, tuple[int, ...], float, int | None, bool]]] = {}
         self.engine_size: dict[int, int] = {}  # entry -> the engine's count of it (prompt and answer), once known
         self.entries: OrderedDict[int, tuple[int, ...]] = OrderedDict()  # oldest first; the newest are the slots
         self.used: dict[int, float] = {}  # entry -> when it was last sent or answered
@@ -297,7 +297,8 @@ class PromptIndex(LocatorParts):
         kept, _ = self._after(state, keys)
         keep = set(kept)
         dropped = [e for e in state.entries if e not in keep]
-        displaced = [(e, state.entries[e], state.used.get(e, now), state.engine_size.get(e)) for e in dropped]
+        displaced = [(e, state.entries[e], state.used.get(e, now), state.engine_size.get(e), e in state.pending)
+                     for e in dropped]
         for e in dropped:
             self._drop(state, e)
         eid = state.next_id
@@ -364,19 +365,26 @@ class PromptIndex(LocatorParts):
         if state is None:
             return
         entry = tuple(keys)
-        found = [e for e, v in state.entries.items() if v == entry and e in state.pending][-1:] or \
-            [e for e, v in state.entries.items() if v == entry][-1:]
-        if not found:
+        found = None  # the newest entry of the prompt, a pending one first
+        for eid in reversed(state.entries):
+            if state.entries[eid] == entry:
+                if eid in state.pending:
+                    found = eid
+                    break
+                found = eid if found is None else found
+        if found is None:
             return
-        displaced = state.displaced.get(found[0], [])
-        self._drop(state, found[0])
-        for eid, held, used, size in displaced:
+        displaced = state.displaced.get(found, [])
+        self._drop(state, found)
+        for eid, held, used, size, pending in displaced:
             if eid in state.entries:
                 continue
             state.entries[eid] = held
             state.used[eid] = used
             if size is not None:
                 state.engine_size[eid] = size
+            if pending:
+                state.pending.add(eid)
             self._ref(state, held)
         if displaced:
             state.entries = OrderedDict(sorted(state.entries.items()))

@@ -168,3 +168,16 @@ def test_a_live_session_is_worth_more_than_a_finished_conversations_prompt_once_
     live, idle, half = run(turns_seen=12)
     assert half == pytest.approx(0.3, abs=0.05)  # answered at +0.2 s, next turn at +0.5 s
     assert live > idle and idle < 1.0  # S's prompt is what would be lost; the stale one is worth ~nothing
+
+
+def test_a_running_prompt_pushed_out_by_a_failed_one_comes_back_running():
+    ix = index(cache_blocks=12)
+    ix.record("x", A0, 0.0)  # running, never answered
+    ix.record("x", B0, 0.0)  # running too; A0 saved into the cache
+    other = list(range(500, 510))
+    ix.record("x", other, 1.0)  # B0's save pushes A0 out of the 12-block budget
+    assert tuple(A0) not in entries(ix)
+    ix.forget("x", other)
+    assert entries(ix) == [tuple(A0), tuple(B0)]
+    assert ix._backends["x"].pending == {0, 1}  # still running: priced whole, not by the age of their sends
+    assert ix.live_tokens("x", 50.0) == (len(A0) + len(B0)) * BT
