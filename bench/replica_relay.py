@@ -202,12 +202,16 @@ class ReplicaRelays:
             return
         rewriter = _Rewriter(self.names[index])
         clock = _Clock(self._timings)
+        requests = asyncio.ensure_future(self._pipe(client_r, up_w, None, clock.feed_in))
         try:
-            await asyncio.gather(self._pipe(client_r, up_w, None, clock.feed_in),
-                                 self._pipe(up_r, client_w, rewriter, clock.feed_out))
+            # the replica's side ending ends the connection, as when the client talks to the replica itself: an idle
+            # keep-alive connection llama.cpp closes must close at the client too, not stay half open (a client
+            # that sends its next request into a half-open relay gets "Server disconnected")
+            await self._pipe(up_r, client_w, rewriter, clock.feed_out)
         except asyncio.CancelledError:  # closing: the connection goes with the relay
             pass
         finally:
+            requests.cancel()
             up_w.close()
             client_w.close()
 
@@ -224,6 +228,7 @@ class ReplicaRelays:
     @staticmethod
     async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, rewriter: _Rewriter | None,
                     watch) -> None:
+        """Copy ``reader`` to ``writer`` until its end; the other side then sees that end (an EOF)."""
         try:
             while data := await reader.read(_CHUNK):
                 watch(data)
@@ -231,6 +236,7 @@ class ReplicaRelays:
                 await writer.drain()
             if rewriter:
                 writer.write(rewriter.flush())
+                await writer.drain()
         except (ConnectionError, OSError):
             pass
         finally:

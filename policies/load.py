@@ -1,7 +1,9 @@
 """Load tracking: router-side in-flight work per backend plus aged external signals.
 
 Router-side counts react within a burst (updated at pick); external signals (engine queue depth, KV
-usage) come with their age and weigh less as they get stale (exponential decay, ``half_life_s``).
+usage) come with their age and weigh less as they get stale (exponential decay, ``half_life_s``). A reading's
+waiting requests also shrink by one for each of the router's requests that left that backend since the reading
+(each departure frees a slot for one of them), so a reading taken behind the router's own burst does not outlive it.
 
 Work is also kept in seconds: each pick may carry its predicted own-prefill seconds (``work_s``, from the
 ``EngineSpeed`` prior) and its predicted time to first token; the tracker keeps the outstanding work per
@@ -13,6 +15,7 @@ completion), and a decayed sum of the busy seconds assigned to each backend (the
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -80,6 +83,11 @@ class LoadTracker:
         self._prefill: dict[str, int] = {}
         self._last_pick: dict[str, float] = {}
         self._signals: dict[str, ExternalSignal] = {}
+        # per backend: how many requests left it (a slot freed), when the last few left, and how many had left
+        # before its current reading was taken
+        self._left: dict[str, int] = {}
+        self._left_at: dict[str, deque[float]] = {}
+        self._left_base: dict[str, int] = {}
         self._fresh_memo: tuple[float, float] = (math.nan, 1.0)
         self._mean_prompt = mean_prompt_tokens
         cls = type(self)
@@ -165,6 +173,7 @@ class LoadTracker:
         if req.request is None:  # no router holds it: the attempt ends here
             self.attempts.pop(request_id)
         self._inflight[req.backend] = max(0, self._inflight.get(req.backend, 0) - 1)
+        self._note_left(req.backend, now)
         if not req.prefill_done:
             self._prefill[req.backend] = max(0, self._prefill.get(req.backend, 0) - req.prefill_tokens)
             self._drop_work(request_id, req, now)
@@ -307,8 +316,25 @@ class LoadTracker:
         return len(old)
 
     # --- external signals -----------------------------------------------------------------------
+    def _note_left(self, backend: str, now: float | None) -> None:
+        """One request left ``backend``; an unknown time counts as before any reading still to come."""
+        self._left[backend] = self._left.get(backend, 0) + 1
+        if now is not None:
+            times = self._left_at.get(backend)
+            if times is None:
+                times = self._left_at[backend] = deque(maxlen=32)
+            times.append(now)
+
     def observe(self, backend: str, signal: ExternalSignal) -> None:
+        """Keep ``signal`` as ``backend``'s reading; departures the router saw after ``signal.at`` count against
+        its waiting requests."""
         self._signals[backend] = signal
+        after = 0
+        for t in reversed(self._left_at.get(backend, ())):
+            if t <= signal.at:
+                break
+            after += 1
+        self._left_base[backend] = self._left.get(backend, 0) - after
 
     def signal(self, backend: str) -> ExternalSignal | None:
         return self._signals.get(backend)
@@ -326,6 +352,8 @@ class LoadTracker:
         self._prefill.pop(backend, None)
         self._last_pick.pop(backend, None)
         self._signals.pop(backend, None)
+        for per_backend in (self._left, self._left_at, self._left_base):
+            per_backend.pop(backend, None)
         self._work.pop(backend, None)
         self._queued.pop(backend, None)
         self._pending.pop(backend, None)
@@ -377,7 +405,7 @@ class LoadTracker:
                 append((inflight, prefill, float(prefill), inflight, 0.0, work_of(b, now), queued_of(b, 0),
                         0.0 if d is None else d))
             else:
-                append((inflight, prefill, *self._signal_load(sig, inflight, prefill, now), work_of(b, now),
+                append((inflight, prefill, *self._signal_load(b, sig, inflight, prefill, now), work_of(b, now),
                         queued_of(b, 0), 0.0 if d is None else d))
         return states, [pick_of(b, never) for b in backends]
 
@@ -389,10 +417,12 @@ class LoadTracker:
         last_pick = self._last_pick.get(backend, -math.inf)
         if sig is None:
             return BackendLoad(inflight, prefill, float(prefill), inflight, 0.0, last_pick)
-        return BackendLoad(inflight, prefill, *self._signal_load(sig, inflight, prefill, now), last_pick)
+        return BackendLoad(inflight, prefill, *self._signal_load(backend, sig, inflight, prefill, now), last_pick)
 
-    def _signal_load(self, sig: ExternalSignal, inflight: int, prefill: int, now: float) -> tuple[float, int, float]:
-        """``(queue_tokens, running, kv_usage)``: router-side counts raised to an aged engine signal."""
+    def _signal_load(self, backend: str, sig: ExternalSignal, inflight: int, prefill: int,
+                     now: float) -> tuple[float, int, float]:
+        """``(queue_tokens, running, kv_usage)``: router-side counts raised to an aged engine signal, its waiting
+        requests less the router's departures since it was read."""
         queue_tokens = float(prefill)
         running = inflight
         kv_usage = 0.0
@@ -404,7 +434,9 @@ class LoadTracker:
             w = self.freshness(age)
             self._fresh_memo = (age, w)
         if sig.queue_depth is not None:
-            queue_tokens = max(queue_tokens, w * sig.queue_depth * self._mean_prompt)
+            waiting = sig.queue_depth - (self._left.get(backend, 0) - self._left_base.get(backend, 0))
+            if waiting > 0:
+                queue_tokens = max(queue_tokens, w * waiting * self._mean_prompt)
         if sig.running is not None:
             running = max(running, int(w * sig.running))
         if sig.kv_usage is not None:

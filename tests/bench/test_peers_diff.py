@@ -3,7 +3,9 @@ read back through a real LiteLLM proxy with kvroute."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
 import sys
 from pathlib import Path
 
@@ -111,6 +113,46 @@ def test_the_diff_sums_each_cause_and_counts_moved_sessions():
     assert d["causes"]["peer"]["elsewhere"]["requests"] == 0
     assert placements(kv["requests_log"])["sessions moved"] == 1
     assert placements(peer["requests_log"])["sessions moved"] == 0
+
+
+@pytest.mark.timeout(30)
+def test_a_connection_the_replica_closes_is_closed_at_the_client_not_left_half_open():
+    """llama.cpp closes an idle keep-alive connection; through the relay the client's connection must close too. A
+    half-open one still takes the client's next request, which then dies unanswered ("Server disconnected"):
+    LiteLLM retried such requests on another replica in the peers runs, and no router in front of a replica
+    directly saw it."""
+
+    async def replica(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        writer.close()  # its keep-alive time is over
+
+    async def connections_left(relays: ReplicaRelays) -> int:
+        async def count() -> int:
+            return sum(1 for t in asyncio.all_tasks() if t is not asyncio.current_task())
+
+        for _ in range(100):
+            left = asyncio.run_coroutine_threadsafe(count(), relays._loop).result(timeout=5)
+            if not left:
+                break
+            await asyncio.sleep(0.02)
+        return left
+
+    async def run_all() -> tuple[bytes, int]:
+        server = await asyncio.start_server(replica, "127.0.0.1", 0, family=socket.AF_INET)
+        async with server:
+            port = server.sockets[0].getsockname()[1]
+            with ReplicaRelays([port], ["relay-a"]) as relays:
+                reader, writer = await asyncio.open_connection("127.0.0.1", int(relays.base_urls[0].rsplit(":", 1)[1]))
+                writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+                answer = await asyncio.wait_for(reader.read(), 10)  # to the end: the replica closed
+                left = await connections_left(relays)  # the client sent nothing more and holds its side open
+                writer.close()
+                return answer, left
+
+    answer, left = asyncio.run(run_all())
+    assert answer.endswith(b"ok") and left == 0
 
 
 @pytest.mark.e2e

@@ -46,6 +46,37 @@ def test_router_side_load_is_not_double_counted_with_signal():
     assert load.view("a", now=0).queue_tokens == 2000
 
 
+def test_a_reading_behind_the_routers_own_burst_does_not_outlive_it():
+    """llama.cpp read one request waiting (ours, behind ours on its one slot); both have since left, one of them
+    before the reading reached the router: the replica is idle, whatever the reading's age. A departure before the
+    reading does not count against it, and one of unknown time counts as before."""
+    load = LoadTracker(half_life_s=2.0, mean_prompt_tokens=800)
+    load.start("first", "a", 800, now=0.0)
+    load.start("second", "a", 800, now=0.1)
+    load.first_token("first", 0.3)
+    load.release("first", 0.45)  # after the reading at 0.4, before it arrives
+    load.observe("a", ExternalSignal(at=0.4, queue_depth=1, running=1))
+    load.first_token("second", 0.6)
+    assert load.view("a", now=0.6).queue_tokens == 0  # "second" left the queue: the router's own count
+    load.release("second", 0.9)
+    assert load.view("a", now=1.0).queue_tokens == 0
+
+    other = LoadTracker(half_life_s=2.0, mean_prompt_tokens=800)
+    other.start("done", "b", 800, now=0.0)
+    other.release("done", 0.2)  # before the reading: the waiting request it shows is someone else's
+    other.start("moved", "b", 800, now=0.3)
+    other.move("moved", "c", now=0.35)  # no time: counts as before the reading
+    other.observe("b", ExternalSignal(at=0.4, queue_depth=2))
+    assert other.view("b", now=0.4).queue_tokens == pytest.approx(2 * other._mean_prompt)
+    other.start("mine", "b", 100, now=0.5)
+    other.release("mine", 0.7)  # one of the two waiting could start
+    assert other.view("b", now=0.7).queue_tokens == pytest.approx(
+        other.freshness(0.3) * other._mean_prompt)
+    other.remove_backend("b")
+    other.observe("b", ExternalSignal(at=1.0, queue_depth=1))
+    assert other.view("b", now=1.0).queue_tokens == pytest.approx(other._mean_prompt)
+
+
 def test_outstanding_work_drains_in_queue_order():
     """Only the first request not yet at first token is being computed, since it became the first, at the learned
     speed and up to its own work; the ones behind it wait whole; a new first starts its clock when it moves up."""
