@@ -435,6 +435,14 @@ class Router:
     def observe(self, backend: str, signal: ExternalSignal) -> None:
         self.state.load.observe(backend, signal)
 
+    def engine_emptied(self, backend: str) -> None:
+        """``backend``'s engine holds nothing now (it restarted): the index forgets what it believed there; the
+        backend, its capacity and its load stay."""
+        self.index.remove_backend(backend)
+        tokens = self._capacity_tokens.get(backend)
+        if tokens is not None:
+            self._apply_capacity(backend, tokens)
+
     def remove_backend(self, backend: str) -> None:
         self.index.remove_backend(backend)
         self._capacity_tokens.pop(backend, None)

@@ -267,7 +267,8 @@ def start_precise(cb: CallbackHost, group: str, block: Mapping[str, Any], index:
 
 def start_scraper(cb: CallbackHost, group: str, backends: Sequence[Backend], router: Router) -> None:
     """Scrape the replicas' ``metrics_url``: queue depth and KV usage feed the load tracker (with their age),
-    the engine's block count sets the approximate index's capacity. Unreachable pages leave router-side load."""
+    the engine's block count sets the approximate index's capacity, a restarted engine empties its part of the
+    index. Unreachable pages leave router-side load."""
     known = {b.id: b for b in (*cb.fleet.backends.values(), *backends) if b.group == group}
     targets = {b.id: b.metrics_url for b in known.values() if b.self_hosted and b.metrics_url}
     if not targets:
@@ -276,7 +277,7 @@ def start_scraper(cb: CallbackHost, group: str, backends: Sequence[Backend], rou
         from kvroute.plugin.feeds.engine_metrics import EngineMetricsScraper
 
         cb.scrapers[group] = EngineMetricsScraper(
-            targets, router.observe, capacity_sink=router.set_capacity,
+            targets, router.observe, capacity_sink=router.set_capacity, emptied_sink=router.engine_emptied,
             interval_s=cb.settings.metrics_scrape_interval_s, clock=cb.clock).start()
     except Exception as exc:
         log.warning("kvroute: engine metrics for %s unavailable: %s", group, exc)

@@ -3,7 +3,8 @@
 ``parse_metrics(text)`` reads the Prometheus text format into an ``EngineSnapshot`` (queue depth, running
 requests, KV usage, prefix-cache counters, block size and block count). ``EngineMetricsScraper`` polls
 each backend on an interval in a background thread and hands signals to a sink (``Router.observe``) and
-KV capacity in tokens (``num_gpu_blocks × block_size``) to a capacity sink (``index.set_capacity``).
+KV capacity in tokens (``num_gpu_blocks × block_size``) to a capacity sink (``index.set_capacity``). A prompt-token
+counter that went back (the engine restarted, its cache empty) goes to an emptied sink (``Router.engine_emptied``).
 Unreachable or malformed metrics produce no signal: the router keeps using its own load accounting.
 """
 
@@ -114,6 +115,14 @@ def hit_rate(before: EngineSnapshot, after: EngineSnapshot) -> float | None:
     return max(0.0, (after.cache_hits - before.cache_hits) / dq)  # type: ignore[operator]
 
 
+def restarted(before: EngineSnapshot | None, after: EngineSnapshot) -> bool:
+    """Whether the engine restarted between two scrapes: its prompt-token (prefix-query) counter, which only grows
+    while the process lives, went back."""
+    if before is None or before.cache_queries is None or after.cache_queries is None:
+        return False
+    return after.cache_queries < before.cache_queries
+
+
 class _KeepAliveGet:
     """``GET url`` → body text over one kept-alive stdlib connection per host (a quarter of httpx's CPU per
     scrape, and the scraper shares the proxy's GIL); a non-200 answer raises ``OSError``. Proxy variables
@@ -160,12 +169,14 @@ class EngineMetricsScraper:
     def __init__(self, targets: Mapping[str, str], sink: Callable[[str, ExternalSignal], None], *,
                  capacity_sink: Callable[[str, int], None] | None = None,
                  block_size_sink: Callable[[str, int], None] | None = None,
+                 emptied_sink: Callable[[str], None] | None = None,
                  interval_s: float = 1.0, timeout_s: float = 1.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.targets = dict(targets)
         self.sink = sink
         self.capacity_sink = capacity_sink
         self.block_size_sink = block_size_sink
+        self.emptied_sink = emptied_sink
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.clock = clock
@@ -199,11 +210,15 @@ class EngineMetricsScraper:
             log.debug("metrics scrape of %s failed: %s", backend, type(exc).__name__)
             return None
         pm.ENGINE_SCRAPES.labels(backend, "ok").inc()
+        before = self.snapshots.get(backend)
         self.snapshots[backend] = snap
         kv = snap.kv_usage
         if kv is not None and kv > 1.0:  # some exporters report percent
             kv = kv / 100.0
         try:
+            if self.emptied_sink is not None and restarted(before, snap):
+                log.info("kvroute: %s restarted (its prompt-token counter went back): it holds no prefix now", backend)
+                self.emptied_sink(backend)
             self.sink(backend, ExternalSignal(at=at, queue_depth=snap.queue_depth, running=snap.running,
                                               kv_usage=kv))
             capacity = snap.capacity_tokens

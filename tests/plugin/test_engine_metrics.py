@@ -145,6 +145,32 @@ def test_scraper_feeds_the_router_and_autotunes_capacity(metrics_server):
     assert router.load.view("a", 110.0).kv_usage < 0.1  # the signal ages out
 
 
+def test_a_restarted_engine_is_reported_emptied_once(metrics_server):
+    """The prompt-token counter only grows while the engine lives: when a scrape reads it lower than the last
+    one, the engine restarted with an empty cache, and the index hears it once; a scrape that failed between
+    them, or a counter that grew, says nothing."""
+    emptied: list[str] = []
+    restarted = LLAMACPP.replace("llamacpp:prompt_tokens_total 2048", "llamacpp:prompt_tokens_total 12")
+    grown = LLAMACPP.replace("llamacpp:prompt_tokens_total 2048", "llamacpp:prompt_tokens_total 900")
+    _Metrics.pages["/llama"] = (200, LLAMACPP)
+    scraper = EngineMetricsScraper({"a": metrics_server + "/llama"}, lambda b, s: None, emptied_sink=emptied.append,
+                                   timeout_s=0.5)
+    try:
+        scraper.scrape_once()
+        scraper.scrape_once()
+        assert emptied == []
+        _Metrics.pages["/llama"] = (500, "starting")
+        scraper.scrape_once()
+        _Metrics.pages["/llama"] = (200, restarted)
+        scraper.scrape_once()
+        assert emptied == ["a"]
+        _Metrics.pages["/llama"] = (200, grown)
+        scraper.scrape_once()
+        assert emptied == ["a"]
+    finally:
+        scraper.stop()
+
+
 def test_scraper_thread_runs_on_an_interval(metrics_server):
     seen: list[str] = []
     scraper = EngineMetricsScraper({"a": metrics_server + "/vllm"}, lambda b, s: seen.append(b), interval_s=0.05)

@@ -110,6 +110,31 @@ def test_remove_backend_purges_state_and_groups_have_own_policies():
     assert set(policy_names()) >= {"cache_aware"}
 
 
+def test_an_emptied_engine_holds_nothing_and_keeps_its_capacity_and_load():
+    """A restarted replica: what the index believed it held is gone (the next request of that prompt is cold
+    there), its capacity and in-flight load stay, and the other replicas keep theirs."""
+    from kvroute.policies.prompt_index import PromptIndex, PromptIndexConfig
+
+    for index in (None, PromptIndex(PromptIndexConfig(cache_tokens=4096, block_tokens=64))):
+        router = Router(RouterConfig(), index=index)
+        router.set_capacity("a", 3000)
+        router.set_capacity("b", 3000)
+        req, dec = router.route(LONG, ["a", "b"])
+        router.on_complete(req.request_id, cached_tokens=0, backend=dec.backend)
+        other = "b" if dec.backend == "a" else "a"
+        req2, _ = router.route(LONG, [other])
+        router.on_complete(req2.request_id, cached_tokens=0, backend=other)
+        busy, _ = router.route(LONG, [dec.backend])  # in flight there while it restarts
+        capacity = router.index.capacity_blocks(dec.backend)
+        router.engine_emptied(dec.backend)
+        now = router.clock()
+        assert router.index.match(req.keys, [dec.backend, other], now=now) == {other: len(req.keys)}
+        assert router.index.capacity_blocks(dec.backend) == capacity
+        assert router.load.inflight(dec.backend) == 1
+        router.on_complete(busy.request_id, cached_tokens=0, backend=dec.backend)
+        assert router.load.inflight(dec.backend) == 0
+
+
 def test_siblings_racing_a_prefill_do_not_shrink_the_learned_capacity():
     router = Router(RouterConfig(index=PrefixIndexConfig(learn_capacity=True)))
     first, d1 = router.route(LONG, ["a"])  # one backend: this is about learning, not picking
