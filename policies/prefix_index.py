@@ -52,7 +52,8 @@ class LocatorParts:
     ``evictions(backend, keys, now)``: held tokens a new prompt pushes out; ``set_capacity(backend, tokens)``;
     ``learn_size(backend, keys, engine_tokens)`` and ``set_token_ratio(ratio)``: entries sized in the
     engine's tokens; ``live_tokens(backend, now)``: held tokens weighed by how likely their conversations are to
-    come back (what a new prompt placed beside them puts at risk)."""
+    come back (what a new prompt placed beside them puts at risk); ``forget_before(backend, t)``: the engine
+    restarted after ``t``, drop what it was last given or answered by then."""
 
     tail_block_tokens: float | None = None
     fallback: Any = None
@@ -63,6 +64,7 @@ class LocatorParts:
     learn_size: Callable[[str, Sequence[int], int], None] | None = None
     set_token_ratio: Callable[[float], None] | None = None
     live_tokens: Callable[[str, float], float] | None = None
+    forget_before: Callable[[str, float], None] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -390,6 +390,15 @@ class PromptIndex(LocatorParts):
             state.entries = OrderedDict(sorted(state.entries.items()))
             self._evict(state)
 
+    def forget_before(self, backend: str, before: float) -> None:
+        """``backend``'s engine restarted after ``before``: drop every prompt last sent or answered no later
+        than that (what the new engine was given since stays)."""
+        state = self._backends.get(backend)
+        if state is None:
+            return
+        for eid in [eid for eid in state.entries if state.used.get(eid, before) <= before]:
+            self._drop(state, eid)
+
     def remove_backend(self, backend: str) -> None:
         self._backends.pop(backend, None)
 

@@ -435,9 +435,14 @@ class Router:
     def observe(self, backend: str, signal: ExternalSignal) -> None:
         self.state.load.observe(backend, signal)
 
-    def engine_emptied(self, backend: str) -> None:
-        """``backend``'s engine holds nothing now (it restarted): the index forgets what it believed there; the
-        backend, its capacity and its load stay."""
+    def engine_emptied(self, backend: str, before: float | None = None) -> None:
+        """``backend``'s engine restarted, after ``before`` (None: at an unknown time) and before now: the index
+        forgets what it believed the old engine held, and keeps what it gave the new one since ``before`` where
+        it knows when (the restart is seen a scrape late). The backend, its capacity and its load stay."""
+        forget_before = self.index.forget_before
+        if forget_before is not None and before is not None:
+            forget_before(backend, before)
+            return
         self.index.remove_backend(backend)
         tokens = self._capacity_tokens.get(backend)
         if tokens is not None:

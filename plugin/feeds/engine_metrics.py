@@ -4,7 +4,8 @@
 requests, KV usage, prefix-cache counters, block size and block count). ``EngineMetricsScraper`` polls
 each backend on an interval in a background thread and hands signals to a sink (``Router.observe``) and
 KV capacity in tokens (``num_gpu_blocks × block_size``) to a capacity sink (``index.set_capacity``). A prompt-token
-counter that went back (the engine restarted, its cache empty) goes to an emptied sink (``Router.engine_emptied``).
+counter that went back (the engine restarted, its cache empty) goes to an emptied sink (``Router.engine_emptied``)
+with the time of the last reading of the old engine.
 Unreachable or malformed metrics produce no signal: the router keeps using its own load accounting.
 """
 
@@ -169,7 +170,7 @@ class EngineMetricsScraper:
     def __init__(self, targets: Mapping[str, str], sink: Callable[[str, ExternalSignal], None], *,
                  capacity_sink: Callable[[str, int], None] | None = None,
                  block_size_sink: Callable[[str, int], None] | None = None,
-                 emptied_sink: Callable[[str], None] | None = None,
+                 emptied_sink: Callable[[str, float], None] | None = None,
                  interval_s: float = 1.0, timeout_s: float = 1.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.targets = dict(targets)
@@ -181,6 +182,7 @@ class EngineMetricsScraper:
         self.timeout_s = timeout_s
         self.clock = clock
         self.snapshots: dict[str, EngineSnapshot] = {}
+        self._read_at: dict[str, float] = {}  # when each backend's snapshot was read
         self.failures: dict[str, int] = {}
         self._capacity: dict[str, int] = {}
         self._stop = threading.Event()
@@ -210,15 +212,15 @@ class EngineMetricsScraper:
             log.debug("metrics scrape of %s failed: %s", backend, type(exc).__name__)
             return None
         pm.ENGINE_SCRAPES.labels(backend, "ok").inc()
-        before = self.snapshots.get(backend)
-        self.snapshots[backend] = snap
+        before, before_at = self.snapshots.get(backend), self._read_at.get(backend, at)
+        self.snapshots[backend], self._read_at[backend] = snap, at
         kv = snap.kv_usage
         if kv is not None and kv > 1.0:  # some exporters report percent
             kv = kv / 100.0
         try:
             if self.emptied_sink is not None and restarted(before, snap):
                 log.info("kvroute: %s restarted (its prompt-token counter went back): it holds no prefix now", backend)
-                self.emptied_sink(backend)
+                self.emptied_sink(backend, before_at)
             self.sink(backend, ExternalSignal(at=at, queue_depth=snap.queue_depth, running=snap.running,
                                               kv_usage=kv))
             capacity = snap.capacity_tokens

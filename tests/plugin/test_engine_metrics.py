@@ -147,26 +147,32 @@ def test_scraper_feeds_the_router_and_autotunes_capacity(metrics_server):
 
 def test_a_restarted_engine_is_reported_emptied_once(metrics_server):
     """The prompt-token counter only grows while the engine lives: when a scrape reads it lower than the last
-    one, the engine restarted with an empty cache, and the index hears it once; a scrape that failed between
-    them, or a counter that grew, says nothing."""
-    emptied: list[str] = []
+    one, the engine restarted with an empty cache, and the index hears it once, with when the old engine was last
+    read; a scrape that failed between them, or a counter that grew, says nothing."""
+    emptied: list[tuple[str, float]] = []
+    now = [10.0]
     restarted = LLAMACPP.replace("llamacpp:prompt_tokens_total 2048", "llamacpp:prompt_tokens_total 12")
     grown = LLAMACPP.replace("llamacpp:prompt_tokens_total 2048", "llamacpp:prompt_tokens_total 900")
     _Metrics.pages["/llama"] = (200, LLAMACPP)
-    scraper = EngineMetricsScraper({"a": metrics_server + "/llama"}, lambda b, s: None, emptied_sink=emptied.append,
-                                   timeout_s=0.5)
+    scraper = EngineMetricsScraper({"a": metrics_server + "/llama"}, lambda b, s: None,
+                                   emptied_sink=lambda b, t: emptied.append((b, t)), timeout_s=0.5,
+                                   clock=lambda: now[0])
     try:
         scraper.scrape_once()
+        now[0] = 11.0
         scraper.scrape_once()
         assert emptied == []
+        now[0] = 12.0
         _Metrics.pages["/llama"] = (500, "starting")
         scraper.scrape_once()
+        now[0] = 13.0
         _Metrics.pages["/llama"] = (200, restarted)
         scraper.scrape_once()
-        assert emptied == ["a"]
+        assert emptied == [("a", 11.0)]  # the old engine was last read at 11.0: it restarted after that
+        now[0] = 14.0
         _Metrics.pages["/llama"] = (200, grown)
         scraper.scrape_once()
-        assert emptied == ["a"]
+        assert emptied == [("a", 11.0)]
     finally:
         scraper.stop()
 

@@ -135,6 +135,27 @@ def test_an_emptied_engine_holds_nothing_and_keeps_its_capacity_and_load():
         assert router.load.inflight(dec.backend) == 0
 
 
+def test_a_restart_seen_a_scrape_late_keeps_what_the_new_engine_was_given_since():
+    """llama.cpp restarted between two scrapes; before the scrape that shows it, the router already sent the new
+    engine a conversation. The prompt index drops what the old engine held and keeps that conversation."""
+    from kvroute.policies.prompt_index import PromptIndex, PromptIndexConfig
+
+    now = [0.0]
+    index = PromptIndex(PromptIndexConfig(cache_tokens=8192, block_tokens=64))
+    router = Router(RouterConfig(), index=index, clock=lambda: now[0])
+    old, _ = router.route(LONG, ["a"])
+    router.on_complete(old.request_id, cached_tokens=0, backend="a")
+    now[0] = 5.0  # the old engine's last reading; it restarts after this
+    newer = {"model": "m", "messages": [{"role": "user", "content": "another conversation " * 300}]}
+    now[0] = 5.5
+    new, _ = router.route(newer, ["a"])
+    router.on_complete(new.request_id, cached_tokens=0, backend="a")
+    now[0] = 6.0
+    router.engine_emptied("a", before=5.0)
+    assert router.index.match(old.keys, ["a"], now=6.0) == {}
+    assert router.index.match(new.keys, ["a"], now=6.0) == {"a": len(new.keys)}
+
+
 def test_siblings_racing_a_prefill_do_not_shrink_the_learned_capacity():
     router = Router(RouterConfig(index=PrefixIndexConfig(learn_capacity=True)))
     first, d1 = router.route(LONG, ["a"])  # one backend: this is about learning, not picking
