@@ -330,7 +330,8 @@ class LoadTracker:
         its waiting requests."""
         self._signals[backend] = signal
         after = 0
-        for t in reversed(self._left_at.get(backend, ())):
+        # a copy taken in one step: the scraper's thread calls this while the router's thread may append
+        for t in reversed(tuple(self._left_at.get(backend, ()))):
             if t <= signal.at:
                 break
             after += 1

@@ -83,6 +83,7 @@ class Router:
         self._engine_tokens = 0.0  # decayed sums of the engines' prompt tokens and the estimates of them
         self._estimated_tokens = 0.0
         self._capacity_tokens: dict[str, int] = {}  # per backend, in engine tokens (config or engine metrics)
+        self._emptied: dict[str, float | None] = {}  # restarted engines not yet applied: backend -> ``before``
         self._capacity_ratio = 1.0  # the ratio the index's capacities were last set with
 
     @property
@@ -119,6 +120,8 @@ class Router:
         record: bool = True,
     ) -> Decision:
         """Choose a backend among ``candidates`` and charge it; never raises."""
+        if self._emptied:
+            self._settle_emptied()
         now = self.clock()
         chosen = policy or self.policy_for(group if group is not None else request.model)
         inputs = self.trace_inputs(request, candidates, now) if self.tracing else None
@@ -436,19 +439,29 @@ class Router:
         self.state.load.observe(backend, signal)
 
     def engine_emptied(self, backend: str, before: float | None = None) -> None:
-        """``backend``'s engine restarted, after ``before`` (None: at an unknown time) and before now: the index
-        forgets what it believed the old engine held, and keeps what it gave the new one since ``before`` where
-        it knows when (the restart is seen a scrape late). The backend, its capacity and its load stay."""
-        forget_before = self.index.forget_before
-        if forget_before is not None and before is not None:
-            forget_before(backend, before)
-            return
-        self.index.remove_backend(backend)
-        tokens = self._capacity_tokens.get(backend)
-        if tokens is not None:
-            self._apply_capacity(backend, tokens)
+        """``backend``'s engine restarted, after ``before`` (None: at an unknown time) and before now. Safe from
+        any thread: the next pick, on the router's own, applies it (``_settle_emptied``) before it reads the
+        index."""
+        self._emptied[backend] = before
+
+    def _settle_emptied(self) -> None:
+        """Apply the restarts heard since the last pick: the index forgets what it believed each old engine held,
+        and keeps what it gave the new one since ``before`` where it knows when (the restart is seen a scrape
+        late); an index without ``forget_before`` is emptied whole, and its own ``confirm`` puts back what the
+        requests then in flight computed. The backend, its capacity and its load stay."""
+        while self._emptied:
+            backend, before = self._emptied.popitem()
+            forget_before = self.index.forget_before
+            if forget_before is not None and before is not None:
+                forget_before(backend, before)
+                continue
+            self.index.remove_backend(backend)
+            tokens = self._capacity_tokens.get(backend)
+            if tokens is not None:
+                self._apply_capacity(backend, tokens)
 
     def remove_backend(self, backend: str) -> None:
+        self._emptied.pop(backend, None)
         self.index.remove_backend(backend)
         self._capacity_tokens.pop(backend, None)
         self.state.homes.forget(backend)

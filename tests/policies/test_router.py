@@ -126,8 +126,11 @@ def test_an_emptied_engine_holds_nothing_and_keeps_its_capacity_and_load():
         router.on_complete(req2.request_id, cached_tokens=0, backend=other)
         busy, _ = router.route(LONG, [dec.backend])  # in flight there while it restarts
         capacity = router.index.capacity_blocks(dec.backend)
-        router.engine_emptied(dec.backend)
+        router.engine_emptied(dec.backend)  # heard on the scraper's thread: applied by the next pick
         now = router.clock()
+        assert router.index.match(req.keys, [dec.backend, other], now=now) == {dec.backend: len(req.keys),
+                                                                                 other: len(req.keys)}
+        router.pick(router.fingerprint(LONG), [dec.backend, other], record=False)
         assert router.index.match(req.keys, [dec.backend, other], now=now) == {other: len(req.keys)}
         assert router.index.capacity_blocks(dec.backend) == capacity
         assert router.load.inflight(dec.backend) == 1
@@ -152,6 +155,7 @@ def test_a_restart_seen_a_scrape_late_keeps_what_the_new_engine_was_given_since(
     router.on_complete(new.request_id, cached_tokens=0, backend="a")
     now[0] = 6.0
     router.engine_emptied("a", before=5.0)
+    router.pick(router.fingerprint(newer), ["a"], record=False)
     assert router.index.match(old.keys, ["a"], now=6.0) == {}
     assert router.index.match(new.keys, ["a"], now=6.0) == {"a": len(new.keys)}
 
