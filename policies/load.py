@@ -173,7 +173,8 @@ class LoadTracker:
         if req.request is None:  # no router holds it: the attempt ends here
             self.attempts.pop(request_id)
         self._inflight[req.backend] = max(0, self._inflight.get(req.backend, 0) - 1)
-        self._note_left(req.backend, now)
+        if self._signals:  # departures discount engine readings: none scraped, none to count
+            self._note_left(req.backend, now)
         if not req.prefill_done:
             self._prefill[req.backend] = max(0, self._prefill.get(req.backend, 0) - req.prefill_tokens)
             self._drop_work(request_id, req, now)

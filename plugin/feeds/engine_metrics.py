@@ -49,6 +49,7 @@ class EngineSnapshot:
     cache_queries: float | None = None
     block_size: int | None = None
     num_gpu_blocks: int | None = None
+    read_at: float | None = None  # the scraper's clock when it was read
 
     @property
     def capacity_tokens(self) -> int | None:
@@ -182,7 +183,6 @@ class EngineMetricsScraper:
         self.timeout_s = timeout_s
         self.clock = clock
         self.snapshots: dict[str, EngineSnapshot] = {}
-        self._read_at: dict[str, float] = {}  # when each backend's snapshot was read
         self.failures: dict[str, int] = {}
         self._capacity: dict[str, int] = {}
         self._stop = threading.Event()
@@ -212,15 +212,16 @@ class EngineMetricsScraper:
             log.debug("metrics scrape of %s failed: %s", backend, type(exc).__name__)
             return None
         pm.ENGINE_SCRAPES.labels(backend, "ok").inc()
-        before, before_at = self.snapshots.get(backend), self._read_at.get(backend, at)
-        self.snapshots[backend], self._read_at[backend] = snap, at
+        snap.read_at = at
+        before = self.snapshots.get(backend)
+        self.snapshots[backend] = snap
         kv = snap.kv_usage
         if kv is not None and kv > 1.0:  # some exporters report percent
             kv = kv / 100.0
         try:
-            if self.emptied_sink is not None and restarted(before, snap):
+            if self.emptied_sink is not None and before is not None and restarted(before, snap):
                 log.info("kvroute: %s restarted (its prompt-token counter went back): it holds no prefix now", backend)
-                self.emptied_sink(backend, before_at)
+                self.emptied_sink(backend, before.read_at if before.read_at is not None else at)
             self.sink(backend, ExternalSignal(at=at, queue_depth=snap.queue_depth, running=snap.running,
                                               kv_usage=kv))
             capacity = snap.capacity_tokens

@@ -49,8 +49,10 @@ def test_router_side_load_is_not_double_counted_with_signal():
 def test_a_reading_behind_the_routers_own_burst_does_not_outlive_it():
     """llama.cpp read one request waiting (ours, behind ours on its one slot); both have since left, one of them
     before the reading reached the router: the replica is idle, whatever the reading's age. A departure before the
-    reading does not count against it, and one of unknown time counts as before."""
+    reading does not count against it, and one of unknown time counts as before. (A tracker that was never given a
+    reading counts nothing: its requests pay no bookkeeping.)"""
     load = LoadTracker(half_life_s=2.0, mean_prompt_tokens=800)
+    load.observe("a", ExternalSignal(at=0.0, queue_depth=0))  # the scraper reads from the start
     load.start("first", "a", 800, now=0.0)
     load.start("second", "a", 800, now=0.1)
     load.first_token("first", 0.3)
@@ -62,6 +64,7 @@ def test_a_reading_behind_the_routers_own_burst_does_not_outlive_it():
     assert load.view("a", now=1.0).queue_tokens == 0
 
     other = LoadTracker(half_life_s=2.0, mean_prompt_tokens=800)
+    other.observe("b", ExternalSignal(at=0.0, queue_depth=0))
     other.start("done", "b", 800, now=0.0)
     other.release("done", 0.2)  # before the reading: the waiting request it shows is someone else's
     other.start("moved", "b", 800, now=0.3)
