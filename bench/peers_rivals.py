@@ -86,6 +86,7 @@ class Rival:
     decision_log: Path | None = None  # kvroute's: one JSON line per pick (``KVROUTE_DECISION_LOG``)
     decisions_read: int = 0  # how far bench/peers.py has read it
     proxy_log: Path | None = None  # a LiteLLM proxy's own log (errors and retries are read from it)
+    deployments: list[str] = field(default_factory=list)  # the ids of its LiteLLM deployments (warmed one by one)
     _stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack, repr=False)
 
     def close(self) -> None:
@@ -130,6 +131,7 @@ def _start(spec: RivalSpec, fleet: FleetView, binaries: Mapping[str, Path]) -> R
                 group = ModelGroup(fleet.model, fleet.api_bases, model=fleet.model, engine=fleet.engine,
                                    kv_capacity_tokens=fleet.capacity_tokens, block_size=fleet.block_size)
             config = build_proxy_config([group], kvroute=spec.kvroute, router_settings=spec.litellm)
+            rival.deployments = [d["model_info"]["id"] for d in config["model_list"]]
             proxy = ProxyProcess(config, env={"LITELLM_LOG": "ERROR"}, inherit_kvroute_env=False)
             if spec.kvroute:  # the per-decision diff (bench/peers_diff.py) reads what each pick saw
                 rival.decision_log = proxy.workdir / "decisions.jsonl"

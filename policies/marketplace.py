@@ -402,8 +402,11 @@ class Marketplace(Policy):
 
     def select(self, request: RoutingRequest, candidates: Sequence[str], state: RoutingState,
                now: float) -> Decision:
+        """The best route the app's rules admit whose breaker is closed; with every admitted route's breaker open,
+        the one whose cooldown ends first (``breakers_open``: a failed request is certain, a try may succeed)."""
         rule = self.config.rule(request.app)
         eligible: list[str] = []
+        open_only: list[str] = []  # admitted by every rule but the breaker
         rejected: dict[str, int] = {}
         for b in candidates:
             q = self._quotes.get(b)
@@ -412,10 +415,15 @@ class Marketplace(Policy):
                 why = "context_too_long"
             if why is None and self.health is not None and not self.health.available(b, now):
                 why = "unhealthy"
+                open_only.append(b)
             if why is None:
                 eligible.append(b)
             else:
                 rejected[why] = rejected.get(why, 0) + 1
+        if not eligible and open_only and self.health is not None:  # every route open: try the one back soonest
+            backend, _ = self.health.soonest(open_only, now)  # rather than fail the request for certain
+            return Decision(backend, self.name, "breakers_open", prompt_tokens=request.prompt_tokens,
+                            request_id=request.request_id, predicted_prefill_tokens=request.prompt_tokens)
         if not eligible:
             reason = max(rejected, key=lambda k: rejected[k]) if rejected else "no_candidates"
             return Decision(None, self.name, f"no_acceptable_provider:{reason}", prompt_tokens=request.prompt_tokens,

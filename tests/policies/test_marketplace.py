@@ -88,9 +88,24 @@ def test_health_penalty_lowers_rank_and_open_breakers_are_filtered():
     board.record("dear", Outcome.CONFIG_FAILURE, 11.0)
     assert pick(mp, req(), ["cheap", "dear"], 12.0).backend == "cheap"
     board.record("cheap", Outcome.CAPACITY, 12.0, retry_after_s=30)
-    d = pick(mp, req(), ["cheap", "dear"], 13.0)
-    assert d.backend is None and d.reason == "no_acceptable_provider:unhealthy"
+    d = pick(mp, req(), ["cheap", "dear"], 13.0)  # both open: the one back first (29 s against 898 s) is tried
+    assert (d.backend, d.reason) == ("cheap", "breakers_open")
     assert pick(mp, req(), ["cheap", "dear"], 43.0).backend == "cheap"
+
+
+def test_every_route_open_tries_the_one_back_soonest_but_never_one_a_rule_refuses():
+    board = HealthBoard(BreakerConfig(jitter=0.0))
+    mp = Marketplace(MarketplaceConfig(apps={"frugal": {"max_price": {"prompt": "1.5", "completion": "20"}}}),
+                     health=board)
+    mp.set_quotes([quote("a", inp="0.000001"), quote("b", inp="0.000001"), quote("dear", inp="0.000009")])
+    board.record("a", Outcome.CAPACITY, 0.0, retry_after_s=5)
+    board.record("b", Outcome.CAPACITY, 0.0, retry_after_s=2)
+    board.record("dear", Outcome.CAPACITY, 0.0, retry_after_s=1)
+    assert pick(mp, req(), ["a", "b", "dear"], 0.5).backend == "dear"  # back in 0.5 s
+    d = pick(mp, req(app="frugal"), ["a", "b", "dear"], 0.5)  # over its max price, dear is never tried
+    assert (d.backend, d.reason) == ("b", "breakers_open")
+    assert pick(mp, req(app="frugal"), ["dear"], 0.5).reason == "no_acceptable_provider:over_max_price"
+    assert pick(mp, req(), ["a", "b", "dear"], 2.5).reason != "breakers_open"  # dear and b closed again
 
 
 def test_app_allow_deny_order_and_max_price():
