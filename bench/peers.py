@@ -271,16 +271,18 @@ def _tiny_tokenizer() -> str | None:
 
 
 async def _warm_up(rival: Rival, model: str) -> None:
-    """One short request through the rival, then one to each of its LiteLLM deployments by id: a long-running
-    proxy has used every deployment before, and LiteLLM's first call to a deployment costs it a few ms of CPU
-    (measured: 3–6 ms each, serialised in a burst of cold first turns), which a fresh proxy would otherwise pay
-    inside the run."""
+    """One short streamed request through the rival, as the workloads send them, then one to each of its LiteLLM
+    deployments by id: a proxy in service has streamed through every deployment before, and LiteLLM's first
+    stream and first call to a deployment cost it CPU (measured: 3–6 ms a deployment, serialised in a burst of
+    cold first turns) that a fresh proxy would otherwise pay inside the run."""
     async with httpx.AsyncClient(base_url=rival.base_url, headers=rival.headers, timeout=60.0,
                                  trust_env=False) as client:
         for name in (model, *rival.deployments):
-            r = await client.post("/v1/chat/completions", json={"model": name, "max_tokens": 1,
-                                                                "messages": [{"role": "user", "content": "hi"}]})
-            r.raise_for_status()
+            body = {"model": name, "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True},
+                    "messages": [{"role": "user", "content": "hi"}]}
+            out = await stream_one(client, body, {})
+            if not out.ok:
+                raise httpx.HTTPError(f"warm-up of {name} failed: {out.error}")
 
 
 async def _hop_ms(rival: Rival, direct_url: str, model: str, probes: int = 7) -> float:
