@@ -45,7 +45,7 @@ from kvroute.billing import cancels
 from kvroute.billing.call_facts import CallFacts, money
 from kvroute.billing.call_facts import first_given as _first
 from kvroute.billing.usage import as_mapping
-from kvroute.plugin.adapter.request_ids import Attempt, RequestIds, RequestState
+from kvroute.plugin.adapter.request_ids import CANCELLED, FAILED, SUCCESS, Attempt, RequestIds, RequestState
 from kvroute.plugin.adapter.signals import deployment_id, request_metadata
 
 log = logging.getLogger("kvroute.plugin")
@@ -288,13 +288,13 @@ class BillingFeed:
                 _, attempt = self.ids.new_attempt(meta, str(kwargs.get("model") or ""), deployment_id(kwargs))
         else:
             state, attempt = found
-        if state.cancelled or attempt.hedge_lost or (state.success_recorded and attempt.recorded):
+        if state.final == CANCELLED or attempt.hedge_lost or (state.final == SUCCESS and attempt.recorded):
             return  # recorded before the response went out (same event id), or its client left: nothing to add
         if _client_left(kwargs):  # LiteLLM's account of a stream its client left: what it had is what was relayed
             counted = _get_int(getattr(response, "usage", None), "completion_tokens")
             if self.cancelled(kwargs, attempt.streamed or counted, getattr(response, "usage", None)):
                 return
-        state.success_recorded = True
+        state.book_final(SUCCESS)
         backend = deployment_id(kwargs) or attempt.backend
 
         def read(app: str) -> CallFacts | None:
@@ -336,7 +336,7 @@ class BillingFeed:
 
         if self._record(read, state=state, attempt=attempt, outcome="success", final=True, backend=backend):
             self.before_response += 1
-        state.success_recorded = True
+        state.book_final(SUCCESS)
 
     def cancelled(self, data: Mapping[str, Any], relayed: int = 0, usage: Any = None) -> bool:
         """The client went away: book the attempt serving the request as its final ``cancelled`` attempt, once,
@@ -345,16 +345,13 @@ class BillingFeed:
         attempt reached a provider, or the request already has its outcome)."""
         meta = request_metadata(data)
         state = self.ids.state(meta)
-        if state is None or state.cancelled or state.outcome_recorded or state.success_recorded:
+        if state is None or state.final is not None:
             return False
         attempt = next((a for a in reversed(state.attempts) if a.sent and a.backend and not a.hedge_lost), None)
         if attempt is None or attempt.recorded:
             return False
-        state.cancelled = True
-        if self._book_cancel(state, attempt, data, relayed, usage, final=True, error_type=cancels.CLIENT_LEFT):
-            state.outcome_recorded = True
-            return True
-        return False
+        state.book_final(CANCELLED)  # even if its row cannot be built: nothing else ends this request
+        return self._book_cancel(state, attempt, data, relayed, usage, final=True, error_type=cancels.CLIENT_LEFT)
 
     def hedge_lost(self, data: Mapping[str, Any], attempt: Attempt, produced: int, *, primary: bool) -> bool:
         """``attempt`` lost a hedge race and was closed after ``produced`` content chunks: book it non-final,
@@ -587,7 +584,7 @@ class BillingFeed:
             state = self._unrouted_state(meta)
             if state is None:
                 return  # refused at auth: not usage
-        if state.outcome_recorded or state.success_recorded or state.cancelled:
+        if state.final is not None:
             return
         last = state.latest(unrecorded=False)
         if last is not None and last.sent and last.backend and not last.recorded and last.streamed:
@@ -614,7 +611,7 @@ class BillingFeed:
                                        key="outcome")
 
         if self._record(read_outcome, state=state, attempt=None, outcome=status, final=True, backend=backend):
-            state.outcome_recorded = True
+            state.book_final(FAILED)
 
     def _request_facts(self, state: RequestState, app: str, meta: Mapping[str, Any], exception: Any, *,
                        outcome: str, final: bool, model: str, user: Any, backend: str, route_kind: str | None,

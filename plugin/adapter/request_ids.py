@@ -57,6 +57,7 @@ TICKET_KEY = "kvroute_rid"
 ATTEMPT_KEY = "kvroute_attempt"
 HEDGE_TO_KEY = "kvroute_hedge_to"  # the route a hedge call is pinned to (``plugin.adapter.hedge``)
 SERVER_KEYS = (REQUEST_KEY, SIG_KEY, TICKET_KEY, ATTEMPT_KEY, "kvroute_trace", HEDGE_TO_KEY)
+SUCCESS, FAILED, CANCELLED = "success", "failed", "cancelled"  # a request's final row (``RequestState.final``)
 MAX_REQUESTS = 100_000
 MAX_FAILED = 16  # backends remembered as failed per request (a retry avoids them)
 MAX_JUDGED = 8  # exceptions remembered as judged per request
@@ -118,16 +119,22 @@ class RequestState:
     request_id: str
     sig: str = ""  # the id's verified tag (a later check compares it instead of recomputing the HMAC)
     attempts: list[Attempt] = field(default_factory=list)
-    outcome_recorded: bool = False
-    success_recorded: bool = False
+    #: the request's final ledger row: ``success``, ``failed`` or ``cancelled`` (None: none yet); see ``book_final``
+    final: str | None = None
     app: str | None = None  # the request's app, resolved once (None: nothing names one; booked ``unattributed``)
     session_id: str | None = None  # the session the client names (header or metadata), for its ledger events
     tags: tuple[str, ...] = ()  # the request's metadata tags, for its ledger events
     booked: bool = False  # a ledger event of the request was built
-    cancelled: bool = False  # its client went away and its attempt is booked ``cancelled`` (nothing else is)
     failed: list[str] = field(default_factory=list)  # backends blamed for this request's failed attempts
     judged: list[BaseException] = field(default_factory=list)  # exceptions whose verdict was applied
     changed: float = 0.0  # when an attempt of it last began or closed (``RequestIds.requests`` is in this order)
+
+    def book_final(self, kind: str) -> None:
+        """Note the request's final row: a client that left (``cancelled``) stays the request's end; an answer
+        (``success``) replaces a failure booked before it, never the reverse."""
+        if self.final == CANCELLED or (kind == FAILED and self.final == SUCCESS):
+            return
+        self.final = kind
 
     def note_failed(self, backend: str) -> None:
         """Remember ``backend`` failed this request (a retry avoids it while others remain)."""

@@ -78,7 +78,7 @@ def test_a_success_recorded_before_the_response() -> None:
                               litellm_cost=Decimal("0.0001"), end_user="cust-1",
                               raw_usage={"prompt_tokens": 10, "completion_tokens": 3}, fallback_depth=2)
     assert e.event_id == _event_id("acme", state.request_id, 1) and e.occurred_at == attempt.started_at
-    assert feed.before_response == 1 and attempt.recorded and state.success_recorded
+    assert feed.before_response == 1 and attempt.recorded and state.final == "success"
 
 
 def test_a_streamed_success_with_litellms_stamp_on_its_usage() -> None:
@@ -190,7 +190,7 @@ def test_a_failed_request_after_a_cut_stream_and_its_final_outcome() -> None:
                                            "kvroute_estimate": "stream_cut"})
     assert _row(outcome) == _expect(**failed, attempt_key="outcome", is_final=True, requested_model="llama")
     assert cut.event_id == _event_id("acme", state.request_id, 1)
-    assert outcome.event_id == _event_id("acme", state.request_id, "outcome") and state.outcome_recorded
+    assert outcome.event_id == _event_id("acme", state.request_id, "outcome") and state.final == "failed"
 
 
 def test_a_router_level_final_outcome_after_a_hop() -> None:

@@ -7,7 +7,18 @@ from types import SimpleNamespace
 import pytest
 
 from kvroute.plugin.adapter.attempt_events import Ended, How
-from kvroute.plugin.adapter.request_ids import ATTEMPT_KEY, REQUEST_KEY, SIG_KEY, TICKET_KEY, Attempt, RequestIds
+from kvroute.plugin.adapter.request_ids import (
+    ATTEMPT_KEY,
+    CANCELLED,
+    FAILED,
+    REQUEST_KEY,
+    SIG_KEY,
+    SUCCESS,
+    TICKET_KEY,
+    Attempt,
+    RequestIds,
+    RequestState,
+)
 from kvroute.policies.attempts import Attempts, RoutedAttempt
 
 
@@ -121,3 +132,16 @@ def test_the_store_is_in_order_of_last_change_so_a_full_store_evicts_the_least_r
     t[0] = 3.0
     _routed(ids)
     assert ids.state(old) is not None and ids.state(newer) is None
+
+
+def test_a_request_ends_once_a_client_that_left_stays_its_end_and_an_answer_outranks_a_failure() -> None:
+    state = RequestState("r")
+    state.book_final(FAILED)
+    state.book_final(SUCCESS)  # the answer came after all (a late pre-response record): it is the request's end
+    state.book_final(FAILED)
+    assert state.final == SUCCESS
+    left = RequestState("l")
+    left.book_final(CANCELLED)
+    left.book_final(SUCCESS)  # its usage chunk, after the client went away
+    left.book_final(FAILED)
+    assert left.final == CANCELLED
