@@ -83,7 +83,9 @@ class Router:
         self._engine_tokens = 0.0  # decayed sums of the engines' prompt tokens and the estimates of them
         self._estimated_tokens = 0.0
         self._capacity_tokens: dict[str, int] = {}  # per backend, in engine tokens (config or engine metrics)
-        self._emptied: dict[str, float | None] = {}  # restarted engines not yet applied: backend -> ``before``
+        # what the feeds heard on their own threads, applied by the next pick on the router's (``_settle_feeds``)
+        self._emptied: dict[str, float | None] = {}  # restarted engines: backend -> ``before``
+        self._capacity_heard: dict[str, int] = {}  # reported KV capacities: backend -> engine tokens
         self._capacity_ratio = 1.0  # the ratio the index's capacities were last set with
 
     @property
@@ -120,8 +122,8 @@ class Router:
         record: bool = True,
     ) -> Decision:
         """Choose a backend among ``candidates`` and charge it; never raises."""
-        if self._emptied:
-            self._settle_emptied()
+        if self._emptied or self._capacity_heard:
+            self._settle_feeds()
         now = self.clock()
         chosen = policy or self.policy_for(group if group is not None else request.model)
         inputs = self.trace_inputs(request, candidates, now) if self.tracing else None
@@ -327,9 +329,14 @@ class Router:
                 self._apply_capacity(backend, tokens)
 
     def set_capacity(self, backend: str, engine_tokens: int) -> None:
-        """A backend's KV capacity in the engine's tokens (from configuration or its metrics)."""
+        """A backend's KV capacity in the engine's tokens (from configuration), applied now."""
         self._capacity_tokens[backend] = engine_tokens
         self._apply_capacity(backend, engine_tokens)
+
+    def capacity_heard(self, backend: str, engine_tokens: int) -> None:
+        """A backend's KV capacity as its engine reports it. Safe from any thread: the next pick applies it (a
+        smaller capacity evicts in the index, which only the router's own thread changes)."""
+        self._capacity_heard[backend] = engine_tokens
 
     def _apply_capacity(self, backend: str, engine_tokens: int) -> None:
         setter = self.index.set_capacity
@@ -440,15 +447,19 @@ class Router:
 
     def engine_emptied(self, backend: str, before: float | None = None) -> None:
         """``backend``'s engine restarted, after ``before`` (None: at an unknown time) and before now. Safe from
-        any thread: the next pick, on the router's own, applies it (``_settle_emptied``) before it reads the
+        any thread: the next pick, on the router's own, applies it (``_settle_feeds``) before it reads the
         index."""
         self._emptied[backend] = before
 
-    def _settle_emptied(self) -> None:
-        """Apply the restarts heard since the last pick: the index forgets what it believed each old engine held,
-        and keeps what it gave the new one since ``before`` where it knows when (the restart is seen a scrape
-        late); an index without ``forget_before`` is emptied whole, and its own ``confirm`` puts back what the
-        requests then in flight computed. The backend, its capacity and its load stay."""
+    def _settle_feeds(self) -> None:
+        """Apply what the feeds heard since the last pick: reported capacities, then restarts. A restarted
+        engine's part of the index forgets what the old engine held and keeps what the new one was given since
+        ``before`` where it knows when (the restart is seen a scrape late); an index without ``forget_before`` is
+        emptied whole, and its own ``confirm`` puts back what the requests then in flight computed. The backend,
+        its capacity and its load stay."""
+        while self._capacity_heard:
+            backend, tokens = self._capacity_heard.popitem()
+            self.set_capacity(backend, tokens)
         while self._emptied:
             backend, before = self._emptied.popitem()
             forget_before = self.index.forget_before
@@ -462,6 +473,7 @@ class Router:
 
     def remove_backend(self, backend: str) -> None:
         self._emptied.pop(backend, None)
+        self._capacity_heard.pop(backend, None)
         self.index.remove_backend(backend)
         self._capacity_tokens.pop(backend, None)
         self.state.homes.forget(backend)

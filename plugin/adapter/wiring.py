@@ -277,7 +277,7 @@ def start_scraper(cb: CallbackHost, group: str, backends: Sequence[Backend], rou
         from kvroute.plugin.feeds.engine_metrics import EngineMetricsScraper
 
         cb.scrapers[group] = EngineMetricsScraper(
-            targets, router.observe, capacity_sink=router.set_capacity, emptied_sink=router.engine_emptied,
+            targets, router.observe, capacity_sink=router.capacity_heard, emptied_sink=router.engine_emptied,
             interval_s=cb.settings.metrics_scrape_interval_s, clock=cb.clock).start()
     except Exception as exc:
         log.warning("kvroute: engine metrics for %s unavailable: %s", group, exc)

@@ -44,6 +44,7 @@ def test_replica_metrics_feed_load_and_autotune_capacity():
             assert signal is not None and signal.kv_usage is not None
             scraper = cb.scrapers["llama"]
             snap = scraper.snapshots["live"]
+            asyncio.run(cb.async_filter_deployments("llama", deps, msgs, {"messages": msgs}))  # it applies the capacity
             assert snap.capacity_tokens and router.index.capacity_blocks("live") == int(
                 snap.capacity_tokens // router.index.config.block_tokens)
             assert router.load.signal("dead") is None  # unreachable: router-side load only

@@ -160,6 +160,26 @@ def test_a_restart_seen_a_scrape_late_keeps_what_the_new_engine_was_given_since(
     assert router.index.match(new.keys, ["a"], now=6.0) == {"a": len(new.keys)}
 
 
+def test_a_capacity_an_engine_reports_is_applied_by_the_next_pick_not_on_the_scrapers_thread():
+    """The scraper hears a smaller KV capacity: the index (which only the router's thread changes) shrinks and
+    evicts at the next pick, not while another thread may be matching in it; a backend removed meanwhile stays
+    gone."""
+    router = Router()
+    router.set_capacity("a", 4096)
+    router.set_capacity("b", 4096)
+    req, _ = router.route(LONG, ["a"])
+    router.on_complete(req.request_id, cached_tokens=0, backend="a")
+    held = router.index.blocks("a")
+    assert held > 1
+    router.capacity_heard("a", 16)  # room for one block
+    router.capacity_heard("b", 16)
+    router.remove_backend("b")
+    assert router.index.blocks("a") == held  # heard, not yet applied
+    router.pick(router.fingerprint(LONG), ["a"], record=False)
+    assert router.index.blocks("a") <= 1 < held
+    assert router.index.capacity_blocks("b") == router.index.capacity_blocks("never-seen")  # the default: unset
+
+
 def test_siblings_racing_a_prefill_do_not_shrink_the_learned_capacity():
     router = Router(RouterConfig(index=PrefixIndexConfig(learn_capacity=True)))
     first, d1 = router.route(LONG, ["a"])  # one backend: this is about learning, not picking
