@@ -35,13 +35,14 @@ from typing import Any
 
 import httpx
 
-from kvroute.plugin.dev.child_processes import tree_rss_by_process, tree_rss_mib
+from kvroute.plugin.dev.child_processes import tree_rss_by_process
 from kvroute.plugin.dev.fleet import Fleet, ReplicaOptions
 from kvroute.plugin.dev.proxy_process import ModelGroup, ProxyProcess, build_proxy_config
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 TOLERANCE_MB_PER_10MIN = 2.0
+LOG_TAIL_CHARS = 8000
 SYSTEMS = [f"System prompt {k}: you are assistant {k}; " + "follow the shared house rules carefully. " * 40
            for k in range(8)]
 FAULTS = ({"mode": "500", "count": 2}, {"mode": "429", "count": 2, "retry_after": 1}, {"mode": "cut", "count": 1,
@@ -61,6 +62,7 @@ class Arm:
     served: Counter = field(default_factory=Counter)  # answers by the deployment that gave them (x-litellm-model-id)
     samples: list[tuple[float, float]] = field(default_factory=list)  # (seconds since start, MB)
     processes: list[tuple[float, dict[str, float]]] = field(default_factory=list)  # (seconds, {process: MB})
+    exited: tuple[float, int] | None = None  # (seconds since start, exit code) once the proxy has died
 
 
 def slope_mb_per_10min(samples: list[tuple[float, float]]) -> float | None:
@@ -128,13 +130,25 @@ async def inject_faults(c: httpx.AsyncClient, arms: list[Arm], period_s: float, 
                 await c.post(admin, json=fault)
 
 
+def take_sample(arm: Arm, at: float) -> None:
+    """One RSS sample of the arm's proxy tree; a proxy that has exited is recorded once (when, its exit code)
+    and sampled no more: a dead process is not 0 MB of memory."""
+    process = arm.proxy.process
+    if process is None or arm.exited is not None:
+        return
+    code = process.poll()
+    if code is not None:
+        arm.exited = (at, code)
+        return
+    each = tree_rss_by_process(process.pid)
+    arm.samples.append((at, round(sum(each.values()), 2)))
+    arm.processes.append((at, {k: round(v, 2) for k, v in each.items()}))
+
+
 async def sample(arms: list[Arm], start: float, period_s: float) -> None:
     while True:
         for arm in arms:
-            if arm.proxy.process is not None:
-                at, each = round(time.monotonic() - start, 1), tree_rss_by_process(arm.proxy.process.pid)
-                arm.samples.append((at, round(sum(each.values()), 2)))
-                arm.processes.append((at, {k: round(v, 2) for k, v in each.items()}))
+            take_sample(arm, round(time.monotonic() - start, 1))
         await asyncio.sleep(period_s)
 
 
@@ -159,7 +173,7 @@ async def drive(arms: list[Arm], args: argparse.Namespace) -> int:
         if inflight:
             await asyncio.wait(inflight, timeout=60)
         for arm in arms:  # a last sample after the tail drained
-            arm.samples.append((round(time.monotonic() - start, 1), round(tree_rss_mib(arm.proxy.process.pid), 2)))
+            take_sample(arm, round(time.monotonic() - start, 1))
         for task in background:
             task.cancel()
         return i
@@ -172,7 +186,8 @@ def summary(arm: Arm, warmup_s: float) -> dict[str, Any]:
             "rss_warmup_mb": after[0][1] if after else None, "rss_end_mb": after[-1][1] if after else None,
             "rss_max_mb": max((m for _, m in arm.samples), default=None),
             "slope_mb_per_10min": _round(slope_mb_per_10min(after)), "outcomes": dict(sorted(arm.outcomes.items())),
-            "processes": per_process(arm.processes, warmup_s), "served_by": dict(sorted(arm.served.items()))}
+            "processes": per_process(arm.processes, warmup_s), "served_by": dict(sorted(arm.served.items())),
+            "exited": {"at_s": arm.exited[0], "code": arm.exited[1]} if arm.exited else None}
 
 
 def per_process(samples: list[tuple[float, dict[str, float]]], warmup_s: float) -> dict[str, dict[str, Any]]:
@@ -193,7 +208,12 @@ def _round(value: float | None) -> float | None:
 
 
 def verdict(arms: dict[str, dict[str, Any]]) -> str:
-    """``flat`` / ``growing`` from kvroute's post-warm-up slope against plain's (or against 0 without plain)."""
+    """``died`` when a proxy exited under load; else ``flat`` / ``growing`` from kvroute's post-warm-up slope
+    against plain's (or against 0 without plain)."""
+    dead = [name for name, row in arms.items() if row.get("exited")]
+    if dead:
+        return "died: " + ", ".join(f"{n} at {arms[n]['exited']['at_s']:g} s (exit {arms[n]['exited']['code']})"
+                                    for n in dead)
     slope = arms["kvroute"]["slope_mb_per_10min"]
     if slope is None:
         return "too short"
@@ -206,7 +226,7 @@ def proxy_for(name: str, llama: Fleet, hosted: Fleet, data: Path, trace: Path | 
               ModelGroup("hosted", hosted.api_bases, engine=None, prices=HOSTED_PRICES)]
     kvroute = name == "kvroute"
     settings: dict[str, Any] = {"callbacks": ["kvroute.plugin.kvroute_callback"] if kvroute else []}
-    env = {"LITELLM_LOG": "ERROR"}
+    env = {"LITELLM_LOG": "ERROR", "PYTHONFAULTHANDLER": "1"}  # a crash leaves every thread's stack in the log
     if kvroute:
         env["KVROUTE_DATA_DIR"] = str(data)
     if trace is not None:
@@ -229,7 +249,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             proxy = stack.enter_context(proxy_for(name, llama, hosted, data, trace))
             arms.append(Arm(name, proxy, llama.api_bases + hosted.api_bases))
         sent = await drive(arms, args)
-    rows = {a.name: summary(a, args.warmup_minutes * 60) for a in arms}
+        rows = {a.name: summary(a, args.warmup_minutes * 60) for a in arms}
+        for arm in arms:  # a dead proxy's last words (its log goes with its work directory)
+            if arm.exited:
+                rows[arm.name]["log_tail"] = arm.proxy.log_text()[-LOG_TAIL_CHARS:]
     result = {"minutes": args.minutes, "warmup_minutes": args.warmup_minutes, "rate_per_s": args.rate,
               "requests_per_arm": sent, "replicas": args.replicas, "sample_s": args.sample_s,
               "tolerance_mb_per_10min": TOLERANCE_MB_PER_10MIN, "arms": rows, "verdict": verdict(rows),
@@ -255,6 +278,9 @@ def render(result: dict[str, Any]) -> str:
         for process, f in r.get("processes", {}).items():
             lines.append(f"- {name} process {process}: {f['rss_warmup_mb']} → {f['rss_end_mb']} MB, "
                          f"{f['slope_mb_per_10min']} MB/10 min after warm-up")
+    for name, r in result["arms"].items():
+        if r.get("log_tail"):
+            lines += [f"- {name}'s proxy exited; the end of its log:", r["log_tail"]]
     lines.append(f"verdict: {result['verdict']} (flat: kvroute's slope after warm-up at most "
                  f"{result['tolerance_mb_per_10min']:g} MB/10 min above plain's)")
     return "\n".join(lines)

@@ -210,7 +210,7 @@ class BillingFeed:
             kwargs, response, outcome=outcome, attempt=attempt.number if attempt else None, final=final,
             request_id=state.request_id, app_id=app, backend_id=backend, route_kind=route_kind, provider=provider,
             served_model=self.served_of(backend) if backend else None, end_time=end, exception=exception, model=model,
-            start_time=start if start is not None else (attempt.started_at if attempt else None))
+            start_time=start if start is not None else self._sent_at(attempt))
         if facts is not None and backend == self.events.ROUTER_BACKEND:  # nothing was called: no provider
             facts = replace(facts, provider=self.events.ROUTER_PROVIDER)
         return facts
@@ -252,10 +252,13 @@ class BillingFeed:
     def attempt_started(self, attempt: Attempt, kwargs: Mapping[str, Any]) -> None:
         """The attempt is going upstream now (``async_pre_call_deployment_hook``)."""
         attempt.sent = True
-        attempt.started_at = datetime.now(UTC)
         info = kwargs.get("model_info")
         attempt.model_info = info if isinstance(info, dict) else {}  # the deployment's own dict: no copy
         attempt.served = kwargs.get("model")
+
+    def _sent_at(self, attempt: Attempt | None) -> datetime | None:
+        """When ``attempt`` went upstream, as a UTC time (None: it was never sent)."""
+        return self.ids.wall(attempt.started) if attempt is not None and attempt.sent else None
 
     def admit(self, data: Mapping[str, Any]) -> None:
         """``async_pre_call_hook`` (proxy, after LiteLLM's auth): the request may reach the ledger; stamp its id."""
@@ -403,7 +406,7 @@ class BillingFeed:
         return CallFacts(
             request_id=state.request_id, app_id=app, served_model=served, backend_id=backend,
             requested_model=_first(data.get("model"), meta.get("model_group")), provider=_first(declared, provider),
-            route_kind=kind, attempt=attempt.number, start=attempt.started_at, end=end,
+            route_kind=kind, attempt=attempt.number, start=self._sent_at(attempt), end=end,
             fallback_depth=meta.get("fallback_depth"), end_user=data.get("user"),
             api_key_hash=meta.get("user_api_key_hash"), **observed)
 
@@ -524,7 +527,7 @@ class BillingFeed:
                 requested_model=sent_as,
                 route_kind=_declared((attempt.model_info,), "kvroute_route_kind") or self.kind_of(backend),
                 provider=_declared((attempt.model_info,), "kvroute_provider") or self.provider_of(backend),
-                outcome="provider_failure", final=False, attempt=attempt.number, start=attempt.started_at,
+                outcome="provider_failure", final=False, attempt=attempt.number, start=self._sent_at(attempt),
                 end_user=data.get("user"), api_key_hash=meta.get("user_api_key_hash"),
                 streamed=bool(data.get("stream")))
             return self._paid(facts, attempt, {})
@@ -629,7 +632,7 @@ class BillingFeed:
             request_id=state.request_id, app_id=app, served_model=served, backend_id=backend,
             requested_model=_first(meta.get("model_group"), model), provider=provider, route_kind=route_kind,
             outcome=outcome, final=final, attempt=number, attempt_key=attempt_key, http_status=http_status,
-            error_type=error_type, start=attempt.started_at if attempt else None,
+            error_type=error_type, start=self._sent_at(attempt),
             fallback_depth=meta.get("fallback_depth"), end_user=user, api_key_hash=meta.get("user_api_key_hash"))
 
 

@@ -136,11 +136,11 @@ def pre_call(cb: CallbackHost, kwargs: dict) -> dict | None:
     backend_id = deployment_id(kwargs)
     ticket = cb.ids.open_attempt(found)
     if found is not None:  # the pick's load follows where LiteLLM sent it; the ledger notes the start
+        found[1].started = cb.clock()
         cb.events.sent(found, backend_id, kwargs)
         found[1].backend = backend_id or found[1].backend
     if ticket is None or backend_id is None:
         return None
-    ticket.started = cb.clock()
     backend = cb.fleet.backends.get(backend_id)
     if backend is None:
         return None

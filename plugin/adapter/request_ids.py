@@ -38,7 +38,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from kvroute.billing.attribution import AppRule
@@ -76,7 +76,6 @@ class Attempt:
     ticket: str = ""  # ``<ledger request id>:<number>``: the routing policy's handle (``rid``)
     sent: bool = False
     recorded: bool = False
-    started_at: datetime | None = None
     model_info: dict[str, Any] | None = None
     served: str | None = None
     streamed: int = 0  # chunks with output relayed from this attempt (≈ output tokens; billing of a cut stream)
@@ -84,7 +83,9 @@ class Attempt:
     app: str | None = None
     prompt_tokens: int = 0
     cache_key: str | None = None
-    started: float = 0.0  # clock reading of the pick, then of the upstream call
+    #: ``RequestIds.clock`` reading of the pick, then of the upstream call (the ledger's start time is its wall view,
+    #: ``RequestIds.wall``)
+    started: float = 0.0
     first_token: bool = False
     #: the policy side's record of this attempt (its request, load charge and what the index predicted; held by
     #: its router until the outcome), or None when kvroute did not route it
@@ -210,8 +211,13 @@ class RequestIds:
         self.requests: OrderedDict[str, RequestState] = OrderedDict()
         self.quiet_s, self.stale_s = quiet_s, stale_s
         self.clock = clock
+        self._epoch = time.time() - clock()  # wall seconds at clock reading 0 (``wall``)
         #: where an evicted request's open attempts end (the callback's ``AttemptEvents``; None: nowhere)
         self.events: AttemptEvents | None = None
+
+    def wall(self, reading: float) -> datetime:
+        """The UTC wall time of a ``clock`` reading (an attempt's ``started``, as the ledger books it)."""
+        return datetime.fromtimestamp(self._epoch + reading, UTC)
 
     def _sign(self, request_id: str) -> str:
         return hmac.new(self._key, request_id.encode(), hashlib.sha256).hexdigest()[:24]

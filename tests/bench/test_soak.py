@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -33,6 +34,19 @@ def test_verdict_compares_kvroute_with_plain_within_the_tolerance():
         "growing"
     assert soak.verdict({"kvroute": {"slope_mb_per_10min": 1.0}, "plain": {"slope_mb_per_10min": -9.0}}) == "flat"
     assert soak.verdict({"kvroute": {"slope_mb_per_10min": None}}) == "too short"
+
+
+def test_a_proxy_that_dies_under_load_is_the_verdict_not_a_drop_to_zero_megabytes():
+    dead = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"])
+    dead.wait()
+    arm = soak.Arm("kvroute", SimpleNamespace(process=dead), [])
+    arm.samples = [(0.0, 450.0), (60.0, 540.0), (120.0, 545.0)]
+    soak.take_sample(arm, 125.0)
+    soak.take_sample(arm, 130.0)
+    assert arm.samples[-1] == (120.0, 545.0) and arm.exited == (125.0, -11)
+    rows = {"kvroute": soak.summary(arm, warmup_s=60), "plain": {"slope_mb_per_10min": 0.0, "exited": None}}
+    assert rows["kvroute"]["rss_end_mb"] == 545.0 and rows["kvroute"]["exited"] == {"at_s": 125.0, "code": -11}
+    assert soak.verdict(rows) == "died: kvroute at 125 s (exit -11)"
 
 
 def test_tree_rss_counts_this_process_and_names_each_process_of_the_tree():

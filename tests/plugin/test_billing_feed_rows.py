@@ -5,6 +5,7 @@ Every column is pinned to values worked out by hand from the inputs."""
 from __future__ import annotations
 
 import hashlib
+from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
@@ -47,6 +48,7 @@ def _feed() -> tuple[BillingFeed, RequestIds, _Recorder]:
 
 def _sent(feed: BillingFeed, ids: RequestIds, meta: dict, backend: str, served: str, info: dict | None = None):
     state, attempt = ids.new_attempt(meta, "llama", backend)
+    attempt.started = ids.clock()  # as the pre-call hook notes the upstream call
     feed.attempt_started(attempt, {"model": served, "model_info": {"id": backend, **(info or {})}, "metadata": meta})
     return state, attempt
 
@@ -77,7 +79,8 @@ def test_a_success_recorded_before_the_response() -> None:
                               route_kind="self_hosted", served_model="llama-8b", requested_model="llama",
                               litellm_cost=Decimal("0.0001"), end_user="cust-1",
                               raw_usage={"prompt_tokens": 10, "completion_tokens": 3}, fallback_depth=2)
-    assert e.event_id == _event_id("acme", state.request_id, 1) and e.occurred_at == attempt.started_at
+    assert e.event_id == _event_id("acme", state.request_id, 1) and e.occurred_at == ids.wall(attempt.started)
+    assert abs((e.occurred_at - datetime.now(UTC)).total_seconds()) < 60
     assert feed.before_response == 1 and attempt.recorded and state.final == "success"
 
 
@@ -139,7 +142,7 @@ def test_a_superseded_attempt_with_and_without_output() -> None:
     assert _row(unpaid) == _expect(status="no_route", attempt=2, backend_id="router", provider="litellm-router",
                                    route_kind="direct", served_model="llama", requested_model="llama",
                                    end_user="cust-7")
-    assert paid.event_id == _event_id("acme", state.request_id, 1) and paid.occurred_at == first.started_at
+    assert paid.event_id == _event_id("acme", state.request_id, 1) and paid.occurred_at == ids.wall(first.started)
     assert unpaid.event_id == _event_id("acme", state.request_id, 2)
 
 

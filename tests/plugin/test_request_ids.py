@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from types import SimpleNamespace
 
 import pytest
@@ -145,3 +146,15 @@ def test_a_request_ends_once_a_client_that_left_stays_its_end_and_an_answer_outr
     left.book_final(SUCCESS)  # its usage chunk, after the client went away
     left.book_final(FAILED)
     assert left.final == CANCELLED
+
+
+def test_an_attempts_one_clock_reading_has_one_wall_time_for_the_ledger() -> None:
+    now = [1000.0]
+    ids = RequestIds(clock=lambda: now[0])
+    _, attempt = ids.new_attempt({}, "llama", "r-0")
+    attempt.started = ids.clock()
+    booked = ids.wall(attempt.started)
+    now[0] += 7.5  # booked later: the same reading, the same time
+    assert ids.wall(attempt.started) == booked and booked.tzinfo is UTC
+    assert (ids.wall(ids.clock()) - booked).total_seconds() == pytest.approx(7.5)
+    assert abs((booked - datetime.now(UTC)).total_seconds()) < 60
