@@ -15,6 +15,7 @@ import os
 import threading
 import time
 import tracemalloc
+from collections.abc import Mapping
 from typing import Any
 
 from litellm.integrations.custom_logger import CustomLogger
@@ -23,13 +24,14 @@ FRAMES = 8
 BASELINE_S = float(os.environ.get("SOAK_TRACE_BASELINE_S", "90"))
 EVERY_S = 30.0
 TOP = 25
-DEPTH = 5
+DEPTH = 8
 CONTAINERS = (dict, list, set, collections.deque, tuple)
 
 
 def census(root: object, prefix: str = "cb", depth: int = DEPTH) -> dict[str, int]:
     """``{attribute path: len}`` of the containers reachable from ``root`` through kvroute objects' attributes
-    (dict values, list items: only the first of each container is followed, so the walk stays cheap)."""
+    (dicts and other mappings such as cachetools' caches, lists, sets, deques: only the first value of each is
+    followed, so the walk stays cheap)."""
     out: dict[str, int] = {}
     seen: set[int] = set()
 
@@ -37,10 +39,10 @@ def census(root: object, prefix: str = "cb", depth: int = DEPTH) -> dict[str, in
         if id(obj) in seen or left < 0:
             return
         seen.add(id(obj))
-        if isinstance(obj, CONTAINERS):
+        if isinstance(obj, (*CONTAINERS, Mapping)):  # a Mapping: cachetools' caches too
             if not isinstance(obj, tuple):
                 out[path] = len(obj)
-            first = next(iter(obj.values() if isinstance(obj, dict) else obj), None) if len(obj) else None
+            first = next(iter(obj.values() if isinstance(obj, Mapping) else obj), None) if len(obj) else None
             if first is not None:
                 walk(first, path + "[*]", left - 1)
             return
