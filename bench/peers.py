@@ -383,9 +383,13 @@ def _one_run(rival: Rival, workload: Workload, model: str, kind: str, base_urls:
             log[key].update(router_in_ms=round(way_in, 2), router_out_ms=round(way_out, 2))
         figures["hop_ms"] = round(statistics.median(a + b for a, b in hops.values()), 2) if hops else None
     figures["requests_log"] = [log[id(o)] for o in sorted(result.outcomes, key=lambda o: o.start_s)]
-    decisions = _new_decisions(rival)
+    lines = _new_decisions(rival)
+    decisions = [line for line in lines if line.get("event") != "ended"]
+    endings = [line for line in lines if line.get("event") == "ended"]  # attempts that ended with no answer
     if decisions:
         figures["decisions"] = decisions
+    if endings:
+        figures["endings"] = endings
     return figures
 
 

@@ -144,6 +144,17 @@ def request_rows(kv: Mapping, peer: Mapping) -> list[str]:
     return rows
 
 
+def ending_rows(kv_runs: list[Mapping]) -> list[str]:
+    """One line per kvroute attempt that ended with no answer (a retry's cause: how, backend, verdict, the
+    exception's classes), from the decision log's ``ended`` lines."""
+    rows = []
+    for i, run in enumerate(kv_runs):
+        for e in run.get("endings", []):
+            rows.append(f"- kvroute repeat {i + 1}: {e.get('call_id')} ended {e.get('how')} on {e.get('backend')}, "
+                        f"{e.get('verdict')} (HTTP {e.get('http_status')}): {' <- '.join(e.get('error') or [])}")
+    return rows
+
+
 def render(result: Mapping, peer_key: str, workloads: Iterable[str] | None, show_requests: bool) -> str:
     lines = []
     for name, w in result["workloads"].items():
@@ -172,6 +183,7 @@ def render(result: Mapping, peer_key: str, workloads: Iterable[str] | None, show
                     agg[key] += v
             lines.append(f"- {side}: " + ", ".join(f"{k} {v}" for k, v in agg.items())
                          + f"; cached tokens {sum(d['cached_tokens'][side] for d in diffs):,}")
+        lines += ending_rows(kv_runs)
         if show_requests:
             for i, (k, p) in enumerate(zip(kv_runs, peer_runs, strict=False)):
                 lines += ["", f"### {name} repeat {i + 1}", "", *request_rows(k, p)]

@@ -91,12 +91,14 @@ def build(cb: CallbackHost) -> None:
 
 def attempt_events(cb: CallbackHost) -> AttemptEvents:
     """An attempt's events with their listeners, in call order: the ledger (while billing is on), routing (load,
-    index, policy, breaker), the metrics, and the request store."""
+    index, policy, breaker), the metrics, the request store, and the decision log (when one is kept)."""
     events = AttemptEvents(cb.count_error)
     events.subscribe(Ledger(lambda: cb.billing))
     events.subscribe(outcomes.Routing(cb))
     events.subscribe(outcomes.Counts(cb))
     events.subscribe(cb.ids)
+    if cb.decision_log is not None:
+        events.subscribe(cb.decision_log)
     return events
 
 

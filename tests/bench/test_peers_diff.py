@@ -195,3 +195,13 @@ def test_relays_name_replicas_through_a_kvroute_proxy_whose_decision_log_joins_b
     for call_id, d in picks.items():
         assert names[d["backend"]] == served[call_id]
         assert set(d["inputs"]["candidates"]) == set(names)
+
+
+def test_an_attempt_that_ended_with_no_answer_is_listed_with_its_cause():
+    from peers_diff import ending_rows
+
+    run = {"endings": [{"event": "ended", "how": "failed", "call_id": "c-1", "backend": "tiny-2",
+                        "verdict": "connect_error", "http_status": None,
+                        "error": ["litellm.exceptions.InternalServerError", "httpx.ReadError"]}]}
+    assert ending_rows([{}, run]) == ["- kvroute repeat 2: c-1 ended failed on tiny-2, connect_error (HTTP None): "
+                                      "litellm.exceptions.InternalServerError <- httpx.ReadError"]

@@ -1,0 +1,46 @@
+"""The decision log through a real proxy: a failed attempt leaves one ``ended`` line beside the picks.
+
+One fake replica answers its next request 500; LiteLLM retries it (the same replica, the only one) and the client is
+served. The log (``KVROUTE_DECISION_LOG``) then holds two picks for the request's call id and, between them, the
+first attempt's ending: how, backend, the one verdict and the exception's class chain, no prompt text.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from kvroute.plugin.dev.fleet import Fleet, ReplicaOptions
+from kvroute.plugin.dev.proxy_process import ModelGroup, ProxyProcess, build_proxy_config
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+SECRET = "a prompt the log must never hold"
+
+
+@pytest.mark.timeout(300)
+def test_a_retried_attempt_leaves_its_ending_and_why(tmp_path):
+    log = tmp_path / "decisions.jsonl"
+    with Fleet(1, engine="fake", options=ReplicaOptions(capacity_tokens=8192)) as fleet:
+        group = ModelGroup("llama", fleet.api_bases, model=fleet.model, kv_capacity_tokens=8192)
+        config = build_proxy_config([group], kvroute=True)
+        with ProxyProcess(config, env={"KVROUTE_DECISION_LOG": str(log)}, inherit_kvroute_env=False) as proxy:
+            httpx.post(fleet.replicas[0].base_url + "/admin/fault", json={"mode": "500", "count": 1}, timeout=10,
+                       trust_env=False).raise_for_status()
+            body = {"model": "llama", "max_tokens": 4, "messages": [{"role": "user", "content": SECRET * 20}]}
+            r = httpx.post(proxy.base_url + "/v1/chat/completions", json=body, timeout=120, trust_env=False,
+                           headers={**proxy.headers, "x-litellm-call-id": "call-retried"})
+            assert r.status_code == 200, r.text
+    text = log.read_text()
+    assert SECRET not in text
+    lines = [json.loads(line) for line in text.splitlines()]
+    mine = [line for line in lines if line.get("call_id") == "call-retried"]
+    picks = [line for line in mine if "event" not in line]
+    (ended,) = [line for line in mine if line.get("event") == "ended"]
+    assert [p["backend"] for p in picks] == ["llama-0", "llama-0"]  # the attempt and its retry
+    assert ended["how"] == "failed" and ended["backend"] == "llama-0" and ended["request_id"] == picks[0]["request_id"]
+    assert ended["blames_backend"] is True and ended["http_status"] == 500 and ended["verdict"]
+    assert ended["error"] and all("." in name for name in ended["error"])  # class names only
+    assert mine.index(picks[0]) < mine.index(ended) < mine.index(picks[1])
