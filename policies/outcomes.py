@@ -32,9 +32,10 @@ from kvroute.policies.health import Outcome
 
 
 class FailureKind(StrEnum):
-    """What went wrong with one attempt; the first seven blame the backend, the rest blame nobody."""
+    """What went wrong with one attempt; the first eight blame the backend, the rest blame nobody."""
 
-    CONNECT_ERROR = "connect_error"
+    CONNECT_ERROR = "connect_error"  # no connection could be made (refused, unreachable)
+    CONNECTION_LOST = "connection_lost"  # an open connection was reset or closed before any answer came
     TIMEOUT = "timeout"
     SLOW_FIRST_TOKEN = "slow_first_token"
     STREAM_CUT = "stream_cut"
@@ -53,6 +54,7 @@ _P, _C = Outcome.PROVIDER_FAILURE, Outcome.CLIENT_ERROR
 #: breaker (``cancelled`` for a cancellation), which hands a half-open probe back without counting it.
 KINDS: dict[FailureKind, tuple[bool, Outcome, str]] = {
     FailureKind.CONNECT_ERROR: (True, _P, "provider_failure"),
+    FailureKind.CONNECTION_LOST: (True, _P, "provider_failure"),
     FailureKind.TIMEOUT: (True, _P, "provider_failure"),
     FailureKind.SLOW_FIRST_TOKEN: (True, _P, "provider_failure"),
     FailureKind.STREAM_CUT: (True, _P, "provider_failure"),
@@ -139,6 +141,10 @@ _CUT_WORDS = ("remoteprotocolerror", "incompleteread", "clientpayloaderror", "ch
 _CONNECT_WORDS = ("connecterror", "clientconnectorerror", "connectionrefused", "clientoserror", "networkerror",
                   "transporterror", "serverdisconnected", "protocolerror", "readerror", "writeerror",
                   "connectionreset", "brokenpipe")
+# an open (pooled) connection the server reset or closed: the engine may be well (it closed an idle keep-alive
+# connection as the request went out); a new connection that failed is ``_NEW_CONNECTION_WORDS``
+_LOST_WORDS = ("connectionreset", "serverdisconnected", "brokenpipe")
+_NEW_CONNECTION_WORDS = ("clientconnectorerror", "connecterror", "connectionrefused")
 _WRAPPERS = ("apiconnectionerror", "apierror", "internalservererror", "serviceunavailableerror")  # LiteLLM/openai
 _REJECT_MODULES = ("builtins", "json", "orjson", "pydantic", "pydantic_core", "jsonschema", "jinja2")
 _REJECT_EXEMPT = ("oserror", "connection", "timeout", "brokenpipe", "cancelled", "eoferror")
@@ -209,6 +215,14 @@ def _by_status(status: int, retry_after: float | None, mid_stream: bool) -> tupl
     return FailureKind.BACKEND_ERROR, True
 
 
+def _connection_kind(names: list[str]) -> FailureKind:
+    """``connection_lost`` when the chain's transport errors name an open connection reset or closed and none
+    names a new connection that failed; else ``connect_error``."""
+    lost = any(w in n for n in names for w in _LOST_WORDS)
+    new = any(w in n for n in names for w in _NEW_CONNECTION_WORDS)
+    return FailureKind.CONNECTION_LOST if lost and not new else FailureKind.CONNECT_ERROR
+
+
 def classify_fields(http_status: int | None, error_class: str | None = None, message: str | None = None, *,
                     backend_called: bool | None = None) -> Attribution:
     """Attribute a failure known only by its logged fields (an HTTP status, an error class name, a message), by
@@ -226,7 +240,7 @@ def classify_fields(http_status: int | None, error_class: str | None = None, mes
     if name not in _WRAPPERS and any(w in name for w in _TIMEOUT_WORDS):
         return verdict(FailureKind.TIMEOUT, True)
     if name not in _WRAPPERS and (any(w in name for w in _CONNECT_WORDS) or name == "connectionerror"):
-        return verdict(FailureKind.CONNECT_ERROR, True)
+        return verdict(_connection_kind([name]), True)
     typed = typed_kind(error_class) if error_class else None
     if http_status is not None:  # as ``classify`` reads an exception's ``status_code``
         kind, blamed = _by_status(http_status, retry_after, False)
@@ -276,7 +290,7 @@ def classify(exc: BaseException | None, *, backend_called: bool | None = None,
     if any(w in n for n in transport for w in _CUT_WORDS):
         return verdict(FailureKind.STREAM_CUT, True)
     if any(w in n for n in transport for w in _CONNECT_WORDS) or "connectionerror" in transport:
-        return verdict(FailureKind.STREAM_CUT if mid_stream else FailureKind.CONNECT_ERROR, True)
+        return verdict(FailureKind.STREAM_CUT if mid_stream else _connection_kind(transport), True)
     root = links[-1]
     root_module = (type(root).__module__ or "").split(".")[0]
     if len(links) > 1 and root_module in _REJECT_MODULES and not any(w in names[-1] for w in _REJECT_EXEMPT):

@@ -127,6 +127,7 @@ class RequestState:
     tags: tuple[str, ...] = ()  # the request's metadata tags, for its ledger events
     booked: bool = False  # a ledger event of the request was built
     failed: list[str] = field(default_factory=list)  # backends blamed for this request's failed attempts
+    lost: list[str] = field(default_factory=list)  # backends that lost an open connection of this request
     judged: list[BaseException] = field(default_factory=list)  # exceptions whose verdict was applied
     changed: float = 0.0  # when an attempt of it last began or closed (``RequestIds.requests`` is in this order)
 
@@ -136,6 +137,15 @@ class RequestState:
         if self.final == CANCELLED or (kind == FAILED and self.final == SUCCESS):
             return
         self.final = kind
+
+    def note_lost(self, backend: str) -> bool:
+        """Remember ``backend`` lost a connection of this request; True the first time (a retry may go back to
+        it: the engine may only have closed an idle connection as the request went out)."""
+        if backend in self.lost:
+            return False
+        self.lost.append(backend)
+        del self.lost[:-MAX_FAILED]
+        return True
 
     def note_failed(self, backend: str) -> None:
         """Remember ``backend`` failed this request (a retry avoids it while others remain)."""

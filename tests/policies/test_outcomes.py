@@ -69,6 +69,16 @@ CASES = [
                                      ("ConnectError", "httpx"), ("ClientConnectorError", "aiohttp.client_exceptions"),
                                      ("ConnectionRefusedError", "builtins")), FailureKind.CONNECT_ERROR, True),
     ("connection dropped", transport("APIConnectionError", ("ReadError", "httpx")), FailureKind.CONNECT_ERROR, True),
+    ("pooled connection reset (seen on llama.cpp)", transport(
+        "InternalServerError", ("OpenAIError", "litellm.llms.openai.common_utils"), ("APIConnectionError", "openai"),
+        ("ReadError", "httpx"), ("ClientOSError", "aiohttp.client_exceptions"),
+        ("ClientConnectionResetError", "aiohttp.client_exceptions")), FailureKind.CONNECTION_LOST, True),
+    ("server closed the connection before answering", transport(
+        "APIConnectionError", ("ReadError", "httpx"), ("ServerDisconnectedError", "aiohttp.client_exceptions")),
+     FailureKind.CONNECTION_LOST, True),
+    ("reset while connecting is a new connection's failure", transport(
+        "APIConnectionError", ("ClientConnectorError", "aiohttp.client_exceptions"),
+        ("ConnectionResetError", "builtins")), FailureKind.CONNECT_ERROR, True),
     ("read timeout", transport("Timeout", ("APITimeoutError", "openai"), ("ReadTimeout", "httpx")),
      FailureKind.SLOW_FIRST_TOKEN, True),
     ("connect timeout", transport("Timeout", ("ConnectTimeout", "httpx")), FailureKind.TIMEOUT, True),
