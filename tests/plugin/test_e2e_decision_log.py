@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
-
-from kvroute.plugin.dev.fleet import Fleet, ReplicaOptions
-from kvroute.plugin.dev.proxy_process import ModelGroup, ProxyProcess, build_proxy_config
+from logged_proxy import chat, fault, logged_proxy
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -23,16 +20,10 @@ SECRET = "a prompt the log must never hold"
 @pytest.mark.timeout(300)
 def test_a_retried_attempt_leaves_its_ending_and_why(tmp_path):
     log = tmp_path / "decisions.jsonl"
-    with Fleet(1, engine="fake", options=ReplicaOptions(capacity_tokens=8192)) as fleet:
-        group = ModelGroup("llama", fleet.api_bases, model=fleet.model, kv_capacity_tokens=8192)
-        config = build_proxy_config([group], kvroute=True)
-        with ProxyProcess(config, env={"KVROUTE_DECISION_LOG": str(log)}, inherit_kvroute_env=False) as proxy:
-            httpx.post(fleet.replicas[0].base_url + "/admin/fault", json={"mode": "500", "count": 1}, timeout=10,
-                       trust_env=False).raise_for_status()
-            body = {"model": "llama", "max_tokens": 4, "messages": [{"role": "user", "content": SECRET * 20}]}
-            r = httpx.post(proxy.base_url + "/v1/chat/completions", json=body, timeout=120, trust_env=False,
-                           headers={**proxy.headers, "x-litellm-call-id": "call-retried"})
-            assert r.status_code == 200, r.text
+    with logged_proxy(1, log, capacity_tokens=8192) as (fleet, proxy):
+        fault(fleet, 0, "500")
+        r = chat(proxy, [{"role": "user", "content": SECRET * 20}], "call-retried")
+        assert r.status_code == 200, r.text
     text = log.read_text()
     assert SECRET not in text
     lines = [json.loads(line) for line in text.splitlines()]

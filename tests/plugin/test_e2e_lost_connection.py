@@ -10,14 +10,10 @@ same request is blamed as any failure (``RequestState.note_lost``).
 
 from __future__ import annotations
 
-import json
-
-import httpx
 import pytest
+from logged_proxy import chat, fault, log_lines, logged_proxy
 
 from kvroute.plugin.adapter.request_ids import RequestState
-from kvroute.plugin.dev.fleet import Fleet, ReplicaOptions
-from kvroute.plugin.dev.proxy_process import ModelGroup, ProxyProcess, build_proxy_config
 
 SYSTEM = "You are the house assistant; follow every rule of the handbook with care. " * 30
 
@@ -34,32 +30,18 @@ def test_a_request_goes_back_after_its_first_lost_connection_there_not_after_a_s
 @pytest.mark.timeout(300)
 def test_the_retry_of_a_dropped_connection_returns_to_the_holder(tmp_path):
     log = tmp_path / "decisions.jsonl"
-    with Fleet(2, engine="fake", options=ReplicaOptions(capacity_tokens=16384)) as fleet:
-        group = ModelGroup("llama", fleet.api_bases, model=fleet.model, kv_capacity_tokens=16384)
-        config = build_proxy_config([group], kvroute=True)
-        with ProxyProcess(config, env={"KVROUTE_DECISION_LOG": str(log)}, inherit_kvroute_env=False) as proxy:
-            def send(messages: list[dict], call_id: str) -> httpx.Response:
-                r = httpx.post(proxy.base_url + "/v1/chat/completions", timeout=120, trust_env=False,
-                               json={"model": "llama", "max_tokens": 4, "messages": messages},
-                               headers={**proxy.headers, "x-litellm-call-id": call_id})
-                assert r.status_code == 200, r.text
-                return r
-
-            turns = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "first question"}]
-            first = send(turns, "turn-1")
-            holder = first.headers["x-litellm-model-id"]
-            replica = fleet.replicas[int(holder.rsplit("-", 1)[1])]  # deployment ``llama-<i>``: the i-th replica
-            assert fleet.api_bases[int(holder.rsplit("-", 1)[1])].startswith(replica.base_url)
-            turns += [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
-                      {"role": "user", "content": "second question"}]
-            httpx.post(replica.base_url + "/admin/fault", json={"mode": "drop", "count": 1},
-                       timeout=10, trust_env=False).raise_for_status()
-            second = send(turns, "turn-2")
+    with logged_proxy(2, log) as (fleet, proxy):
+        turns = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "first question"}]
+        first = chat(proxy, turns, "turn-1")
+        assert first.status_code == 200, first.text
+        holder = first.headers["x-litellm-model-id"]  # ``llama-<i>``: the i-th replica
+        turns += [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+                  {"role": "user", "content": "second question"}]
+        fault(fleet, int(holder.rsplit("-", 1)[1]), "drop")
+        second = chat(proxy, turns, "turn-2")
+        assert second.status_code == 200, second.text
     assert second.headers["x-litellm-model-id"] == holder  # the retry went back to the prefix
     assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-    lines = [json.loads(line) for line in log.read_text().splitlines()]
-    (ended,) = [e for e in lines if e.get("event") == "ended" and e.get("call_id") == "turn-2"]
+    picks, (ended,) = log_lines(log, "turn-2")
     assert ended["verdict"] == "connection_lost" and ended["backend"] == holder and ended["blames_backend"]
-    picks = [e for e in lines if "event" not in e and e.get("call_id") == "turn-2"]
     assert [p["backend"] for p in picks] == [holder, holder]
-
