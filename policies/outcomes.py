@@ -150,7 +150,9 @@ _REJECT_MODULES = ("builtins", "json", "orjson", "pydantic", "pydantic_core", "j
 _REJECT_EXEMPT = ("oserror", "connection", "timeout", "brokenpipe", "cancelled", "eoferror")
 
 
-def _chain(exc: BaseException) -> Iterator[BaseException]:
+def exception_links(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and the exceptions that caused it (``__cause__``, else ``__context__``), outermost first, each once
+    (12 at most)."""
     seen: set[int] = set()
     link: BaseException | None = exc
     while link is not None and id(link) not in seen and len(seen) < 12:
@@ -180,7 +182,7 @@ def _answered_status(link: BaseException) -> int | None:
 
 def retry_after_of(exc: BaseException) -> float | None:
     """Seconds from a ``Retry-After`` header anywhere in the chain (None when absent or not a number)."""
-    for link in _chain(exc):
+    for link in exception_links(exc):
         for holder in (getattr(link, "response", None), link):
             headers = getattr(holder, "headers", None)
             if headers is None:
@@ -257,7 +259,7 @@ def classify(exc: BaseException | None, *, backend_called: bool | None = None,
     ``first_token``: the backend had already streamed a token (a timeout then is a cut, not a slow start)."""
     if exc is None:
         return Attribution(FailureKind.BACKEND_ERROR, backend_called is not False)
-    links = list(_chain(exc))
+    links = list(exception_links(exc))
     names = [_norm(type(link).__name__) for link in links]
     text = " ".join(str(link)[:300].lower() for link in links)
     flat = _norm(text)

@@ -17,22 +17,21 @@ import json
 import os
 import time
 from collections.abc import Mapping
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
 from kvroute.plugin.adapter.attempt_events import Ended, How
 from kvroute.policies.decision import Decision
+from kvroute.policies.outcomes import exception_links
 
 MAX_CAUSES = 6  # exception classes followed down ``__cause__`` / ``__context__``
 
 
 def exception_chain(exc: BaseException | None) -> list[str]:
     """``module.Class`` of ``exc`` and of the exceptions that caused it, outermost first (names only)."""
-    chain: list[str] = []
-    while exc is not None and len(chain) < MAX_CAUSES:
-        chain.append(f"{type(exc).__module__}.{type(exc).__qualname__}")
-        exc = exc.__cause__ or exc.__context__
-    return chain
+    links = islice(exception_links(exc), MAX_CAUSES) if exc is not None else ()
+    return [f"{type(link).__module__}.{type(link).__qualname__}" for link in links]
 
 
 class DecisionLog:

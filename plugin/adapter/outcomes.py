@@ -152,9 +152,8 @@ class Routing:
                 kind, e.backend, e.at, before_prefill=verdict.before_prefill,
                 health=verdict.outcome.value if e.backend is not None else None,
                 retry_after_s=verdict.retry_after_s, started_at=t.started), policy=t.policy)
-            if e.backend is not None and verdict.blames_backend and state is not None and not (
-                    verdict.kind is FailureKind.CONNECTION_LOST and state.note_lost(e.backend)):
-                state.note_failed(e.backend)  # a retry avoids it (a first lost connection: it may go back)
+            if e.backend is not None and verdict.blames_backend and state is not None:
+                state.note_failed(e.backend, verdict.kind)  # a retry avoids it
         elif e.backend is not None:  # a backend kvroute did not route (or no longer awaits): the breaker hears it
             self.cb.health.record(e.backend, verdict.outcome.value, e.at, retry_after_s=verdict.retry_after_s)
 

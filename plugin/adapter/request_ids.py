@@ -46,6 +46,7 @@ from kvroute.plugin.adapter.attempt_events import Ended, How
 from kvroute.plugin.adapter.request_labels import LedgerLabels
 from kvroute.plugin.adapter.signals import REQUEST_KEY
 from kvroute.policies.attempts import RoutedAttempt
+from kvroute.policies.outcomes import FailureKind
 
 if TYPE_CHECKING:
     from kvroute.plugin.adapter.attempt_events import AttemptEvents
@@ -138,17 +139,14 @@ class RequestState:
             return
         self.final = kind
 
-    def note_lost(self, backend: str) -> bool:
-        """Remember ``backend`` lost a connection of this request; True the first time (a retry may go back to
-        it: the engine may only have closed an idle connection as the request went out)."""
-        if backend in self.lost:
-            return False
-        self.lost.append(backend)
-        del self.lost[:-MAX_FAILED]
-        return True
-
-    def note_failed(self, backend: str) -> None:
-        """Remember ``backend`` failed this request (a retry avoids it while others remain)."""
+    def note_failed(self, backend: str, kind: FailureKind | None = None) -> None:
+        """Remember ``backend`` failed this request: a retry avoids it while others remain. A first lost
+        connection (``connection_lost``) does not count: the engine may only have closed an idle connection as
+        the request went out, and it holds the request's prefix; a second one does."""
+        if kind is FailureKind.CONNECTION_LOST and backend not in self.lost:
+            self.lost.append(backend)
+            del self.lost[:-MAX_FAILED]
+            return
         self.failed.append(backend)
         del self.failed[:-MAX_FAILED]
 
@@ -221,12 +219,13 @@ class RequestIds:
         self.requests: OrderedDict[str, RequestState] = OrderedDict()
         self.quiet_s, self.stale_s = quiet_s, stale_s
         self.clock = clock
-        self._epoch = time.time() - clock()  # wall seconds at clock reading 0 (``wall``)
+        self._epoch = time.time() - clock()  # wall seconds at clock reading 0 (``wall``; renewed by ``release_quiet``)
         #: where an evicted request's open attempts end (the callback's ``AttemptEvents``; None: nowhere)
         self.events: AttemptEvents | None = None
 
     def wall(self, reading: float) -> datetime:
-        """The UTC wall time of a ``clock`` reading (an attempt's ``started``, as the ledger books it)."""
+        """The UTC wall time of a ``clock`` reading (an attempt's ``started``, as the ledger books it): one offset
+        between releases, so a reading books as one time however often it is read."""
         return datetime.fromtimestamp(self._epoch + reading, UTC)
 
     def _sign(self, request_id: str) -> str:
@@ -339,8 +338,11 @@ class RequestIds:
         return False
 
     def release_quiet(self) -> int:
-        """Forget the requests quiet for ``quiet_s`` (no attempt running, no change); how many were forgotten."""
+        """Forget the requests quiet for ``quiet_s`` (no attempt running, no change); how many were forgotten.
+        Also re-reads the wall clock's offset (``wall``): a clock stepped, or a host suspended (a monotonic clock
+        does not count the time asleep), is caught up at the next release."""
         now, quiet = self.clock(), []
+        self._epoch = time.time() - now
         for rid, state in self.requests.items():  # least recently changed first
             if state.changed > now - self.quiet_s:
                 break

@@ -6,6 +6,7 @@ import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -14,12 +15,13 @@ from kvroute.plugin.dev.proxy_process import ModelGroup, ProxyProcess, build_pro
 
 
 @contextlib.contextmanager
-def logged_proxy(replicas: int, log: Path, capacity_tokens: int = 16384) -> Iterator[tuple[Fleet, ProxyProcess]]:
+def logged_proxy(replicas: int, log: Path, capacity_tokens: int = 16384,
+                 router_settings: dict[str, Any] | None = None) -> Iterator[tuple[Fleet, ProxyProcess]]:
     """``replicas`` fake engines (group ``llama``, deployments ``llama-<i>``) behind a kvroute proxy whose decision
-    log is ``log``."""
+    log is ``log`` (``router_settings``: over ``build_proxy_config``'s)."""
     with Fleet(replicas, engine="fake", options=ReplicaOptions(capacity_tokens=capacity_tokens)) as fleet:
         group = ModelGroup("llama", fleet.api_bases, model=fleet.model, kv_capacity_tokens=capacity_tokens)
-        config = build_proxy_config([group], kvroute=True)
+        config = build_proxy_config([group], kvroute=True, router_settings=router_settings)
         with ProxyProcess(config, env={"KVROUTE_DECISION_LOG": str(log)}, inherit_kvroute_env=False) as proxy:
             yield fleet, proxy
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from datetime import UTC, datetime
 from types import SimpleNamespace
 
@@ -158,3 +159,13 @@ def test_an_attempts_one_clock_reading_has_one_wall_time_for_the_ledger() -> Non
     assert ids.wall(attempt.started) == booked and booked.tzinfo is UTC
     assert (ids.wall(ids.clock()) - booked).total_seconds() == pytest.approx(7.5)
     assert abs((booked - datetime.now(UTC)).total_seconds()) < 60
+
+
+def test_the_wall_offset_is_read_again_at_each_release(monkeypatch) -> None:
+    ids = RequestIds(clock=lambda: 50.0)
+    before = ids.wall(50.0)
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 3600)  # the host slept an hour; the monotonic clock did not
+    assert ids.wall(50.0) == before  # one time per reading between releases
+    ids.release_quiet()
+    assert (ids.wall(50.0) - before).total_seconds() == pytest.approx(3600, abs=5)
