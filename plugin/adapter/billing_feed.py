@@ -574,11 +574,13 @@ class BillingFeed:
 
             self._record(read, state=state, attempt=attempt, outcome=status, final=False, backend=attempt.backend)
 
-    def request_failed(self, data: Mapping[str, Any], exception: BaseException) -> None:
-        """``async_post_call_failure_hook`` (proxy): the request failed for the client -- its final outcome row."""
+    def request_failed(self, data: Mapping[str, Any], exception: BaseException, *, status: str | None = None) -> None:
+        """``async_post_call_failure_hook`` (proxy): the request failed for the client -- its final outcome row
+        (``status``: the ledger status of the verdict the hook read or reached)."""
         meta = request_metadata(data)
         state = self.ids.state(meta)
-        status = self.events.exception_status(exception)[0]
+        if status is None:
+            status = self.events.exception_status(exception)[0]
         if status == "cancelled" and self.cancelled(data):
             return  # the client went away (LiteLLM's 499): its attempt is the request's outcome
         if state is None:

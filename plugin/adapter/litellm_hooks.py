@@ -344,7 +344,8 @@ class KvrouteCallback(CustomLogger):
         """Proxy: the request failed for the client; record its final outcome (never changes the error)."""
         try:
             if self.billing is not None:
-                self.billing.request_failed(request_data, original_exception)
+                verdict = outcomes.final_verdict(self.ids.state(request_metadata(request_data)), original_exception)
+                self.billing.request_failed(request_data, original_exception, status=verdict.ledger_status)
         except Exception:
             self.count_error("billing")
         return None
@@ -378,6 +379,8 @@ class KvrouteCallback(CustomLogger):
             ending = outcomes.request_failure_ending(kwargs, error, found, verdict, self.clock())
             if ending is not None:
                 self.events.ended(ending)
+            if found is not None:  # the request's later events read this verdict
+                found[0].note_judged(error, verdict)
         except Exception:
             self.count_error("failure")
 

@@ -54,13 +54,29 @@ def attempt_verdict(request_data: Mapping[str, Any], exception: BaseException, f
 
 
 def request_verdict(kwargs: Mapping[str, Any], exception: BaseException, found: Found) -> Attribution:
-    """The verdict on a request-level failure event (classified once, for the breaker and the ledger alike)."""
+    """The verdict on a request-level failure event, for the breaker and the ledger alike: the one an attempt's
+    hook already reached for the same failure, else its classification."""
+    known = found[0].verdict_of(exception) if found is not None else None
+    if known is not None:
+        return known
     ticket = RequestIds.open_attempt(found)
     backend = deployment_id(kwargs)
     if ticket is not None and backend and ticket.backend != backend:
         return classify(exception)  # a newer attempt is in flight: the failed one was called
     verdict = classify(exception, first_token=bool(ticket and ticket.first_token))
     return verdict if ticket is not None and ticket.backend is not None else verdict.unsent()
+
+
+def final_verdict(state: RequestState | None, exception: BaseException) -> Attribution:
+    """The verdict on the failure the client got: the one its attempt or request-level event already reached,
+    else (a failure nothing judged: LiteLLM's refusal to route, a proxy check) its classification, kept."""
+    known = state.verdict_of(exception) if state is not None else None
+    if known is not None:
+        return known
+    verdict = classify(exception)
+    if state is not None:
+        state.note_judged(exception, verdict)
+    return verdict
 
 
 def request_failure_ending(kwargs: Mapping[str, Any], exception: BaseException, found: Found,
@@ -70,7 +86,7 @@ def request_failure_ending(kwargs: Mapping[str, Any], exception: BaseException, 
     pick runs before this event): then only a verdict that blames the backend that failed counts, and the newer
     attempt is left alone. The ledger booked the event at request level (no attempt payload)."""
     state = found[0] if found is not None else None
-    if state is not None and state.was_judged(exception):
+    if state is not None and state.verdict_of(exception) is not None:
         return None
     ticket = RequestIds.open_attempt(found)
     backend = deployment_id(kwargs)
@@ -79,7 +95,7 @@ def request_failure_ending(kwargs: Mapping[str, Any], exception: BaseException, 
             return None
         failed = state.latest(backend=backend) if state is not None else None  # the older attempt that failed
         if failed is None and state is not None:
-            state.note_judged(exception)  # no attempt of it named that backend: the request still knows it judged
+            state.note_judged(exception, verdict)  # no attempt of it named that backend: the request still knows
         return Ended(How.FAILED, (state, failed) if failed is not None else None, None, backend, now, verdict,
                      exception=exception)
     if ticket is not None and (verdict.blames_backend or verdict.kind is FailureKind.CANCELLED):
@@ -145,7 +161,7 @@ class Routing:
         if verdict is None:
             return
         if state is not None and e.exception is not None:
-            state.note_judged(e.exception)
+            state.note_judged(e.exception, verdict)
         if t is not None:
             kind = CANCELLED if verdict.kind is FailureKind.CANCELLED else FAILURE
             t.router.finish(t.request, RequestOutcome(

@@ -46,7 +46,7 @@ from kvroute.plugin.adapter.attempt_events import Ended, How
 from kvroute.plugin.adapter.request_labels import LedgerLabels
 from kvroute.plugin.adapter.signals import REQUEST_KEY
 from kvroute.policies.attempts import RoutedAttempt
-from kvroute.policies.outcomes import FailureKind
+from kvroute.policies.outcomes import Attribution, FailureKind
 
 if TYPE_CHECKING:
     from kvroute.plugin.adapter.attempt_events import AttemptEvents
@@ -61,7 +61,7 @@ SERVER_KEYS = (REQUEST_KEY, SIG_KEY, TICKET_KEY, ATTEMPT_KEY, "kvroute_trace", H
 SUCCESS, FAILED, CANCELLED = "success", "failed", "cancelled"  # a request's final row (``RequestState.final``)
 MAX_REQUESTS = 100_000
 MAX_FAILED = 16  # backends remembered as failed per request (a retry avoids them)
-MAX_JUDGED = 8  # exceptions remembered as judged per request
+MAX_JUDGED = 8  # failures remembered with their verdict per request
 QUIET_S = 60.0  # a request with no attempt running and no change for this long is forgotten
 STALE_S = 600.0  # ... and one with an attempt sent but never settled, after this long (its outcome never came)
 
@@ -129,7 +129,8 @@ class RequestState:
     booked: bool = False  # a ledger event of the request was built
     failed: list[str] = field(default_factory=list)  # backends blamed for this request's failed attempts
     lost: list[str] = field(default_factory=list)  # backends that lost an open connection of this request
-    judged: list[BaseException] = field(default_factory=list)  # exceptions whose verdict was applied
+    #: the verdict each failure of this request got (an exception is classified once; later events read it)
+    judged: list[tuple[BaseException, Attribution]] = field(default_factory=list)
     changed: float = 0.0  # when an attempt of it last began or closed (``RequestIds.requests`` is in this order)
 
     def book_final(self, kind: str) -> None:
@@ -150,23 +151,25 @@ class RequestState:
         self.failed.append(backend)
         del self.failed[:-MAX_FAILED]
 
-    def note_judged(self, exception: BaseException) -> None:
-        """Remember ``exception`` was judged (the request-level event must not count it again)."""
-        self.judged.append(exception)
+    def note_judged(self, exception: BaseException, verdict: Attribution) -> None:
+        """Remember the verdict ``exception`` got (its consequences applied): later events of the same failure
+        read it instead of classifying again, and do not apply it twice."""
+        if any(j is exception for j, _ in self.judged):
+            return
+        self.judged.append((exception, verdict))
         del self.judged[:-MAX_JUDGED]
 
-    def was_judged(self, exception: BaseException) -> bool:
-        """Whether ``exception`` or one it wraps (``__cause__``/``__context__``, 12 links) was judged already."""
-        if not self.judged:
-            return False
+    def verdict_of(self, exception: BaseException) -> Attribution | None:
+        """The verdict ``exception`` or one it wraps (``__cause__``/``__context__``, 12 links) got, if judged."""
         link: BaseException | None = exception
-        for _ in range(12):
+        for _ in range(12 if self.judged else 0):
             if link is None:
-                return False
-            if any(j is link for j in self.judged):
-                return True
+                return None
+            for judged, verdict in self.judged:
+                if judged is link:
+                    return verdict
             link = link.__cause__ or link.__context__
-        return False
+        return None
 
     def latest(self, backend: str | None = None, group: str | None = None, unrecorded: bool = False,
                hop: bool = False) -> Attempt | None:

@@ -79,3 +79,56 @@ def test_request_event_still_judges_an_attempt_no_hook_saw():
     chosen = cb.filter("hosted", [hosted(0), hosted(1)], [{"role": "user", "content": "z"}], kwargs)[0]
     asyncio.run(cb.async_log_failure_event({**kwargs, "exception": server_error()}, None, None, None))
     assert not cb.tickets and blamed(cb, chosen["model_info"]["id"]) == 1
+
+
+class _Booked:
+    """The ledger's side of the hooks, as the statuses each one was handed."""
+
+    def __init__(self) -> None:
+        self.statuses: list[tuple[str, str | None]] = []
+
+    def attempt_started(self, attempt, data) -> None:
+        pass
+
+    def attempt_failed(self, data, exception, ticket_id=None, *, found=None, status=None) -> None:
+        self.statuses.append(("attempt", status))
+
+    def logged_failure(self, kwargs, exception, *, status=None) -> None:
+        self.statuses.append(("logged", status))
+
+    def request_failed(self, data, exception, *, status=None) -> None:
+        self.statuses.append(("request", status))
+
+
+def test_one_failure_is_classified_once_through_every_hook(monkeypatch):
+    """The attempt's hook, LiteLLM's request-level event and the proxy's final failure hook see the same exception:
+    the first classifies it, the other two read its verdict (the ledger's status on every row is that one)."""
+    from kvroute.billing import litellm_events
+    from kvroute.plugin.adapter import outcomes
+
+    calls: list[BaseException] = []
+    real = outcomes.classify
+
+    def counting(exc, **kw):
+        calls.append(exc)
+        return real(exc, **kw)
+
+    monkeypatch.setattr(outcomes, "classify", counting)
+    monkeypatch.setattr(litellm_events, "classify", counting)  # the ledger's own reading of an exception
+    cb = callback()
+    kwargs: dict = {"litellm_trace_id": "t-9", "metadata": {}}
+    chosen = cb.filter("hosted", [hosted(0), hosted(1)], [{"role": "user", "content": "w"}], kwargs)[0]
+    cb.billing = booked = _Booked()  # type: ignore[assignment]
+    exc = server_error()
+    attempt = {**kwargs, "model_info": chosen["model_info"]}
+    asyncio.run(cb.async_post_call_failure_deployment_hook(attempt, exc, None))
+    asyncio.run(cb.async_log_failure_event({**kwargs, "exception": exc}, None, None, None))
+    asyncio.run(cb.async_post_call_failure_hook(kwargs, exc, None))
+    assert calls == [exc]
+    assert booked.statuses == [("attempt", "provider_failure"), ("logged", "provider_failure"),
+                                   ("request", "provider_failure")]
+    # a failure no hook judged before (LiteLLM's refusal to route) is classified once, at the end
+    refused = RouterRateLimitError(model="hosted", cooldown_time=5, enable_pre_call_checks=False, cooldown_list=[])
+    asyncio.run(cb.async_post_call_failure_hook(kwargs, refused, None))
+    asyncio.run(cb.async_post_call_failure_hook(kwargs, refused, None))
+    assert calls == [exc, refused] and booked.statuses[-2:] == [("request", "no_route")] * 2
