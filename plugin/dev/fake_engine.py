@@ -13,7 +13,10 @@ with ``n`` sequences decoding, and a step that shares its batch with a prefill c
 chunk. ``--engine-model llamacpp`` replaces that vLLM-style model with the bench's llama.cpp replica
 (``fake_llamacpp``, the simulator's ``llamacpp`` preset): one slot, llama.cpp's host prompt cache of whole prompts
 (``--cache-ram-mib``), token-granular reuse (the model's own tokens with ``--tokenizer``), the tiny model's step times,
-and with ``--host-cores`` the host's cores shared by the fleet's replicas. Prompt text is never logged or exposed.
+and with ``--host-cores`` the host's cores shared by the fleet's replicas. The model's times are what a request
+waits in all: the time this process spends reading, parsing and tokenizing a request is taken out of the model's
+pre-slot time, and its cache update out of the prefill (otherwise a long prompt pays twice). Prompt text is never
+logged or exposed.
 Run it with ``python -m kvroute.plugin.dev.fake_engine --port 0 --capacity-tokens 8192``.
 """
 
@@ -36,7 +39,7 @@ from kvroute.plugin.dev.child_processes import write_ready_file
 from kvroute.plugin.dev.fake_cache import BYTES_PER_TOKEN, PrefixCache, token_count
 from kvroute.plugin.dev.fake_faults import FaultPlan, StallTail
 from kvroute.plugin.dev.fake_http import ConnectionDropped, Exchange, Request, start_server
-from kvroute.plugin.dev.fake_llamacpp import HostCores, LlamaCppModel
+from kvroute.plugin.dev.fake_llamacpp import HostCores, LlamaCppModel, Seq
 from kvroute.plugin.dev.fake_tokens import (
     TokenRequestError,
     detokenize_body,
@@ -337,18 +340,22 @@ class FakeEngine:
                                                "code": 429}},
                                {"retry-after": f"{fault.retry_after_s:g}"})
             return
-        if self.llama is not None:  # HTTP, chat template and tokenizing: no slot held
-            await asyncio.sleep(self.llama.spec.response_s)
+        seq = self.llama.encode(prompt) if self.llama is not None else None  # tokenized once, before any slot
+        if self.llama is not None:  # HTTP, chat template and tokenizing hold no slot; what this process already
+            # spent reading, parsing and tokenizing the request is part of that time, not added to it
+            spent = asyncio.get_running_loop().time() - request.received if request.received else 0.0
+            await asyncio.sleep(max(0.0, self.llama.spec.response_s - spent))
         self.waiting += 1
         try:
             await self._slots.acquire()
         finally:
             self.waiting -= 1
         self.running += 1
-        held = self._tokens(prompt) + max_tokens
+        held = (self.llama.tokens(seq) if self.llama is not None and seq is not None else self._tokens(prompt)) \
+            + max_tokens
         self.active_tokens += held
         try:
-            await self._run(body, prompt, max_tokens, chat, fault, ex)
+            await self._run(body, prompt, max_tokens, chat, fault, ex, seq)
         except (asyncio.CancelledError, ConnectionDropped):  # the client went away mid-request
             self.stats.cancelled += 1
             raise
@@ -358,11 +365,14 @@ class FakeEngine:
             self._slots.release()
 
     async def _run(self, body: dict, prompt: str, max_tokens: int, chat: bool, fault: FaultPlan | None,
-                   ex: Exchange) -> None:
+                   ex: Exchange, seq: Seq | None = None) -> None:
+        """Run a request holding its slot (``seq``: the llama.cpp model's tokens of ``prompt``). A llama.cpp
+        replica's prefill waits the model's time less what this process spent on the slot's cache update."""
         cfg = self.config
+        began = asyncio.get_running_loop().time()
         output = self.llama.answer(max_tokens) if self.llama is not None else generate_text(prompt, max_tokens)
         if self.llama is not None:  # the slot is this request's: llama.cpp's cache update, then its reuse
-            seq = self.llama.encode(prompt)
+            seq = seq if seq is not None else self.llama.encode(prompt)
             prompt_tokens = self.llama.tokens(seq)
             cached = self.llama.take(seq)
             self.llama.keep(seq, output, max_tokens)
@@ -379,7 +389,8 @@ class FakeEngine:
         mode = fault.mode if fault else None
         log.info("%s prompt_tokens=%d cached_tokens=%d max_tokens=%d fault=%s",
                  "chat" if chat else "completion", prompt_tokens, cached, max_tokens, mode)
-        await self._prefill(prefill_s)
+        spent = asyncio.get_running_loop().time() - began if self.llama is not None else 0.0
+        await self._prefill(max(0.0, prefill_s - spent))
         if fault is not None and mode == "slow_first_token":
             await asyncio.sleep(fault.delay_s)
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": max_tokens,

@@ -23,13 +23,15 @@ MAX_BODY = 64 * 1024 * 1024
 
 @dataclass(frozen=True)
 class Request:
-    """One parsed request: method, path (no query), query string, lower-cased headers, raw body."""
+    """One parsed request: method, path (no query), query string, lower-cased headers, raw body, and when its
+    head arrived (the event loop's clock; 0.0 when not read from a socket)."""
 
     method: str
     path: str
     query: str
     headers: dict[str, str]
     body: bytes
+    received: float = 0.0
 
     def json(self) -> object:
         return json.loads(self.body or b"null")
@@ -114,6 +116,7 @@ async def _read_request(conn: h11.Connection, reader: asyncio.StreamReader) -> R
     event = await _next_event(conn, reader)
     if not isinstance(event, h11.Request):
         return None
+    received = asyncio.get_running_loop().time()
     body = bytearray()
     while True:
         part = await _next_event(conn, reader)
@@ -128,7 +131,7 @@ async def _read_request(conn: h11.Connection, reader: asyncio.StreamReader) -> R
     target = event.target.decode("latin-1")
     path, _, query = target.partition("?")
     headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in event.headers}
-    return Request(event.method.decode("ascii"), path, query, headers, bytes(body))
+    return Request(event.method.decode("ascii"), path, query, headers, bytes(body), received)
 
 
 async def serve_connection(handler: Handler, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -172,3 +172,61 @@ def test_the_model_reports_the_cached_tokens_a_real_llamacpp_replica_reports(tmp
     assert all(r <= m <= r + 8 for m, r in zip(modelled, real, strict=True)), (modelled, real)
     assert all(m == r for m, r in zip(modelled, real, strict=True) if m < 100), (modelled, real)  # template only
     assert model.cache.restored >= 3 and model.cache.evicted >= 1  # the sequence exercised restore and eviction
+
+
+class _Answer:
+    """An exchange that keeps the answer (the engine's socket side is not under test here)."""
+
+    status: int | None = None
+    aborted = False
+
+    async def send_json(self, status: int, value: object, headers: dict | None = None) -> None:
+        self.status, self.body = status, value
+
+
+async def test_the_fakes_own_handling_is_taken_out_of_the_models_time_not_added_to_it(monkeypatch):
+    """What the fake spends reading and tokenizing a request comes out of llama.cpp's pre-slot time, and the slot's
+    cache update out of the prefill: a request waits the model's times in all (on a clock the test moves)."""
+    import json
+
+    from kvroute.plugin.dev.fake_engine import FakeEngine
+    from kvroute.plugin.dev.fake_http import Request
+
+    engine = FakeEngine(FakeEngineConfig(name="l0", engine_model="llamacpp", cache_ram_mib=9.0))
+    loop = asyncio.get_running_loop()
+    now = [1000.0]
+    monkeypatch.setattr(loop, "time", lambda: now[0])
+    slept: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def sleep(seconds: float, *args: object) -> None:
+        slept.append(seconds)
+        await real_sleep(0)
+
+    monkeypatch.setattr(asyncio, "sleep", sleep)
+    prefills: list[float] = []
+
+    async def prefill(seconds: float) -> None:
+        prefills.append(seconds)
+
+    monkeypatch.setattr(engine, "_prefill", prefill)
+    take = engine.llama.take
+
+    def slow_take(prompt):  # the slot's cache update takes 50 ms of this process
+        now[0] += 0.050
+        return take(prompt)
+
+    monkeypatch.setattr(engine.llama, "take", slow_take)
+    response_s = engine.llama.spec.response_s
+    for i, (read_ago, pre_slot) in enumerate(((0.0, response_s), (0.015, response_s - 0.015), (1.0, 0.0))):
+        slept.clear(), prefills.clear()
+        body = json.dumps({"model": "m", "messages": messages(f"{i} {A}", "one"), "max_tokens": 1}).encode()
+        ex = _Answer()
+        await engine.handle(Request("POST", "/v1/chat/completions", "", {}, body, received=now[0] - read_ago), ex)
+        assert ex.status == 200
+        usage = ex.body["usage"]
+        model = engine.llama.prefill_s(usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"],
+                                       usage["prompt_tokens_details"]["cached_tokens"])
+        assert slept[0] == pytest.approx(pre_slot)
+        assert prefills == [pytest.approx(model - 0.050)]
+        assert ex.body["timings"]["prompt_ms"] == round(model * 1000, 3)  # llama.cpp's own report: the model's
