@@ -95,6 +95,14 @@ def run_fleet(fleet: str, workloads: list[str], repeats: int, cores: float, back
     return result
 
 
+def _sources(result: Mapping) -> str:
+    """What measured each workload's engine cost (a saved run from before ``engine_cost_source``: the probes)."""
+    given = result.get("engine_cost_source")
+    if not given:
+        return "llama.cpp's prefill probes"
+    return ", ".join(f"{name}: {src}" for name, src in given.items())
+
+
 def cache_tokens() -> int:
     """The llama.cpp replicas' host cache in tokens: ``bench/peers.py``'s ``--cache-ram`` over the state per token."""
     size = Size.llamacpp()
@@ -117,15 +125,56 @@ def probe_cost(sample: Mapping, preset: Preset | None = None) -> float | None:
     return float(sample["prompt_ms"]) / 1000.0 / cost.prefill_alone_s(cached, computed)
 
 
-def engine_costs(real: dict | None) -> dict[str, float]:
-    """Per workload, how many times slower than the preset this host ran llama.cpp: the median over the replicas'
-    prefill probes taken just before that workload (``bench/peers.py``'s ``engine_probe``); none: not given."""
+#: a workload's own requests that ran alone on the host needed before their figure replaces the probes'
+MIN_SOLO = 20
+SOLO_MIN_TOKENS = 100  # fewer computed tokens: the fixed response time outweighs the prefill
+
+
+def solo_costs(workload: Mapping, preset: Preset | None = None) -> list[float]:
+    """The host's slowness as the workload's own requests read it: per request that computed at least
+    ``SOLO_MIN_TOKENS`` and ran alone on the host (no other request of its run between its start and its end, on
+    any replica), its time to first token less llama.cpp's response time and the router's way in and out
+    (measured by the relays), over the preset's prefill of the same tokens."""
+    preset = preset or get_preset("llamacpp")
+    response_s = preset.llamacpp.response_s if preset.llamacpp is not None else 0.0
+    out = []
+    for runs in (workload.get("runs") or {}).values():
+        for run in runs:
+            log = [q for q in run.get("requests_log") or () if q.get("ok") and q.get("ttft_s") is not None]
+            for q in log:
+                computed = int(q.get("prompt_tokens") or 0) - int(q.get("cached_tokens") or 0)
+                if computed < SOLO_MIN_TOKENS:
+                    continue
+                start, end = q["start_s"], q["start_s"] + q["ttft_s"]
+                if any(o is not q and o["start_s"] < end and o["end_s"] > start for o in log):
+                    continue
+                hop_s = ((q.get("router_in_ms") or 0.0) + (q.get("router_out_ms") or 0.0)) / 1000.0
+                out.append((q["ttft_s"] - response_s - hop_s) / preset.cost.prefill_alone_s(
+                    int(q.get("cached_tokens") or 0), computed))
+    return out
+
+
+def engine_cost_sources(real: dict | None) -> dict[str, tuple[float, str]]:
+    """Per workload, how many times slower than the preset this host ran llama.cpp, and what said so: the median
+    of its own requests that ran alone on the host (``solo_costs``) where at least ``MIN_SOLO`` did, else the
+    median over the replicas' prefill probes taken just before it (``bench/peers.py``'s ``engine_probe``: idle
+    replicas, one cold prompt each, which read a few per cent slower than the same host's steady work); none:
+    neither was measured."""
     out = {}
     for name, w in (real or {}).get("workloads", {}).items():
+        solo = solo_costs(w)
+        if len(solo) >= MIN_SOLO:
+            out[name] = (round(statistics.median(solo), 3), f"{len(solo)} requests alone on the host")
+            continue
         ratios = [r for r in (probe_cost(x) for x in w.get("engine_probe") or ()) if r is not None]
         if ratios:
-            out[name] = round(statistics.median(ratios), 3)
+            out[name] = (round(statistics.median(ratios), 3), f"{len(ratios)} probe{'s' if len(ratios) != 1 else ''}")
     return out
+
+
+def engine_costs(real: dict | None) -> dict[str, float]:
+    """Per workload, how many times slower than the preset this host ran llama.cpp (``engine_cost_sources``)."""
+    return {name: cost for name, (cost, _) in engine_cost_sources(real).items()}
 
 
 def sim_cell(repeats: list[dict]) -> dict:
@@ -281,7 +330,7 @@ def render(result: dict) -> str:
              f"sim {repeats['sim']} (medians, [min–max]); load average {load[0]} → {load[1]}; llama.cpp CPU per "
              f"computed token {_loads(replica_cpu_per_token(real)) if replica_cpu_per_token(real) else '-'} ms; "
              f"models' engines slower than the preset by {_loads(costs) if costs else '- (1)'} "
-             "(llama.cpp's prefill probes)", "",
+             f"({_sources(result)})", "",
              "| workload | router | cached: llama.cpp | fake (Δ pt) | sim (Δ pt) | TTFT p50 ms: llama.cpp | fake | sim "
              "| TTFT p90 ms: llama.cpp | fake (Δ) | sim (Δ) | verdict |", "|---|---|" + "---|" * 10]
     for cell in cal.cells:
@@ -354,9 +403,12 @@ def main(argv: list[str] | None = None) -> int:
     background = ({name: args.background_cores for name in workloads} if args.background_cores is not None
                   else background_cores(result["real"]))
     result["background_cores"] = background
+    sources = engine_cost_sources(result["real"]) if args.engine_cost is None else {}
     costs = ({name: args.engine_cost for name in workloads} if args.engine_cost is not None
-             else engine_costs(result["real"]))
+             else {name: cost for name, (cost, _) in sources.items()})
     result["engine_cost"] = costs
+    result["engine_cost_source"] = ({name: src for name, (_, src) in sources.items()} if sources
+                                    else {name: "--engine-cost" for name in costs})
     if "fake" in runs:
         result["fake"] = run_fleet("fake", workloads, args.repeats, args.cores, background, say,
                                    jitter=jitters(result["real"]), costs=costs)

@@ -184,6 +184,32 @@ def test_engine_costs_are_the_median_probe_over_the_presets_prefill_and_slow_the
         assert slow["workloads"]["demo"][rival]["ttft_p50_ms"] > plain["workloads"]["demo"][rival]["ttft_p50_ms"]
 
 
+def test_the_runs_own_requests_alone_on_the_host_measure_its_speed_before_the_probes():
+    """Requests that ran alone on the host read its speed (less the response time and the router's measured way);
+    one that overlapped another is left out; too few such requests leave the probes' figure."""
+    preset = calibrate.get_preset("llamacpp")
+    response_s = preset.llamacpp.response_s
+
+    def request(start: float, cached: int, computed: int, slowness: float, hop_ms: float = 0.0) -> dict:
+        ttft = response_s + hop_ms / 1000 + slowness * preset.cost.prefill_alone_s(cached, computed)
+        return {"ok": True, "start_s": start, "ttft_s": ttft, "end_s": start + ttft + 0.01, "cached_tokens": cached,
+                "prompt_tokens": cached + computed, "router_in_ms": hop_ms / 2, "router_out_ms": hop_ms / 2}
+
+    alone = [request(10.0 * i, 1200 * (i % 2), 600, 0.9, hop_ms=20.0) for i in range(calibrate.MIN_SOLO)]
+    crowded = [request(500.0, 0, 1200, 2.0), request(500.1, 0, 1200, 2.0)]  # two at once: neither counts
+    short = [request(700.0, 1000, 20, 5.0)]  # too few tokens computed to read the engine's speed
+    at = preset.cost.prefill_alone_s(6, 1200) * 1000
+    probes = [{"cache_n": 6, "prompt_n": 1200, "prompt_ms": at * 1.2}]
+    runs = {"kvroute": [{"requests_log": alone[:10] + crowded}], "smg-ca": [{"requests_log": alone[10:] + short}]}
+    real = {"workloads": {"agent": {"runs": runs, "engine_probe": probes},
+                          "demo": {"runs": {"kvroute": [{"requests_log": alone[:3]}]}, "engine_probe": probes}}}
+    assert calibrate.solo_costs(real["workloads"]["agent"]) == pytest.approx([0.9] * calibrate.MIN_SOLO)
+    sources = calibrate.engine_cost_sources(real)
+    assert sources["agent"] == (0.9, f"{calibrate.MIN_SOLO} requests alone on the host")
+    assert sources["demo"] == (1.2, "1 probe")  # 3 requests alone: the probes decide
+    assert calibrate.engine_costs(real) == {"agent": 0.9, "demo": 1.2}
+
+
 @pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_the_probe_reads_a_replicas_own_prefill_timing_and_recovers_its_slowness():
