@@ -172,11 +172,6 @@ def engine_cost_sources(real: dict | None) -> dict[str, tuple[float, str]]:
     return out
 
 
-def engine_costs(real: dict | None) -> dict[str, float]:
-    """Per workload, how many times slower than the preset this host ran llama.cpp (``engine_cost_sources``)."""
-    return {name: cost for name, (cost, _) in engine_cost_sources(real).items()}
-
-
 def sim_cell(repeats: list[dict]) -> dict:
     """One simulated cell over its repeats: each figure's median (as ``bench/peers.py`` takes the measured ones),
     failures summed, and every repeat under ``runs``."""

@@ -379,7 +379,7 @@ class KvrouteCallback(CustomLogger):
             ending = outcomes.request_failure_ending(kwargs, error, found, verdict, self.clock())
             if ending is not None:
                 self.events.ended(ending)
-            if found is not None:  # the request's later events read this verdict
+            if found is not None and error is exc:  # the request's later events read this verdict
                 found[0].note_judged(error, verdict)
         except Exception:
             self.count_error("failure")

@@ -46,7 +46,7 @@ from kvroute.plugin.adapter.attempt_events import Ended, How
 from kvroute.plugin.adapter.request_labels import LedgerLabels
 from kvroute.plugin.adapter.signals import REQUEST_KEY
 from kvroute.policies.attempts import RoutedAttempt
-from kvroute.policies.outcomes import Attribution, FailureKind
+from kvroute.policies.outcomes import Attribution, FailureKind, exception_links
 
 if TYPE_CHECKING:
     from kvroute.plugin.adapter.attempt_events import AttemptEvents
@@ -160,15 +160,13 @@ class RequestState:
         del self.judged[:-MAX_JUDGED]
 
     def verdict_of(self, exception: BaseException) -> Attribution | None:
-        """The verdict ``exception`` or one it wraps (``__cause__``/``__context__``, 12 links) got, if judged."""
-        link: BaseException | None = exception
-        for _ in range(12 if self.judged else 0):
-            if link is None:
-                return None
+        """The verdict ``exception`` or one it wraps (``exception_links``: its causes, 12 at most) got, if judged."""
+        if not self.judged:
+            return None
+        for link in exception_links(exception):
             for judged, verdict in self.judged:
                 if judged is link:
                     return verdict
-            link = link.__cause__ or link.__context__
         return None
 
     def latest(self, backend: str | None = None, group: str | None = None, unrecorded: bool = False,

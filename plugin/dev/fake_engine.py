@@ -207,9 +207,6 @@ class FakeEngine:
         cfg = self.config
         return new_tokens / cfg.prefill_tokens_per_s * (1.0 + cfg.context_cost * (cached_tokens + new_tokens / 2))
 
-    def _tokens(self, text: str) -> int:
-        return self.llama.tokens(self.llama.encode(text)) if self.llama is not None else token_count(text)
-
     async def _prefill(self, seconds: float) -> None:
         """Queue ``seconds`` of prefill behind the prefills already queued on this replica and wait for it."""
         if self.cores is not None:  # one slot: nothing queued here; the host's cores are shared instead
@@ -351,7 +348,7 @@ class FakeEngine:
         finally:
             self.waiting -= 1
         self.running += 1
-        held = (self.llama.tokens(seq) if self.llama is not None and seq is not None else self._tokens(prompt)) \
+        held = (self.llama.tokens(seq) if self.llama is not None and seq is not None else token_count(prompt)) \
             + max_tokens
         self.active_tokens += held
         try:
@@ -371,8 +368,8 @@ class FakeEngine:
         cfg = self.config
         began = asyncio.get_running_loop().time()
         output = self.llama.answer(max_tokens) if self.llama is not None else generate_text(prompt, max_tokens)
-        if self.llama is not None:  # the slot is this request's: llama.cpp's cache update, then its reuse
-            seq = seq if seq is not None else self.llama.encode(prompt)
+        if self.llama is not None and seq is not None:  # the slot is this request's: llama.cpp's cache update,
+            # then its reuse
             prompt_tokens = self.llama.tokens(seq)
             cached = self.llama.take(seq)
             self.llama.keep(seq, output, max_tokens)

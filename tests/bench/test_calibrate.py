@@ -174,8 +174,8 @@ def test_engine_costs_are_the_median_probe_over_the_presets_prefill_and_slow_the
     at = preset.cost.prefill_alone_s(6, 1200) * 1000
     probes = [{"cache_n": 6, "prompt_n": 1200, "prompt_ms": at * f} for f in (1.1, 1.3, 1.2)]
     real = {"workloads": {"demo": {"engine_probe": [*probes, {"prompt_n": 0, "prompt_ms": 0}]}, "apps": {}}}
-    assert calibrate.engine_costs(real) == {"demo": 1.2}
-    assert calibrate.probe_cost({"prompt_n": 0, "prompt_ms": 5.0}) is None and calibrate.engine_costs(None) == {}
+    assert calibrate.engine_cost_sources(real) == {"demo": (1.2, "3 probes")}
+    assert calibrate.probe_cost({"prompt_n": 0, "prompt_ms": 5.0}) is None and calibrate.engine_cost_sources(None) == {}
     said: list[str] = []
     plain = calibrate.run_sim(["demo"], 2.0, 0.0, {}, said.append, tokenize=_bytes)
     slow = calibrate.run_sim(["demo"], 2.0, 0.0, {}, said.append, tokenize=_bytes, costs={"demo": 1.5})
@@ -207,7 +207,6 @@ def test_the_runs_own_requests_alone_on_the_host_measure_its_speed_before_the_pr
     sources = calibrate.engine_cost_sources(real)
     assert sources["agent"] == (0.9, f"{calibrate.MIN_SOLO} requests alone on the host")
     assert sources["demo"] == (1.2, "1 probe")  # 3 requests alone: the probes decide
-    assert calibrate.engine_costs(real) == {"agent": 0.9, "demo": 1.2}
 
 
 @pytest.mark.e2e
@@ -225,5 +224,5 @@ def test_the_probe_reads_a_replicas_own_prefill_timing_and_recovers_its_slowness
     with Fleet(2, engine="fake", options=options, name_prefix="probe") as fleet:
         samples = asyncio.run(engine_probe(fleet.base_urls, fleet.model, per_replica=2, words=120))
     assert len(samples) == 4 and all(s["prompt_n"] > 100 for s in samples)
-    assert calibrate.engine_costs({"workloads": {"demo": {"engine_probe": samples}}})["demo"] == pytest.approx(1.3,
-                                                                                                              rel=0.01)
+    cost, _ = calibrate.engine_cost_sources({"workloads": {"demo": {"engine_probe": samples}}})["demo"]
+    assert cost == pytest.approx(1.3, rel=0.01)
