@@ -21,14 +21,15 @@ TTFT on the idle fleet less a replica's own, which under load was a third of the
 has by itself (the same routers in front of it). Each source runs repeats (``--repeats`` for the real and fake
 runs, ``--sim-repeats`` for the simulator, by default as many as the real run had): where the real repeats spread,
 one model timeline cannot match one real one, so the simulator's repeat ``n`` moves its requests by the arrival
-jitter measured on the real repeats, drawn with seed ``n`` (``bench/calibrate_jitter.py``), the fake run's repeat
-``n`` holds each turn back by samples of the same jitter (``turn_delays``, seed ``n``), and every figure is the
-median over a source's repeats. Per cell the table gives each source's cached share and TTFT p50/p90 (medians, the
-cached share and p90 with their min–max) and each model's error; the verdict (``bench/calibrate_verdict.py``) wants
-the cached share within ±1.5 points and TTFT p90 within ±25 % of llama.cpp's (median against median) for every model
-on every cell, and the command exits 1 (with a ``MISSED`` line per check) otherwise. ``--from FILE`` takes the
-sources not in ``--run`` from a saved calibration (``--save`` writes ``bench/results/calibrate-<UTC time>.json``);
-``--render FILE`` prints a saved one.
+jitter measured on the real repeats, drawn with seed ``n`` (``bench/calibrate_jitter.py``), the fake run's engines
+time each request by the same steps' relative variation (one deviation a request, drawn by its prompt, which each
+repeat salts anew) and hold each flow's first turn back by a start sample (``turn_delays``, seed ``n``), and every
+figure is the median over a source's repeats. Per cell the table gives each source's cached share and TTFT p50/p90
+(medians, the cached share and p90 with their min–max) and each model's error; the verdict
+(``bench/calibrate_verdict.py``) wants the cached share within ±1.5 points and TTFT p90 within ±25 % of llama.cpp's
+(median against median) for every model on every cell, and the command exits 1 (with a ``MISSED`` line per check)
+otherwise. ``--from FILE`` takes the sources not in ``--run`` from a saved calibration (``--save`` writes
+``bench/results/calibrate-<UTC time>.json``); ``--render FILE`` prints a saved one.
 """
 
 from __future__ import annotations
@@ -63,28 +64,33 @@ REPLICAS = 4
 def run_fleet(fleet: str, workloads: list[str], repeats: int, cores: float, background: Mapping[str, float],
               say, jitter: Mapping[str, Jitter] | None = None, costs: Mapping[str, float] | None = None) -> dict:
     """``bench/peers.py`` with the table's routers (``fleet`` real: llama.cpp, each replica's prefill timed before
-    each workload; fake: its fake-engine model), each workload on a fleet of its own when their ``background`` loads
-    or engine ``costs`` differ (a fleet's replicas take one of each); ``jitter``: per workload, the step jitter
-    measured on llama.cpp, replayed on the fake run (``turn_delays``)."""
+    each workload; fake: its fake-engine model), each workload on a fleet of its own when their ``background`` loads,
+    engine ``costs`` or jitters differ (a fleet's replicas take one of each); ``jitter``: per workload, the variation
+    measured on llama.cpp, replayed on the fake run: its steps' by the engines (``time_jitter``), its first starts'
+    by the client (``turn_delays``)."""
     import peers
 
     costs = costs or {}
+    jitter = jitter or {}
 
     def delays(name: str, repeat: int):
-        return turn_delays(jitter[name], repeat) if jitter and name in jitter else None
+        return turn_delays(jitter[name], repeat) if name in jitter else None
 
-    def one(names: list[str], load: float, cost: float) -> dict:
+    def one(names: list[str], load: float, cost: float, rel: tuple[float, ...]) -> dict:
         args = argparse.Namespace(fleet="llamacpp" if fleet == "real" else "fake", engine_model="llamacpp",
                                   workload=names, repeats=repeats, replicas=REPLICAS, rival=[r for r, _ in ROUTERS],
                                   quick=False, fresh_fleet=False, host_cores=cores, background_cores=load, hop=True,
-                                  turn_delays=delays if jitter else None, probe=fleet == "real", engine_cost=cost)
+                                  turn_delays=delays if jitter else None, probe=fleet == "real", engine_cost=cost,
+                                  time_jitter=rel)
         return peers.run(args, say)
 
-    settings = {(background.get(name, 0.0), costs.get(name, 1.0)) for name in workloads}
-    if len(settings) <= 1:
-        result = one(workloads, *(settings.pop() if settings else (0.0, 1.0)))
+    def setting(name: str) -> tuple[float, float, tuple[float, ...]]:
+        return background.get(name, 0.0), costs.get(name, 1.0), jitter[name].step_rel if name in jitter else ()
+
+    if len({setting(name) for name in workloads}) <= 1:
+        result = one(workloads, *(setting(workloads[0]) if workloads else (0.0, 1.0, ())))
     else:
-        parts = [one([name], background.get(name, 0.0), costs.get(name, 1.0)) for name in workloads]
+        parts = [one([name], *setting(name)) for name in workloads]
         result = {**parts[0], "workloads": {k: v for p in parts for k, v in p["workloads"].items()},
                   "wall_s": round(sum(p["wall_s"] for p in parts), 1),
                   "load_average_end": parts[-1]["load_average_end"]}

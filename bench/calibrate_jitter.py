@@ -22,11 +22,13 @@ sample of ``step_ms`` later (never before the turn it follows ends: a sample tha
 first turn a sample of ``start_ms`` later (never before 0), the samples drawn with replacement by a seeded
 generator (repeat ``n``: seed ``n``). No figure is fitted: the samples are the measured run's.
 
-``turn_delays`` gives the same to a live replay (the fake engines' run): a turn that follows another waits a sample
-of ``step_ms`` more after the turn before it ends, a first turn a sample of ``start_ms`` after its flow's start; a
-negative sample holds nothing back (the turn leaves at once, as in the simulator where it leaves right after its
-router's round trip). Each turn's draw is seeded by the repeat, its flow and its turn, so it does not depend on the
-order the replay's flows happen to ask in.
+The fake engines' run takes the same variation where llama.cpp has it, in the engine: ``step_rel`` pools the same
+steps' deviations relative to their medians, and each fake replica times a request's prefill and decode by one plus
+a deviation drawn for it (``plugin/dev/fake_llamacpp.drawn``, the fleet's ``time_jitter``). The step then varies both
+ways about the model's own, as llama.cpp's does about its median. (Holding the next turn back by a sample instead
+could only add: a negative sample held nothing back, so every step ran long by the mean of the positive samples
+and varied by half as much.) ``turn_delays`` holds only a flow's first turn back, by a sample of ``start_ms``, seeded
+by the repeat and the flow, so it does not depend on the order the replay's flows happen to ask in.
 """
 
 from __future__ import annotations
@@ -45,14 +47,15 @@ class Jitter:
 
     step_ms: tuple[float, ...] = ()
     start_ms: tuple[float, ...] = ()
+    step_rel: tuple[float, ...] = ()  # the same steps' deviations over their medians (0.05: 5 % longer)
 
     def to_json(self) -> dict:
-        return {"step_ms": list(self.step_ms), "start_ms": list(self.start_ms)}
+        return {"step_ms": list(self.step_ms), "start_ms": list(self.start_ms), "step_rel": list(self.step_rel)}
 
     @classmethod
     def from_json(cls, data: Mapping | None) -> Jitter:
         data = data or {}
-        return cls(tuple(data.get("step_ms", ())), tuple(data.get("start_ms", ())))
+        return cls(tuple(data.get("step_ms", ())), tuple(data.get("start_ms", ())), tuple(data.get("step_rel", ())))
 
     def summary(self) -> dict:
         """How wide the measured variation is: count, median and 10/90 % of |deviation| per kind (ms)."""
@@ -70,12 +73,18 @@ def _deviations(values: Sequence[float]) -> list[float]:
     return [round((v - mid) * 1000.0, 2) for v in values]
 
 
+def _relative(values: Sequence[float]) -> list[float]:
+    mid = statistics.median(values)
+    return [round(v / mid - 1.0, 4) for v in values] if mid > 0 else []
+
+
 def measure(runs: Mapping[str, Sequence[Mapping]], gated: frozenset[str] = frozenset()) -> Jitter:
     """Pool the deviations over ``runs`` (router → its repeats, each with a ``requests_log``; module docstring).
     A router with fewer than two logged repeats adds nothing. ``gated``: flows whose first turn waits for another
     flow to end (a concurrency limit): their first start carries that flow's steps, so it is no start sample."""
     steps: list[float] = []
     starts: list[float] = []
+    rel: list[float] = []
     for repeats in runs.values():
         logs = [r.get("requests_log") for r in repeats]
         if len(logs) < 2 or any(not log for log in logs):
@@ -93,8 +102,10 @@ def measure(runs: Mapping[str, Sequence[Mapping]], gated: frozenset[str] = froze
                 continue
             if len({b[prev].get("cached_tokens") for b in by_request}) != 1:  # a routing difference, not noise
                 continue
-            steps += _deviations([b[key]["start_s"] - b[prev]["start_s"] for b in by_request])
-    return Jitter(tuple(sorted(steps)), tuple(sorted(starts)))
+            step = [b[key]["start_s"] - b[prev]["start_s"] for b in by_request]
+            steps += _deviations(step)
+            rel += _relative(step)
+    return Jitter(tuple(sorted(steps)), tuple(sorted(starts)), tuple(sorted(rel)))
 
 
 def jittered(workload: SimWorkload, jitter: Jitter, seed: int) -> SimWorkload:
@@ -112,13 +123,13 @@ def jittered(workload: SimWorkload, jitter: Jitter, seed: int) -> SimWorkload:
 
 
 def turn_delays(jitter: Jitter, seed: int) -> Callable[[object, int], float]:
-    """Repeat ``seed``'s extra wait (seconds) before turn ``n`` of a replayed flow (module docstring)."""
+    """Repeat ``seed``'s extra wait (seconds) before turn ``n`` of a replayed flow: a first turn's drawn start
+    sample (never negative), none for a later turn (the fake engines vary its step; module docstring)."""
 
     def delay(flow: object, n: int) -> float:
-        samples = jitter.step_ms if n else jitter.start_ms
-        if not samples:
+        if n or not jitter.start_ms:
             return 0.0
         rng = random.Random(f"{seed}:{getattr(flow, 'conv_id', flow)}:{n}")
-        return max(0.0, rng.choice(samples)) / 1000.0
+        return max(0.0, rng.choice(jitter.start_ms)) / 1000.0
 
     return delay

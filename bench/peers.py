@@ -250,13 +250,14 @@ def targets(summary: dict[str, dict]) -> dict:
 # ---------------------------------------------------------------------------------------------- the run
 def _replica_options(kind: str, capacity: int, quick: bool, engine_model: str = "vllm",
                      host_cores: float = 0.0, background_cores: float = 0.0,
-                     engine_cost: float = 1.0) -> ReplicaOptions:
+                     engine_cost: float = 1.0, time_jitter: tuple[float, ...] = ()) -> ReplicaOptions:
     from kvroute.plugin.dev.tiny_model import PRESETS
 
     mib = PRESETS["small"].cache_ram_mib(capacity)
     if kind == "fake" and engine_model == "llamacpp":  # the llama.cpp replica's model, the tiny model's tokens
         return ReplicaOptions(engine_model="llamacpp", cache_ram_mib=mib, tokenizer=_tiny_tokenizer(),
-                              host_cores=host_cores, background_cores=background_cores, engine_cost=engine_cost)
+                              host_cores=host_cores, background_cores=background_cores, engine_cost=engine_cost,
+                              time_jitter=time_jitter)
     if kind == "fake":  # timing stays the fleet's default (the fake engine's own model of prefill and decode)
         return ReplicaOptions(capacity_tokens=capacity, block_tokens=16)
     return ReplicaOptions(cache_ram_mib=mib, threads=1, parallel=1, ctx=4096 if quick else 8192)
@@ -419,7 +420,7 @@ def run(args: argparse.Namespace, say) -> dict:
         stack.enter_context(busy_cores(result["busy_cores"]))
         options = _replica_options(args.fleet, capacity, args.quick, "llamacpp" if llama else "vllm",
                                    getattr(args, "host_cores", 0.0), getattr(args, "background_cores", 0.0),
-                                   getattr(args, "engine_cost", 1.0))
+                                   getattr(args, "engine_cost", 1.0), getattr(args, "time_jitter", ()))
         fleet = stack.enter_context(Fleet(args.replicas, engine=args.fleet, options=options, name_prefix="peers"))
         api_bases = fleet.api_bases
         relays, token_calls = None, {}
@@ -445,7 +446,7 @@ def run(args: argparse.Namespace, say) -> dict:
                                                                                  fleet.model))
         say(f"started {len(live)}/{len(rivals)} rivals in {time.time() - started_at:.0f} s")
         result["workloads"] = {}
-        # bench/calibrate.py's fake run: the step jitter measured on llama.cpp, repeat n drawn with seed n
+        # bench/calibrate.py's fake run: first turns' start jitter measured on llama.cpp, repeat n drawn with seed n
         turn_delays = getattr(args, "turn_delays", None)
         for name in args.workload:
             workload = build(name, size, capacity)

@@ -13,7 +13,9 @@ with ``n`` sequences decoding, and a step that shares its batch with a prefill c
 chunk. ``--engine-model llamacpp`` replaces that vLLM-style model with the bench's llama.cpp replica
 (``fake_llamacpp``, the simulator's ``llamacpp`` preset): one slot, llama.cpp's host prompt cache of whole prompts
 (``--cache-ram-mib``), token-granular reuse (the model's own tokens with ``--tokenizer``), the tiny model's step times,
-and with ``--host-cores`` the host's cores shared by the fleet's replicas. The model's times are what a request
+with ``--host-cores`` the host's cores shared by the fleet's replicas, and with ``--time-jitter`` the run-to-run
+variation of llama.cpp's times (each request's prefill and decode time, times one plus a deviation drawn for it,
+taken or given at its prefill). The model's times are what a request
 waits in all: the time this process spends reading, parsing and tokenizing a request is taken out of the model's
 pre-slot time, and its cache update out of the prefill (otherwise a long prompt pays twice). Prompt text is never
 logged or exposed.
@@ -39,7 +41,7 @@ from kvroute.plugin.dev.child_processes import write_ready_file
 from kvroute.plugin.dev.fake_cache import BYTES_PER_TOKEN, PrefixCache, token_count
 from kvroute.plugin.dev.fake_faults import FaultPlan, StallTail
 from kvroute.plugin.dev.fake_http import ConnectionDropped, Exchange, Request, start_server
-from kvroute.plugin.dev.fake_llamacpp import HostCores, LlamaCppModel, Seq
+from kvroute.plugin.dev.fake_llamacpp import HostCores, LlamaCppModel, Seq, drawn
 from kvroute.plugin.dev.fake_tokens import (
     TokenRequestError,
     detokenize_body,
@@ -85,6 +87,8 @@ class FakeEngineConfig:
     background_cores: float = 0.0  # of which other work keeps this many busy
     engine_cost: float = 1.0  # llamacpp: the host's slowness against the preset's (every compute time times this)
     cores_dir: str | None = None  # the directory the replicas sharing the host's cores meet in
+    time_jitter: tuple[float, ...] = ()  # llamacpp: relative deviations of a request's time, one drawn a request
+    jitter_seed: int = 0
     stall: StallTail | None = None  # a heavy-tailed first-token stall of a share of streams (hosted providers)
     stall_seed: int = 0
 
@@ -113,6 +117,8 @@ class FakeEngineConfig:
             raise ConfigError("host_cores", "host_cores, background_cores and cache_ram_mib must be >= 0")
         if not self.engine_cost > 0:
             raise ConfigError("engine_cost", "must be > 0")
+        if any(not d > -1.0 for d in self.time_jitter) or (self.time_jitter and self.engine_model != "llamacpp"):
+            raise ConfigError("time_jitter", "deviations must be > -1, with engine_model 'llamacpp'")
         if self.host_cores > 0 and (self.engine_model != "llamacpp" or not self.cores_dir):
             raise ConfigError("host_cores", "needs engine_model 'llamacpp' and a cores_dir")
 
@@ -374,6 +380,12 @@ class FakeEngine:
             cached = self.llama.take(seq)
             self.llama.keep(seq, output, max_tokens)
             prefill_s = self.llama.prefill_s(prompt_tokens - cached, cached)
+            # llama.cpp's run-to-run variation: the request's whole time (prefill and decode) times 1 + its
+            # deviation, the difference taken or given at the prefill
+            deviation = drawn(cfg.time_jitter, cfg.jitter_seed, seq)
+            if deviation:
+                whole = prefill_s + max_tokens * self.llama.decode_s(prompt_tokens)
+                prefill_s = max(0.0, prefill_s + deviation * whole)
         else:
             prompt_tokens = token_count(prompt)
             salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None  # vLLM's field
@@ -576,7 +588,8 @@ async def _main(args: argparse.Namespace) -> None:
                               engine_model=args.engine_model, cache_ram_mib=args.cache_ram_mib,
                               tokenizer=args.tokenizer, host_cores=args.host_cores,
                               background_cores=args.background_cores, engine_cost=args.engine_cost,
-                              cores_dir=args.cores_dir,
+                              cores_dir=args.cores_dir, time_jitter=args.time_jitter,
+                              jitter_seed=args.jitter_seed,
                               stall=StallTail(args.stall_share, args.stall_scale_ms / 1000, args.stall_alpha,
                                               args.stall_max_ms / 1000) if args.stall_share > 0 else None,
                               stall_seed=args.stall_seed)
@@ -591,6 +604,14 @@ async def _main(args: argparse.Namespace) -> None:
         write_ready_file(args.ready_file, server.port, config.name)
     await stop.wait()
     await server.stop()
+
+
+def _deviations(text: str) -> tuple[float, ...]:
+    """``--time-jitter``'s value: comma-separated numbers."""
+    try:
+        return tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not comma-separated numbers: {text[:40]!r}") from None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -621,6 +642,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="llamacpp: how many times slower this host computes than the preset's (measured: "
                         "bench/calibrate.py)")
     p.add_argument("--cores-dir", default=None, help="llamacpp: directory the replicas sharing the cores meet in")
+    p.add_argument("--time-jitter", type=_deviations, default=(),
+                   help="llamacpp: comma-separated relative deviations of a request's time, one drawn per request "
+                        "(measured: bench/calibrate_jitter.py)")
+    p.add_argument("--jitter-seed", type=int, default=0, help="seed of the --time-jitter draws")
     p.add_argument("--stall-share", type=float, default=0.0,
                    help="share of streams whose first token stalls after the stream started (a hosted tail)")
     p.add_argument("--stall-scale-ms", type=float, default=400.0, help="the stall's Pareto scale")

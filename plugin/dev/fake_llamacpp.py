@@ -11,14 +11,22 @@ llama.cpp's tiny model generates ``max_tokens`` tokens, and the next turn grows 
 ``HostCores`` shares a host's cores between the replica processes of one fleet: a replica computing keeps a file
 in a directory they all see, and while ``k`` of them compute each advances at ``min(1, cores / (k + background))``
 of its speed (llama.cpp replicas of one thread on fewer cores than replicas slow each other down so).
+
+``drawn`` gives a request its share of the variation llama.cpp's own times show from run to run (``--time-jitter``:
+relative deviations measured by ``bench/calibrate_jitter.py``): one deviation a request, drawn by its tokens, so the
+same request draws the same whatever order requests arrive in, and a run with other prompts draws anew.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import random
+from array import array
 from collections.abc import Sequence
 from pathlib import Path
+
+import xxhash
 
 from kvroute.sim.presets import Preset, get_preset
 from kvroute.sim.prompt_cache import HostPromptCache, PromptCacheConfig
@@ -75,6 +83,14 @@ class HostCores:
             self._depth -= 1
             if self._depth == 0:
                 self.marker.unlink(missing_ok=True)
+
+
+def drawn(pool: Sequence[float], seed: int, seq: Seq) -> float:
+    """One value of ``pool`` (0.0 when empty) for the request whose tokens are ``seq``, seeded by ``seed`` and them."""
+    if not pool:
+        return 0.0
+    data = seq if isinstance(seq, bytes) else array("q", seq).tobytes()
+    return random.Random(xxhash.xxh64_intdigest(data, seed=seed)).choice(pool)
 
 
 class LlamaCppModel:

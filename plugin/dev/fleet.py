@@ -71,6 +71,7 @@ class ReplicaOptions:
     host_cores: float = 0.0
     background_cores: float = 0.0
     engine_cost: float = 1.0  # fake llamacpp: the host's slowness against the preset's
+    time_jitter: tuple[float, ...] = ()  # fake llamacpp: relative deviations of a request's time, one drawn each
     model_path: str | None = None  # llama.cpp GGUF; default: the generated tiny model
     cache_dir: str | None = None  # where the tiny model is cached
     extra_args: tuple[str, ...] = ()
@@ -151,6 +152,8 @@ class Fleet(ChildOwner):
                 llama += ["--tokenizer", o.tokenizer]
             if o.engine_cost != 1.0:
                 llama += ["--engine-cost", str(o.engine_cost)]
+            if o.time_jitter:
+                llama += ["--time-jitter=" + ",".join(f"{d:.5g}" for d in o.time_jitter)]  # may start with "-"
             if o.host_cores > 0:
                 llama += ["--host-cores", str(o.host_cores), "--background-cores", str(o.background_cores),
                           "--cores-dir", str(self.workdir / "cores")]

@@ -34,6 +34,10 @@ def test_measure_pools_step_and_start_deviations_from_their_medians():
     j = measure(runs)
     # a: steps 0.199, 0.210, 0.230 → median 0.210; b: steps 0.2, 0.3, 0.4 → median 0.3
     assert j.step_ms == tuple(sorted([-11.0, 0.0, 20.0, -100.0, 0.0, 100.0]))
+    # and relative to those medians, what the fake engines replay
+    assert j.step_rel == tuple(sorted([round(0.199 / 0.21 - 1, 4), 0.0, round(0.23 / 0.21 - 1, 4),
+                                       round(0.2 / 0.3 - 1, 4), 0.0, round(0.4 / 0.3 - 1, 4)]))
+    assert Jitter.from_json(j.to_json()) == j
     assert j.start_ms == tuple(sorted([1.0, 0.0, 0.0, 0.0, 0.0, 0.0]))
 
 
@@ -149,21 +153,39 @@ def test_each_workload_gets_the_background_load_measured_while_it_ran():
     assert p90[1] > p90[0] and p90[1] == p90[2]
 
 
-def test_turn_delays_replay_the_measured_jitter_per_flow_and_turn_whatever_the_order():
+def test_turn_delays_hold_back_first_turns_per_flow_whatever_the_order_and_leave_steps_to_the_engines():
     from calibrate_jitter import turn_delays
 
     class Flow:
         def __init__(self, conv_id: str) -> None:
             self.conv_id = conv_id
 
-    jitter = Jitter(step_ms=(-20.0, 10.0, 40.0), start_ms=(0.0, 5.0))
-    a, b = Flow("a"), Flow("b")
+    jitter = Jitter(step_ms=(-20.0, 10.0, 40.0), start_ms=(-3.0, 5.0), step_rel=(-0.1, 0.2))
+    flows = [Flow(f"f{i}") for i in range(12)]
     one = turn_delays(jitter, 0)
-    drawn = {(f.conv_id, n): one(f, n) for f in (a, b) for n in range(4)}
+    drawn = {(f.conv_id, n): one(f, n) for f in flows for n in range(4)}
     again = turn_delays(jitter, 0)
-    assert {(f.conv_id, n): again(f, n) for f in (b, a) for n in reversed(range(4))} == drawn  # order-free
-    assert all(v in (0.0, 0.01, 0.04) for (_, n), v in drawn.items() if n)  # a negative sample holds nothing
-    assert all(v in (0.0, 0.005) for (_, n), v in drawn.items() if n == 0)
+    assert {(f.conv_id, n): again(f, n) for f in reversed(flows) for n in reversed(range(4))} == drawn  # order-free
+    assert all(v == 0.0 for (_, n), v in drawn.items() if n)  # later turns: the fake engines vary their steps
+    assert {v for (_, n), v in drawn.items() if n == 0} == {0.0, 0.005}  # a negative sample holds nothing back
     other = turn_delays(jitter, 1)
-    assert any(other(f, n) != drawn[(f.conv_id, n)] for f in (a, b) for n in range(4))  # repeats differ
-    assert turn_delays(Jitter(), 3)(a, 2) == 0.0
+    assert any(other(f, 0) != drawn[(f.conv_id, 0)] for f in flows)  # repeats differ
+    assert turn_delays(Jitter(), 3)(flows[0], 0) == 0.0
+
+
+def test_the_fake_run_gets_each_workloads_relative_step_jitter_on_a_fleet_of_its_own(monkeypatch):
+    import peers
+
+    got = []
+
+    def run(args, say):
+        got.append((tuple(args.workload), args.time_jitter, args.turn_delays is not None))
+        return {"workloads": {w: {"runs": {}} for w in args.workload}, "wall_s": 1.0, "load_average_end": [0.0]}
+
+    monkeypatch.setattr(peers, "run", run)
+    jit = {"demo": Jitter(step_rel=(0.1, -0.1)), "apps": Jitter(step_rel=(0.05,))}
+    calibrate.run_fleet("fake", ["demo", "apps"], 1, 2.0, {}, print, jitter=jit, costs={})
+    assert got == [(("demo",), (0.1, -0.1), True), (("apps",), (0.05,), True)]
+    got.clear()
+    calibrate.run_fleet("fake", ["demo", "apps"], 1, 2.0, {}, print, jitter={}, costs={})
+    assert got == [(("demo", "apps"), (), False)]  # one setting: one fleet

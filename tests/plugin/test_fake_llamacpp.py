@@ -230,3 +230,83 @@ async def test_the_fakes_own_handling_is_taken_out_of_the_models_time_not_added_
         assert slept[0] == pytest.approx(pre_slot)
         assert prefills == [pytest.approx(model - 0.050)]
         assert ex.body["timings"]["prompt_ms"] == round(model * 1000, 3)  # llama.cpp's own report: the model's
+
+
+def test_a_requests_deviation_is_drawn_by_its_tokens_whatever_the_order():
+    from kvroute.plugin.dev.fake_llamacpp import drawn
+
+    pool = (-0.2, -0.05, 0.0, 0.1, 0.3)
+    seqs = [tuple(range(i, i + 50)) for i in range(40)] + [f"prompt {i}".encode() for i in range(40)]
+    first = [drawn(pool, 7, s) for s in seqs]
+    assert [drawn(pool, 7, s) for s in reversed(seqs)] == first[::-1]  # the same request, the same draw
+    assert set(first) == set(pool)  # every value is drawn (80 requests over 5 values)
+    assert [drawn(pool, 8, s) for s in seqs] != first  # another seed, other draws
+    assert drawn((), 7, seqs[0]) == 0.0
+
+
+@pytest.mark.parametrize("deviation", [0.25, -0.4, -0.99])
+async def test_a_requests_time_is_its_models_times_one_plus_its_deviation_taken_or_given_at_the_prefill(
+        monkeypatch, deviation):
+    """llama.cpp's run-to-run variation on the fake: prefill and decode of a request times 1 + its drawn
+    deviation, the difference on the prefill (never below nothing), and llama.cpp's report says so."""
+    import json
+
+    from kvroute.plugin.dev.fake_engine import FakeEngine
+    from kvroute.plugin.dev.fake_http import Request
+
+    plain = FakeEngine(FakeEngineConfig(name="l0", engine_model="llamacpp", cache_ram_mib=9.0))
+    varied = FakeEngine(FakeEngineConfig(name="l0", engine_model="llamacpp", cache_ram_mib=9.0,
+                                         time_jitter=(deviation,)))
+    waits: dict[str, list[float]] = {"plain": [], "varied": []}
+    for name, engine in (("plain", plain), ("varied", varied)):
+        async def prefill(seconds: float, name: str = name) -> None:
+            waits[name].append(seconds)
+
+        monkeypatch.setattr(engine, "_prefill", prefill)
+    loop_time = asyncio.get_running_loop().time
+    reports = {}
+    for name, engine in (("plain", plain), ("varied", varied)):
+        body = json.dumps({"model": "m", "messages": messages(A, "one"), "max_tokens": 3}).encode()
+        ex = _Answer()
+        await engine.handle(Request("POST", "/v1/chat/completions", "", {}, body, received=loop_time()), ex)
+        assert ex.status == 200
+        reports[name] = ex.body
+    prompt = reports["plain"]["usage"]["prompt_tokens"]
+    model = plain.llama.prefill_s(prompt, 0)
+    whole = model + 3 * plain.llama.decode_s(prompt)
+    expected = max(0.0, model + deviation * whole)
+    assert waits["plain"][0] == pytest.approx(model, abs=0.005)  # less the fake's own cache update
+    assert waits["varied"][0] == pytest.approx(expected, abs=0.005)
+    assert reports["varied"]["timings"]["prompt_ms"] == pytest.approx(expected * 1000, abs=0.01)
+    assert reports["varied"]["usage"] == reports["plain"]["usage"]  # the work is the same; only its time varies
+
+
+def test_time_jitter_is_refused_outside_the_llamacpp_model_or_at_minus_one():
+    with pytest.raises(ConfigError):
+        FakeEngineConfig(name="x", engine_model="llamacpp", time_jitter=(0.1, -1.0))
+    with pytest.raises(ConfigError):
+        FakeEngineConfig(name="x", time_jitter=(0.1,))
+    from kvroute.plugin.dev.fake_engine import _deviations
+
+    assert _deviations("0.1,-0.05, 0") == (0.1, -0.05, 0.0)
+    with pytest.raises(Exception, match="comma-separated"):
+        _deviations("0.1,fast")
+
+
+def test_a_fleets_fake_llamacpp_replicas_are_started_with_its_time_jitter(tmp_path, monkeypatch):
+    from kvroute.plugin.dev import fake_engine
+    from kvroute.plugin.dev.fleet import Fleet, ReplicaOptions
+
+    fleet = Fleet(1, engine="fake", workdir=tmp_path,
+                  options=ReplicaOptions(engine_model="llamacpp", time_jitter=(-0.0625, 0.125)))
+    command = fleet._command("r0", tmp_path / "ready")
+    assert command[1:3] == ["-m", "kvroute.plugin.dev.fake_engine"]
+    parsed = {}
+
+    def capture(coro):  # the replica's arguments as its own parser reads them; nothing is started
+        parsed["args"] = coro.cr_frame.f_locals["args"]
+        coro.close()
+
+    monkeypatch.setattr(fake_engine.asyncio, "run", capture)
+    fake_engine.main(command[3:])
+    assert parsed["args"].time_jitter == (-0.0625, 0.125)  # a first value below 0 is no option
