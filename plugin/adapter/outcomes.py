@@ -175,7 +175,9 @@ class Routing:
 
 
 class Counts:
-    """The metrics of an attempt's end: completions with their tokens and TTFT, failures by the verdict's word."""
+    """The metrics of an attempt's end: completions with their tokens and TTFT, failures by the verdict's word.
+    A success reported for an attempt that had already ended (LiteLLM's log of a stream after its client left, of a
+    lost hedge) is no completion: that end was counted as what it was."""
 
     name = "metrics"
 
@@ -184,6 +186,9 @@ class Counts:
 
     def ended(self, e: Ended) -> None:
         metrics, t = self.cb.metrics, e.open
+        late = e.found is not None and e.found[1].ended  # the request store marks an end after every listener
+        if e.how is How.SUCCESS and late:
+            return
         if e.how is How.SUCCESS and e.backend is not None and e.answer is not None:
             a = e.answer
             data = e.payload.data if e.payload is not None else {}

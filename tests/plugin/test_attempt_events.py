@@ -136,3 +136,21 @@ def test_a_success_whose_figures_cannot_be_read_is_still_booked_and_releases_its
     assert len(rec.events) == 1 and rec.events[0].status == "success"  # the ledger did not depend on the figures
     assert not traffic.cb.tickets and len(router.attempts) == 0  # the pick was released, not left to expire
     assert sum(router.load.inflight(b) for b in ("r-0", "r-1", "r-2")) == 0
+
+
+def test_a_success_logged_after_the_client_left_is_no_completion_in_the_metrics(tmp_path: Path) -> None:
+    """LiteLLM logs a stream's success after its client went away: the metrics counted the cancel, not a success."""
+    import asyncio
+
+    traffic = _Traffic(tmp_path)
+    outcomes = traffic.cb.metrics.outcomes
+    call = traffic.pick({})
+    asyncio.run(traffic.leave(call))
+    traffic.succeed(call)  # the late success log
+    traffic.serve("success")  # and an ordinary one
+    counted = Counter()
+    for metric in outcomes.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_total"):
+                counted[sample.labels["outcome"]] += sample.value
+    assert counted == {"cancelled": 1, "success": 1}, counted

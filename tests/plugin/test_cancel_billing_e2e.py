@@ -16,7 +16,7 @@ from decimal import Decimal
 
 import httpx
 import pytest
-from outcome_stack import HOSTED_PRICES, kvroute_proxy, stack_config
+from outcome_stack import HOSTED_PRICES, attempts, kvroute_proxy, stack_config
 from sqlalchemy import create_engine, select
 
 from kvroute.billing.models import UsageEventRow as E
@@ -138,3 +138,9 @@ async def test_every_cancelled_request_is_booked_once_with_its_prompt_and_relaye
             assert r.billed_amount == expected > 0, (r.backend_id, r.billed_amount, expected)
     for rows_of in by_request.values():  # nothing double-booked: one row per attempt
         assert len({r.attempt_no for r in rows_of}) == len(rows_of), rows_of
+    # the metrics agree with the ledger: LiteLLM's success log of a stream whose client left (it comes after the
+    # cancel) is no completion
+    outcomes: dict[str, float] = {}
+    for (_, outcome), n in (await attempts(proxy)).items():
+        outcomes[outcome] = outcomes.get(outcome, 0.0) + n
+    assert outcomes.get("success") == 1 and outcomes.get("cancelled") == 8, outcomes
