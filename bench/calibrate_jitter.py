@@ -17,18 +17,19 @@ milliseconds are what a model replaying one timeline leaves out.
 - ``start_ms``: a flow's first turn's start against its median over the repeats (a flow that waits for another
   to end, under a concurrency limit, excepted: its start moved with that flow's steps, already counted).
 
-``jittered`` gives one simulator repeat: a copy of the requests where each one that follows another arrives a
-sample of ``step_ms`` later (never before the turn it follows ends: a sample that would is cut to 0 there) and each
-first turn a sample of ``start_ms`` later (never before 0), the samples drawn with replacement by a seeded
-generator (repeat ``n``: seed ``n``). No figure is fitted: the samples are the measured run's.
+``jittered`` gives one simulator repeat, and the fake engines' run the same, where llama.cpp has the variation: in
+the engine. ``step_rel`` pools the same steps' deviations relative to their medians; each simulated request runs its
+engine steps at one plus a drawn deviation times the model's time (``SimRequest.time_factor``), and each fake replica
+times a request's prefill and decode so (``plugin/dev/fake_llamacpp.drawn``, the fleet's ``time_jitter``). A step
+then varies both ways about the model's own, as llama.cpp's does about its median. Each first turn arrives a sample
+of ``start_ms`` later (never before 0). The samples are drawn with replacement by a seeded generator (repeat ``n``:
+seed ``n``; a fake replica's draw is seeded by the request's tokens, which each repeat salts anew). No figure is
+fitted: the samples are the measured run's. (Moving a later turn by a sample of ``step_ms`` instead, as both models
+did before, could only add: a turn cannot leave before the one it follows ends, so a negative sample moved little or
+nothing, every step ran long by the mean of the positive samples and varied by half as much as measured.)
 
-The fake engines' run takes the same variation where llama.cpp has it, in the engine: ``step_rel`` pools the same
-steps' deviations relative to their medians, and each fake replica times a request's prefill and decode by one plus
-a deviation drawn for it (``plugin/dev/fake_llamacpp.drawn``, the fleet's ``time_jitter``). The step then varies both
-ways about the model's own, as llama.cpp's does about its median. (Holding the next turn back by a sample instead
-could only add: a negative sample held nothing back, so every step ran long by the mean of the positive samples
-and varied by half as much.) ``turn_delays`` holds only a flow's first turn back, by a sample of ``start_ms``, seeded
-by the repeat and the flow, so it does not depend on the order the replay's flows happen to ask in.
+``turn_delays`` gives the fake run's client its part: it holds only a flow's first turn back, by a sample of
+``start_ms``, seeded by the repeat and the flow, so it does not depend on the order the replay's flows ask in.
 """
 
 from __future__ import annotations
@@ -109,16 +110,17 @@ def measure(runs: Mapping[str, Sequence[Mapping]], gated: frozenset[str] = froze
 
 
 def jittered(workload: SimWorkload, jitter: Jitter, seed: int) -> SimWorkload:
-    """Repeat ``seed`` of ``workload``: each request later by a drawn sample (module docstring), the rest as is."""
+    """Repeat ``seed`` of ``workload``: each request's engine time times one plus a drawn relative deviation, each
+    first turn later by a drawn start sample (module docstring), the rest as is."""
     rng = random.Random(seed)
     requests = []
     for req in workload.requests:
+        factor = 1.0 + rng.choice(jitter.step_rel) if jitter.step_rel else req.time_factor
         if req.follows is not None:
-            extra = rng.choice(jitter.step_ms) / 1000.0 if jitter.step_ms else 0.0
-            requests.append(replace(req, delay=max(0.0, req.delay + extra)))
+            requests.append(replace(req, time_factor=factor))
         else:
             extra = rng.choice(jitter.start_ms) / 1000.0 if jitter.start_ms else 0.0
-            requests.append(replace(req, arrival=max(0.0, req.arrival + extra)))
+            requests.append(replace(req, arrival=max(0.0, req.arrival + extra), time_factor=factor))
     return replace(workload, requests=requests)
 
 

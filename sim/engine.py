@@ -252,7 +252,7 @@ def simulate(workload: Workload, policy: Policy | str, fleet: FleetConfig,
             transit.deliver(now)
         loop.scrape(router, now)
         live = Live(x, f"r{x}", spec.prompt_tokens, max(1, spec.output_tokens), spec.keys, now, tokens=spec.tokens,
-                    answer_tokens=spec.answer_tokens)
+                    answer_tokens=spec.answer_tokens, time_factor=spec.time_factor)
         lives[x] = live
         if spec.prompt_tokens + spec.output_tokens > max_tokens:
             # over the context window: rejected before routing (LiteLLM's pre-call context check), so

@@ -55,6 +55,7 @@ class Live:
     floor_s: float = -1.0  # its TTFT floor: prefill of what no replica held at arrival, alone, no wait
     tokens: tuple[int, ...] | None = None  # token ids of the prompt (llama.cpp replicas reuse token prefixes)
     answer_tokens: tuple[int, ...] = ()  # token ids it generates, where known (they stay in a llama.cpp slot)
+    time_factor: float = 1.0  # its steps' time over the model's (``SimRequest.time_factor``; llama.cpp replicas)
 
 
 @dataclass(slots=True)

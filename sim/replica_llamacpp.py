@@ -14,6 +14,8 @@ llama.cpp's state instead of KV blocks:
   timed by the cost model; a request's first token comes with the step that ends its prefill (plus the preset's
   ``response_s``, which holds no slot) and it decodes ``output − 1`` more steps; the slot then holds its prompt and
   the tokens it generated but the last (``Live.answer_tokens`` where known: a conversation's next turn contains them);
+- a batch takes its requests' mean ``Live.time_factor`` times the cost model's time (1 unless a calibration replays
+  llama.cpp's run-to-run variation; with one slot, the one request's);
 - with ``SharedCores``, the replicas of one host share its cores: while ``k`` replicas run a step, each runs at
   ``min(1, cores / (k + background))`` of its speed, and every running step's end moves when ``k`` changes (the event
   loop reschedules the steps ``SharedCores.take_moved`` returns).
@@ -212,6 +214,10 @@ class LlamaCppReplica:
             return None
         context = sum(r.prompt + r.generated for r in decoders if r is not None)
         dur = cost.step_time(sum(c for _, c in chunks), attn, len(decoders), context)
+        members = [r for r, _ in chunks] + decoders
+        factor = sum(r.time_factor for r in members) / len(members)
+        if factor != 1.0:
+            dur *= factor
         step = Step(now, now + dur, chunks, len(decoders), 1, context)
         self.step = step
         self.version += 1

@@ -36,6 +36,8 @@ class SimRequest:
     stage: int = 0
     tokens: tuple[int, ...] | None = None  # the prompt's token ids, for engines that reuse token prefixes
     answer_tokens: tuple[int, ...] = ()  # the token ids it generates, where known (a llama.cpp slot keeps them)
+    time_factor: float = 1.0  # its engine steps take this many times the model's (a llama.cpp replica's run-to-run
+    # variation, as a calibration replays it; the block-cache replica does not read it)
 
 
 @dataclass(slots=True)

@@ -49,22 +49,22 @@ def test_a_step_after_a_turn_whose_cached_tokens_differ_is_routing_not_noise():
     assert measure({"x": [{"cached_share": 0.5}, {"cached_share": 0.5}]}) == Jitter()  # no logs
 
 
-def test_jittered_moves_requests_by_drawn_samples_never_before_their_predecessor_or_zero():
+def test_jittered_varies_each_requests_engine_time_both_ways_and_moves_first_turns_by_drawn_samples():
     size = Size.llamacpp()
     base = sim_workload(build("demo", size, replica_capacity_tokens(size, 4)), lambda t: list(t.encode()),
                         hop_s=0.005)
-    j = Jitter(step_ms=(-50.0, 3.0), start_ms=(-1.0, 2.0))
+    j = Jitter(step_ms=(-50.0, 3.0), start_ms=(-1.0, 2.0), step_rel=(-0.2, 0.1))
     a, again, other = jittered(base, j, 1), jittered(base, j, 1), jittered(base, j, 2)
-    assert [r.delay for r in a.requests] == [r.delay for r in again.requests]  # one seed, one draw
-    assert [r.delay for r in a.requests] != [r.delay for r in other.requests]
+    assert [r.time_factor for r in a.requests] == [r.time_factor for r in again.requests]  # one seed, one draw
+    assert [r.time_factor for r in a.requests] != [r.time_factor for r in other.requests]
+    assert {round(r.time_factor, 6) for r in a.requests} == {0.8, 1.1}  # shorter and longer: no bias one way
     for src, moved in zip(base.requests, a.requests, strict=True):
         if src.follows is not None:
-            assert moved.delay in (0.0, pytest.approx(src.delay + 0.003))
+            assert moved.delay == src.delay  # a later turn leaves as the replay sends it: its step varies instead
         else:
             assert moved.arrival in (max(0.0, src.arrival - 0.001), pytest.approx(src.arrival + 0.002))
-        assert moved.tokens == src.tokens and moved.keys == src.keys and moved.follows == src.follows
-    assert [r.delay for r in base.requests if r.follows is not None] == [0.005] * 20  # the original is untouched
-    assert [r.delay for r in jittered(base, Jitter(), 3).requests] == [r.delay for r in base.requests]
+    plain = jittered(base, Jitter(start_ms=(0.0,)), 1)
+    assert {r.time_factor for r in plain.requests} == {1.0}  # nothing measured: the model's own times
 
 
 def test_a_few_milliseconds_of_arrival_jitter_move_round_robin_not_the_cache_aware_router():

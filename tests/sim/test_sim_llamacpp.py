@@ -157,6 +157,25 @@ def test_first_token_waits_for_the_response_time_outside_the_slot():
     assert r.first_token_at == pytest.approx(end + rep.response_s)
 
 
+@pytest.mark.parametrize("factor", [0.6, 1.5])
+def test_a_requests_time_factor_scales_its_steps_and_only_its_own(factor):
+    """A calibration's run-to-run variation: the request's every step takes ``time_factor`` times the model's."""
+    plain, varied = _replica(), _replica()
+    base = _live(0, seq(0, 800), output=6)
+    other = _live(0, seq(0, 800), output=6)
+    other.time_factor = factor
+    plain.enqueue(base)
+    varied.enqueue(other)
+    end_plain, end_varied = _run(plain), _run(varied)
+    assert end_varied == pytest.approx(factor * end_plain)
+    assert other.first_token_at - varied.response_s == pytest.approx(factor * (base.first_token_at - plain.response_s))
+    after = _live(1, seq(5000, 300), output=2)  # the next request on the replica runs at the model's time
+    again = _live(1, seq(5000, 300), output=2)
+    plain.enqueue(after)
+    varied.enqueue(again)
+    assert _run(varied, end_varied) - end_varied == pytest.approx(_run(plain, end_plain) - end_plain)
+
+
 def test_shared_cores_slow_concurrent_steps():
     alone = _replica()
     a = _live(0, seq(0, 1000), output=1)
