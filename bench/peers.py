@@ -424,7 +424,9 @@ def run(args: argparse.Namespace, say) -> dict:
         fleet = stack.enter_context(Fleet(args.replicas, engine=args.fleet, options=options, name_prefix="peers"))
         api_bases = fleet.api_bases
         relays, token_calls = None, {}
-        if args.fleet == "llamacpp":  # llama.cpp's replicas look alike: relays stamp each one's name on its answers
+        # llama.cpp's replicas look alike: relays stamp each one's name on its answers; the calibration's fakes of
+        # them sit behind the same relays, so both runs take one way (the relays share the client's process)
+        if llama:
             relays = stack.enter_context(ReplicaRelays([r.port for r in fleet.replicas],
                                                        [r.name for r in fleet.replicas]))
             api_bases = [u + "/v1" for u in relays.base_urls]
@@ -491,14 +493,16 @@ def _restart(fleet: Fleet, relays: ReplicaRelays | None, token_calls: dict[str, 
     """Every replica empty again: llama.cpp's stopped and started (the relays follow them to their new ports), a
     fake engine's cache and counters cleared in place (``/admin/reset``; the routers keep its address), its
     tokenizer-endpoint calls so far added to ``token_calls`` first."""
-    if relays is None:
+    if fleet.kind == "fake":
         with httpx.Client(timeout=10.0, trust_env=False) as client:
             for base in fleet.base_urls:
                 _add_token_calls(token_calls, client, base)
                 client.post(base + "/admin/reset").raise_for_status()
         return
     for i in range(len(fleet.replicas)):
-        relays.retarget(i, fleet.restart(i).port)
+        port = fleet.restart(i).port
+        if relays is not None:
+            relays.retarget(i, port)
 
 
 def _add_token_calls(calls: dict[str, int], client: httpx.Client, base_url: str) -> None:

@@ -218,7 +218,7 @@ async def test_the_fakes_own_handling_is_taken_out_of_the_models_time_not_added_
 
     monkeypatch.setattr(engine.llama, "take", slow_take)
     response_s = engine.llama.spec.response_s
-    for i, (read_ago, pre_slot) in enumerate(((0.0, response_s), (0.015, response_s - 0.015), (1.0, 0.0))):
+    for i, (read_ago, pre_slot) in enumerate(((0.0, response_s), (response_s / 3, response_s * 2 / 3), (1.0, 0.0))):
         slept.clear(), prefills.clear()
         body = json.dumps({"model": "m", "messages": messages(f"{i} {A}", "one"), "max_tokens": 1}).encode()
         ex = _Answer()
