@@ -178,11 +178,11 @@ def _llamacpp() -> Preset:
     # t = a·n + b·n² with a = 1.40e-4 s/token (7,140 tok/s), b = 5.56e-8 (attn = 2b). Checks with a cached prefix:
     # 1,950 cached + 480 new → 190 ms (model 184), 1,960 + 1,450 → 640 ms (model 635). Decode per token 0.9 ms +
     # 0.99 µs per context token (8 tokens: 9.4 ms at 263 context, 38 ms at 3,880). Client TTFT − prompt_ms, streamed
-    # straight to a replica (bench/llamacpp_host.py, 2026-12-07, medians of 8): 2.9 ms for a 19-token prompt, 5.6 ms
-    # cold 1,824, 7.6 ms 2,124 cached (response_s 6 ms; the 22 ms measured earlier held no more). State: "saving
-    # prompt with length 2955, total state size = 11.577 MiB" → 4,108 B per token (4 layers · 2 · 256 · 2 B of K
-    # and V + 12 B of cell metadata). Tokenizer: 0.45 tokens per byte of the bench's prompts (1,255 tokens for 2,790
-    # bytes).
+    # straight to a replica (bench/llamacpp_host.py, 2026-12-07, medians of 5): 3.5 ms for a 19-token prompt, 6.0 ms
+    # cold 1,829, 6.1 ms 2,124 held by the slot (response_s 6 ms; the 22 ms measured earlier held no more).
+    # State: "saving prompt with length 2955, total state size = 11.577 MiB" → 4,108 B per token (4 layers · 2 ·
+    # 256 · 2 B of K and V + 12 B of cell metadata). Tokenizer: 0.45 tokens per byte of the bench's prompts (1,255
+    # tokens for 2,790 bytes).
     spec = LlamaCppSpec(state_bytes_per_token=4108.0, response_s=0.006, tokens_per_byte=0.45)
     return Preset(
         name="llamacpp",
