@@ -3,8 +3,10 @@
 The LiteLLM hooks only translate LiteLLM's payloads into these events; the ledger, the router's bookkeeping (which
 tells the breaker) and the metrics are listeners, called in the order they subscribed (the ledger first: a kill
 after the booking loses nothing). A listener's error is counted under its name and never reaches LiteLLM nor stops
-the listeners after it. Each attempt ends once: ``ended`` is emitted by whoever ends it (its outcome, a newer
-attempt, a lost hedge, the client leaving, the store's bound), and it carries the one verdict on a failure.
+the listeners after it. ``ended`` is emitted by whoever ends an attempt (its outcome, a newer attempt, a lost hedge,
+the client leaving, the store's bound), and it carries the one verdict on a failure. The emitter marks the attempt
+ended once every listener heard it; a later end of the same attempt (LiteLLM's success log of a stream whose client
+left, a cut stream's failure after its success hook) still reaches the listeners, flagged ``late``.
 """
 
 from __future__ import annotations
@@ -68,7 +70,8 @@ class Ended:
     classified; ``answer``: a success's figures; ``payload``: LiteLLM's account of this attempt (None where the
     ending is kvroute's own, or LiteLLM's event was request-level and the ledger booked it as such);
     ``produced``: output a lost hedge had made; ``primary``: the lost hedge was the request's first route;
-    ``request``: the request data of the newer attempt that superseded this one.
+    ``request``: the request data of the newer attempt that superseded this one; ``late``: the attempt had ended
+    before (set by ``AttemptEvents.ended``).
     """
 
     how: How
@@ -83,6 +86,7 @@ class Ended:
     produced: int = 0
     primary: bool = False
     request: Mapping[str, Any] | None = None
+    late: bool = False
 
 
 class Listener(Protocol):
@@ -135,5 +139,10 @@ class AttemptEvents:
         self._emit("answered", attempt)
 
     def ended(self, ending: Ended) -> None:
-        """The attempt ended (``ending.how``)."""
+        """The attempt ended (``ending.how``): flagged ``late`` if it had before, marked ended after the listeners."""
+        attempt = ending.found[1] if ending.found is not None else None
+        if attempt is not None and attempt.ended:
+            ending.late = True
         self._emit("ended", ending)
+        if attempt is not None:
+            attempt.ended = True

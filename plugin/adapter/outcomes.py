@@ -186,8 +186,7 @@ class Counts:
 
     def ended(self, e: Ended) -> None:
         metrics, t = self.cb.metrics, e.open
-        late = e.found is not None and e.found[1].ended  # the request store marks an end after every listener
-        if e.how is How.SUCCESS and late:
+        if e.how is How.SUCCESS and e.late:
             return
         if e.how is How.SUCCESS and e.backend is not None and e.answer is not None:
             a = e.answer

@@ -95,7 +95,7 @@ class Attempt:
     salt: str | None = None
     verdict: Attribution | None = None  # the failure's attribution, once classified
     hedge_lost: bool = False  # it raced a hedge and lost: closed, booked ``cancelled`` (``hedge_lost``)
-    ended: bool = False  # its ``ended`` event was emitted (each attempt ends once)
+    ended: bool = False  # its first ``ended`` event reached every listener (``AttemptEvents.ended`` sets it)
 
     @property
     def rid(self) -> str:
@@ -314,7 +314,6 @@ class RequestIds:
     def ended(self, e: Ended) -> None:
         """An attempt of a request ended: the request changed (it is the newest, and quiet from now)."""
         if e.found is not None:
-            e.found[1].ended = True
             self._touch(e.found[0].request_id)
 
     def open_attempts(self) -> list[Attempt]:

@@ -93,6 +93,29 @@ def test_listeners_run_in_order_and_a_failing_one_is_counted_not_fatal() -> None
     assert events.listeners("ended") == ["broken", "after"] and events.listeners("sent") == []
 
 
+def test_the_emitter_flags_a_later_end_of_an_attempt_late_whatever_the_listeners_order() -> None:
+    from types import SimpleNamespace
+
+    events = AttemptEvents(lambda name: None)
+    seen: list[tuple[str, bool, bool]] = []
+
+    class Reader:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def ended(self, e: Ended) -> None:
+            seen.append((self.name, e.late, e.found[1].ended))
+
+    events.subscribe(Reader("first"))
+    events.subscribe(Reader("last"))
+    attempt = SimpleNamespace(ended=False)
+    events.ended(Ended(How.CANCELLED, (None, attempt), None, "b0", 1.0))
+    assert attempt.ended
+    events.ended(Ended(How.SUCCESS, (None, attempt), None, "b0", 2.0))  # LiteLLM's success log, after the cancel
+    # every listener hears the first end as the first, and the later one as late, before or after the others
+    assert seen == [("first", False, False), ("last", False, False), ("first", True, True), ("last", True, True)]
+
+
 @pytest.mark.parametrize("billing", ["off", "sqlite"])
 def test_the_ledger_listens_first(tmp_path: Path, billing: str) -> None:
     from kvroute.plugin.adapter.litellm_hooks import KvrouteCallback
