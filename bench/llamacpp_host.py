@@ -6,8 +6,8 @@ Two probes on the bench's replicas (``bench/peers.py``'s llama.cpp options: the 
 request streamed straight to a replica, no router:
 
 - **response time**: a request's time to first token less llama.cpp's own ``timings.prompt_ms``, for a tiny prompt,
-  a 2,000-token prompt whose prefix the slot holds, and a cold 1,800-token prompt. The preset's ``response_s``
-  (``sim/presets.py``) is what both models add to every request outside the slot;
+  a 2,000-token prompt the replica holds (asked again after the tiny one), and a cold 1,800-token prompt. The
+  preset's ``response_s`` (``sim/presets.py``) is what both models add to every request outside the slot;
 - **sharing the cores**: ``k`` replicas sent a cold prefill at once (``k`` = 1 … replicas, the order alternating per
   repeat), each one's TTFT over the median alone. On a host of ``c`` cores the models run each at
   ``min(1, c / k)`` of its speed (``HostCores``, ``SharedCores``).
@@ -24,65 +24,59 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import httpx
 
 sys.path.insert(0, os.path.dirname(__file__))
-from peers import _replica_options
-from peers_workloads import Size, replica_capacity_tokens
+from peers import _replica_options, random_words
+from peers_workloads import Outcome, Size, replica_capacity_tokens, stream_one
 
 from kvroute.plugin.dev.fleet import Fleet
 
 WORDS = "the quick brown fox jumps over the lazy dog and keeps running far away".split()
 
 
-def _random_words(n: int) -> str:
-    return " ".join(f"{int.from_bytes(os.urandom(4), 'big'):08x}" for _ in range(n))
+def _client(base_url: str) -> httpx.AsyncClient:
+    """A client of one replica; a fresh connection per request (llama.cpp closes idle kept-alive ones, which a reused
+    one would meet)."""
+    return httpx.AsyncClient(base_url=base_url, timeout=300, trust_env=False,
+                             limits=httpx.Limits(max_keepalive_connections=0))
 
 
-async def stream_one(client: httpx.AsyncClient, url: str, model: str, text: str, max_tokens: int = 4) -> dict:
-    """One streamed request: its client TTFT (s) and llama.cpp's ``timings`` (from the last chunk)."""
+async def ask(client: httpx.AsyncClient, model: str, text: str, max_tokens: int = 4) -> Outcome:
+    """One streamed request (``peers_workloads.stream_one``): its client TTFT, llama.cpp's ``prompt_ms`` and the
+    cached tokens it reported."""
     body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True},
             "messages": [{"role": "system", "content": text}, {"role": "user", "content": "ok"}]}
-    started = time.perf_counter()
-    ttft, timings = None, {}
-    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            if ttft is None and '"content"' in line:
-                ttft = time.perf_counter() - started
-            if '"timings"' in line:
-                timings = json.loads(line[6:]).get("timings") or {}
-    return {"ttft_s": ttft, "prompt_ms": timings.get("prompt_ms"), "prompt_n": timings.get("prompt_n"),
-            "cache_n": timings.get("cache_n")}
+    out = await stream_one(client, body, {})
+    if not out.ok or out.ttft_s is None or out.prompt_ms is None:
+        raise httpx.HTTPError(f"probe request failed or told no prompt_ms: {out.error}")
+    return out
 
 
-async def response_times(client: httpx.AsyncClient, url: str, model: str, repeats: int) -> dict[str, dict]:
-    """Per prompt shape: median TTFT − prompt_ms (ms), and the tokens llama.cpp computed and reused."""
-    out: dict[str, list[dict]] = {}
+async def response_times(client: httpx.AsyncClient, model: str, repeats: int) -> dict[str, dict]:
+    """Per prompt shape: the median of TTFT less llama.cpp's own ``prompt_ms`` (ms), and the tokens it reused."""
+    out: dict[str, list[Outcome]] = {}
     for rep in range(repeats):
-        long = " ".join(WORDS[(i * 7 + rep) % len(WORDS)] for i in range(1400)) + f" {rep}"
-        await stream_one(client, url, model, long)  # computed once: the next one finds it in the slot
-        shapes = (("tiny", f"hi {rep}"), ("cached 2,000", long), ("cold 1,800", _random_words(300)))
-        for name, text in shapes:
-            out.setdefault(name, []).append(await stream_one(client, url, model, text))
-    return {name: {"response_ms": round(statistics.median(s["ttft_s"] * 1000 - s["prompt_ms"] for s in samples), 1),
-                   "prompt_n": samples[-1]["prompt_n"], "cache_n": samples[-1]["cache_n"]}
-            for name, samples in out.items()}
+        # ~2,000 tokens, new each repeat: the replica keeps it (its host cache holds 2,297) while the tiny one runs
+        long = f"{rep} " + " ".join(WORDS[i % len(WORDS)] for i in range(1200))
+        await ask(client, model, long)  # computed once: the next one finds it in the slot
+        for name, text in (("tiny", f"hi {rep}"), ("held 2,000", long), ("cold 1,800", random_words(300))):
+            out.setdefault(name, []).append(await ask(client, model, text))
+    return {name: {"response_ms": round(statistics.median(o.ttft_s * 1000 - o.prompt_ms for o in got), 1),
+                   "prompt_tokens": got[-1].prompt_tokens, "cached_tokens": got[-1].cached_tokens}
+            for name, got in out.items()}
 
 
-async def sharing(client: httpx.AsyncClient, urls: list[str], model: str, repeats: int) -> dict[int, float]:
+async def sharing(clients: list[httpx.AsyncClient], model: str, repeats: int) -> dict[int, float]:
     """Per ``k``: the median TTFT of ``k`` cold prefills sent at once over that of one alone."""
     ttfts: dict[int, list[float]] = {}
-    ks = list(range(1, len(urls) + 1))
+    ks = list(range(1, len(clients) + 1))
     for rep in range(repeats):
         for k in ks if rep % 2 == 0 else ks[::-1]:
-            got = await asyncio.gather(*(stream_one(client, u, model, _random_words(350), 1) for u in urls[:k]))
-            ttfts.setdefault(k, []).extend(g["ttft_s"] for g in got)
+            got = await asyncio.gather(*(ask(c, model, random_words(350), 1) for c in clients[:k]))
+            ttfts.setdefault(k, []).extend(o.ttft_s for o in got)
             await asyncio.sleep(0.2)
     alone = statistics.median(ttfts[1])
     return {k: round(statistics.median(v) / alone, 3) for k, v in sorted(ttfts.items())}
@@ -95,13 +89,15 @@ def run(engine: str, replicas: int, repeats: int, cores: float) -> dict:
                                host_cores=cores if kind == "fake" else 0.0)
 
     async def probe(fleet: Fleet) -> dict:
-        # a fresh connection per request: llama.cpp closes idle kept-alive ones, which a reused one would meet
-        async with httpx.AsyncClient(timeout=300, trust_env=False,
-                                     limits=httpx.Limits(max_keepalive_connections=0)) as client:
-            for url in fleet.base_urls:  # each replica's first request (model load, caches) is no sample
-                await stream_one(client, url, fleet.model, "warm up")
-            return {"response": await response_times(client, fleet.base_urls[0], fleet.model, repeats),
-                    "sharing": await sharing(client, fleet.base_urls, fleet.model, repeats)}
+        clients = [_client(url) for url in fleet.base_urls]
+        try:
+            for client in clients:  # each replica's first request (model load, caches) is no sample
+                await ask(client, fleet.model, "warm up")
+            return {"response": await response_times(clients[0], fleet.model, repeats),
+                    "sharing": await sharing(clients, fleet.model, repeats)}
+        finally:
+            for client in clients:
+                await client.aclose()
 
     with Fleet(replicas, engine=kind, options=options, name_prefix="host") as fleet:
         result = asyncio.run(probe(fleet))
@@ -112,8 +108,8 @@ def render(result: dict) -> str:
     lines = [f"{result['engine']}, {result['replicas']} replicas on {result['cores']:g} cores, "
              f"medians of {result['repeats']}"]
     for name, r in result["response"].items():
-        lines.append(f"  response time, {name}: {r['response_ms']} ms (computed {r['prompt_n']}, reused "
-                     f"{r['cache_n']})")
+        lines.append(f"  response time, {name}: {r['response_ms']} ms ({r['cached_tokens']} of {r['prompt_tokens']} "
+                     "tokens reused)")
     for k, ratio in result["sharing"].items():
         lines.append(f"  {k} prefilling at once: ×{ratio:.2f} (min(1, cores/k) model: "
                      f"×{max(1.0, k / result['cores']):.2f})")

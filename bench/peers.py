@@ -308,6 +308,11 @@ async def _hop_ms(rival: Rival, direct_url: str, model: str, probes: int = 7) ->
     return round(max(0.0, through - await median_ttft(direct_url, {})) * 1000, 1)
 
 
+def random_words(n: int) -> str:
+    """``n`` random 8-character words: a prompt no cache holds any of (beyond the chat template)."""
+    return " ".join(f"{int.from_bytes(os.urandom(4), 'big'):08x}" for _ in range(n))
+
+
 async def engine_probe(base_urls: list[str], model: str, per_replica: int = 2, words: int = 200) -> list[dict]:
     """Each replica's own prefill time, timed by llama.cpp itself: ``per_replica`` requests straight to every replica,
     one at a time, each a fresh prompt of ``words`` random 8-character words and 1 token out; per request the
@@ -317,7 +322,7 @@ async def engine_probe(base_urls: list[str], model: str, per_replica: int = 2, w
     async with httpx.AsyncClient(timeout=120.0, trust_env=False) as client:
         for url in base_urls:
             for _ in range(per_replica):
-                text = " ".join(f"{int.from_bytes(os.urandom(4), 'big'):08x}" for _ in range(words))
+                text = random_words(words)
                 r = await client.post(url + "/v1/chat/completions", json={
                     "model": model, "max_tokens": 1, "temperature": 0,
                     "messages": [{"role": "user", "content": text}]})

@@ -182,6 +182,7 @@ class Outcome:
     turn: int = 0
     system_id: int = 0  # which shared system prompt the conversation starts with (-1: its own)
     call_id: str = ""  # sent as x-litellm-call-id: LiteLLM (and kvroute's decision log) keeps it
+    prompt_ms: float | None = None  # llama.cpp's own prefill time (``timings.prompt_ms``), where it sent one
 
     def record(self) -> dict:
         """What the harness keeps of this request (no prompt or answer text)."""
@@ -231,6 +232,9 @@ async def stream_one(client: httpx.AsyncClient, body: dict, headers: Mapping[str
                     out.latency_s, out.error = time.perf_counter() - start, "stream error"
                     return out
                 out.replica = out.replica or replica_of(chunk.get("system_fingerprint"))
+                timings = chunk.get("timings")
+                if isinstance(timings, dict) and isinstance(timings.get("prompt_ms"), int | float):
+                    out.prompt_ms = float(timings["prompt_ms"])
                 usage = chunk.get("usage")
                 if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
                     out.prompt_tokens, out.cached_tokens = usage["prompt_tokens"], _usage_cached(usage, chunk)
