@@ -88,7 +88,6 @@ class FakeEngineConfig:
     engine_cost: float = 1.0  # llamacpp: the host's slowness against the preset's (every compute time times this)
     cores_dir: str | None = None  # the directory the replicas sharing the host's cores meet in
     time_jitter: tuple[float, ...] = ()  # llamacpp: relative deviations of a request's time, one drawn a request
-    jitter_seed: int = 0
     stall: StallTail | None = None  # a heavy-tailed first-token stall of a share of streams (hosted providers)
     stall_seed: int = 0
 
@@ -382,7 +381,7 @@ class FakeEngine:
             prefill_s = self.llama.prefill_s(prompt_tokens - cached, cached)
             # llama.cpp's run-to-run variation: the request's whole time (prefill and decode) times 1 + its
             # deviation, the difference taken or given at the prefill
-            deviation = drawn(cfg.time_jitter, cfg.jitter_seed, seq)
+            deviation = drawn(cfg.time_jitter, seq)
             if deviation:
                 whole = prefill_s + max_tokens * self.llama.decode_s(prompt_tokens)
                 prefill_s = max(0.0, prefill_s + deviation * whole)
@@ -589,7 +588,6 @@ async def _main(args: argparse.Namespace) -> None:
                               tokenizer=args.tokenizer, host_cores=args.host_cores,
                               background_cores=args.background_cores, engine_cost=args.engine_cost,
                               cores_dir=args.cores_dir, time_jitter=args.time_jitter,
-                              jitter_seed=args.jitter_seed,
                               stall=StallTail(args.stall_share, args.stall_scale_ms / 1000, args.stall_alpha,
                                               args.stall_max_ms / 1000) if args.stall_share > 0 else None,
                               stall_seed=args.stall_seed)
@@ -645,7 +643,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--time-jitter", type=_deviations, default=(),
                    help="llamacpp: comma-separated relative deviations of a request's time, one drawn per request "
                         "(measured: bench/calibrate_jitter.py)")
-    p.add_argument("--jitter-seed", type=int, default=0, help="seed of the --time-jitter draws")
     p.add_argument("--stall-share", type=float, default=0.0,
                    help="share of streams whose first token stalls after the stream started (a hosted tail)")
     p.add_argument("--stall-scale-ms", type=float, default=400.0, help="the stall's Pareto scale")

@@ -85,12 +85,12 @@ class HostCores:
                 self.marker.unlink(missing_ok=True)
 
 
-def drawn(pool: Sequence[float], seed: int, seq: Seq) -> float:
-    """One value of ``pool`` (0.0 when empty) for the request whose tokens are ``seq``, seeded by ``seed`` and them."""
+def drawn(pool: Sequence[float], seq: Seq) -> float:
+    """One value of ``pool`` (0.0 when empty) for the request whose tokens are ``seq``, seeded by them."""
     if not pool:
         return 0.0
     data = seq if isinstance(seq, bytes) else array("q", seq).tobytes()
-    return random.Random(xxhash.xxh64_intdigest(data, seed=seed)).choice(pool)
+    return random.Random(xxhash.xxh64_intdigest(data)).choice(pool)
 
 
 class LlamaCppModel:

@@ -237,11 +237,12 @@ def test_a_requests_deviation_is_drawn_by_its_tokens_whatever_the_order():
 
     pool = (-0.2, -0.05, 0.0, 0.1, 0.3)
     seqs = [tuple(range(i, i + 50)) for i in range(40)] + [f"prompt {i}".encode() for i in range(40)]
-    first = [drawn(pool, 7, s) for s in seqs]
-    assert [drawn(pool, 7, s) for s in reversed(seqs)] == first[::-1]  # the same request, the same draw
+    first = [drawn(pool, s) for s in seqs]
+    assert [drawn(pool, s) for s in reversed(seqs)] == first[::-1]  # the same request, the same draw
     assert set(first) == set(pool)  # every value is drawn (80 requests over 5 values)
-    assert [drawn(pool, 8, s) for s in seqs] != first  # another seed, other draws
-    assert drawn((), 7, seqs[0]) == 0.0
+    salted = [drawn(pool, b"another repeat's salt " + s if isinstance(s, bytes) else (9, *s)) for s in seqs]
+    assert salted != first  # a repeat salts its prompts: other draws
+    assert drawn((), seqs[0]) == 0.0
 
 
 @pytest.mark.parametrize("deviation", [0.25, -0.4, -0.99])
