@@ -612,7 +612,8 @@ def _deviations(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"not comma-separated numbers: {text[:40]!r}") from None
 
 
-def main(argv: list[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line's options (``main``'s, and what a fleet's command is checked against)."""
     p = argparse.ArgumentParser(prog="python -m kvroute.plugin.dev.fake_engine", description=__doc__.splitlines()[0])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0 = a free port (see --ready-file)")
@@ -651,6 +652,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--stall-seed", type=int, default=0, help="seed of the stall draws (reproducible runs)")
     p.add_argument("--ready-file", default=None, help="write {port, pid, name} here once listening")
     p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = parser()
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:

@@ -294,7 +294,7 @@ def test_time_jitter_is_refused_outside_the_llamacpp_model_or_at_minus_one():
         _deviations("0.1,fast")
 
 
-def test_a_fleets_fake_llamacpp_replicas_are_started_with_its_time_jitter(tmp_path, monkeypatch):
+def test_a_fleets_fake_llamacpp_replicas_are_started_with_its_time_jitter(tmp_path):
     from kvroute.plugin.dev import fake_engine
     from kvroute.plugin.dev.fleet import Fleet, ReplicaOptions
 
@@ -302,12 +302,5 @@ def test_a_fleets_fake_llamacpp_replicas_are_started_with_its_time_jitter(tmp_pa
                   options=ReplicaOptions(engine_model="llamacpp", time_jitter=(-0.0625, 0.125)))
     command = fleet._command("r0", tmp_path / "ready")
     assert command[1:3] == ["-m", "kvroute.plugin.dev.fake_engine"]
-    parsed = {}
-
-    def capture(coro):  # the replica's arguments as its own parser reads them; nothing is started
-        parsed["args"] = coro.cr_frame.f_locals["args"]
-        coro.close()
-
-    monkeypatch.setattr(fake_engine.asyncio, "run", capture)
-    fake_engine.main(command[3:])
-    assert parsed["args"].time_jitter == (-0.0625, 0.125)  # a first value below 0 is no option
+    args = fake_engine.parser().parse_args(command[3:])  # as the replica's own parser reads them
+    assert args.time_jitter == (-0.0625, 0.125)  # a first value below 0 is no option
