@@ -19,7 +19,7 @@ from kvroute.policies.lifecycle import FleetView, RequestOutcome
 from kvroute.policies.load import LoadTracker
 from kvroute.policies.prefix_index import PrefixLocator
 from kvroute.policies.request import RoutingRequest
-from kvroute.policies.sessions import SessionHomes
+from kvroute.policies.sessions import LiveSessions, SessionHomes
 
 
 @dataclass(slots=True)
@@ -32,6 +32,8 @@ class RoutingState:
     rng: random.Random = field(default_factory=lambda: random.Random(0))
     #: where each session's last answer was left (``Router.finish`` fills it)
     homes: SessionHomes = field(default_factory=SessionHomes)
+    #: which backend holds each session's context and how big sessions grow (``Router`` fills it)
+    live: LiveSessions = field(default_factory=LiveSessions)
     #: ``computed(backend, keys, matched)``: of the ``matched`` leading blocks, how many are already computed (not
     #: still being prefilled by a request in flight there); None: every matched block counts as computed
     computed: Callable[[str, Sequence[int], int], int] | None = None

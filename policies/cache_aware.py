@@ -9,20 +9,20 @@
 Shape: reduce → filter → score → pick. Where the cache tells backends apart by nothing (a short prompt, or every
 backend holding the same prefix) the pick is the pure load balancer of ``policies/balance.py`` (least queued
 prefill, equal loads in rotation, an idle fleet's ties to the prefix's rendezvous home; a session's first
-request to the backend that started fewest sessions). Otherwise: filter (the hot-spot bound in busy seconds,
-off by default: ``epsilon`` inf; when on, a holder of the prefix is over it only while it is working now) →
-score (weighted scorers, ``policies/scorers.py``, each in seconds; a session's first request that some backend
-holds a prefix of also pays each backend's recent busy seconds, the work its sessions keep bringing, since the
-session's later turns stay where it starts) → pick (lowest; near-ties go to the longer match, among equal
-matches to the cheapest, exact ties to the prefix's rendezvous order for warm requests, or for cold ones the
-backend whose held conversations they put least at risk where the index weighs them, then the least busy, then
-least recently used, exact ties again by the prefix's rendezvous order); the decision
-reports the prefill it wastes (tokens another backend held). A holder is thus kept or left by predicted TTFT:
-its queue plus the prefill of what it lacks against another's queue plus the full recompute.
-Seconds come from an ``EngineSpeed`` prior (knobs) times a factor the load tracker learns per backend from
-observed TTFT, so a session stays on its replica until the wait there costs more than recomputing its whole
-context elsewhere — load is weighed as work; request counts only break ties of equal work (and count the
-sessions started where the cache tells backends apart by nothing).
+request to the backend that started fewest sessions). Otherwise: filter (the hot-spot bound in busy seconds, off
+by default: ``epsilon`` inf; when on, a holder of the prefix is over it only while it is working now) → score
+(weighted scorers, ``policies/scorers.py``, each in seconds; a session's first request that some backend holds a
+prefix of also pays each backend's recent busy seconds, the work its sessions keep bringing, and the live
+sessions' context its growth would push out there, since the session's later turns stay where it starts) → pick
+(lowest; near-ties go to the longer match, among equal matches to the cheapest, exact ties to the prefix's
+rendezvous order for warm requests, or for cold ones the backend whose held conversations they put least at risk
+where the index weighs them, then the least busy, then least recently used, exact ties again by the prefix's
+rendezvous order); the decision reports the prefill it wastes (tokens another backend held). A holder is thus
+kept or left by predicted TTFT: its queue plus the prefill of what it lacks against another's queue plus the
+full recompute. Seconds come from an ``EngineSpeed`` prior (knobs) times a factor the load tracker learns per
+backend from observed TTFT, so a session stays on its replica until the wait there costs more than recomputing
+its whole context elsewhere — load is weighed as work; request counts only break ties of equal work (and count
+the sessions started where the cache tells backends apart by nothing).
 """
 
 from __future__ import annotations
@@ -142,6 +142,7 @@ class CacheAware(Policy):
         # of the per-backend cost terms, those that read no ``resident_tokens`` are computed once per class
         # (their weighted value is added per backend in the same place of the sum: the same floats)
         self._member_resident = tuple(n in RESIDENT_SCORERS for n in names[max(r, k):])
+        self._evict_weight = weights["evict"]
         self._idle_memo: dict[tuple[int, float, int, float], tuple[float, float]] = {}
         self._first_memo: dict[tuple[object, ...], str] = {}
         self._sessions = SessionStarts(cfg.sessions_remembered)
@@ -331,6 +332,37 @@ class CacheAware(Policy):
                 matched[home.backend] = held
         return matched
 
+    def _session_costs(self, request: RoutingRequest, costs: dict[str, float], matched: dict[str, int],
+                       busy_of: dict[str, float], capacity_of: Any, factor: float, state: RoutingState,
+                       now: float) -> dict[str, float]:
+        """``costs`` of a session's first request that some backend holds a prefix of (a shared system prompt or
+        tools), with what the session brings where it starts (its later turns stay there):
+
+        - the work the sessions already there keep bringing: the backend's recent busy seconds weighed by its
+          utilization (the chance a later turn finds it working). A busy holder sends new sessions elsewhere
+          (they spread before queues form); a lightly used one keeps them with their prefix.
+        - where the backend's cache has a capacity, the context of live sessions there that the session's growth
+          pushes out, priced as ``scorers.eviction`` prices evicted tokens: the session grows to what later turns
+          of sessions with its first block reach (``LiveSessions.growth``, at least its prompt), beside what the
+          live sessions hold beyond the prefix they share with it (``LiveSessions.at_risk``). Two growing
+          conversations that one cache cannot hold evict each other's context turn after turn; beside nothing
+          live, or where both fit, this adds nothing."""
+        load, live, weight = state.load, state.live, self._evict_weight
+        grown = max(float(request.prompt_tokens), live.growth(request.keys[0]))
+        bt = request.block_tokens
+        out: dict[str, float] = {}
+        for b, cost in costs.items():
+            busy = busy_of[b]
+            cost += busy * min(1.0, load.utilization(busy))
+            if weight > 0 and capacity_of is not None:
+                cap = capacity_of(b) * bt
+                risk = live.at_risk(b, matched[b], now) if cap > 0 else 0.0
+                evicted = min(risk, risk + grown - cap)
+                if evicted > 0:
+                    cost += weight * factor * self.speed.prefill_s(evicted)
+            out[b] = cost
+        return out
+
     def _balance(self, request: RoutingRequest, costs: dict[str, float], weigh_sessions: bool, state: RoutingState,
                  now: float) -> str:
         """Every backend holds the same prefix: the cache tells them apart by nothing, so the pure load balancer
@@ -461,12 +493,7 @@ class CacheAware(Policy):
                 and min(map(ttft.__getitem__, allowed)) - min(ttft.values()) <= cfg.bound_cost_s):
             costs = {b: costs[b] for b in allowed}
         if weigh_sessions:
-            # A session's first request that some backend holds a prefix of (a shared system prompt or tools):
-            # its later turns stay where it starts and meet the work the sessions already there keep bringing,
-            # so it also pays each backend's recent busy seconds weighed by that backend's utilization (the
-            # chance a later turn finds it working). A busy holder sends new sessions elsewhere (they spread
-            # before queues form); a lightly used one keeps them with their prefix. Later turns stay home.
-            costs = {b: cost + busy_of[b] * min(1.0, load.utilization(busy_of[b])) for b, cost in costs.items()}
+            costs = self._session_costs(request, costs, matched, busy_of, capacity_of, factor, state, now)
         if best_matched > 0 and len(set(matched.values())) == 1:
             backend, reason = self._balance(request, costs, weigh_sessions, state, now), "prefix_match"
         else:

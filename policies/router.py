@@ -172,8 +172,11 @@ class Router:
                       "inflight": view.inflight, "queue_tokens": round(view.queue_tokens, 1),
                       "running": view.running, "kv_usage": round(view.kv_usage, 4),
                       "work_s": round(load.work_s(b, now), 6), "busy_s": round(load.busy(b, now), 6),
+                      "live_sessions": round(self.state.live.at_risk(b, 0, now), 1),
                       "factor": round(load.backend_factor(b), 4)}
+        grown = self.state.live.growth(request.keys[0]) if request.keys else 0.0
         return {"t": round(now, 6), "prompt_tokens": request.prompt_tokens, "session": request.session_key is not None,
+                "session_growth": round(grown, 1),
                 "index": type(self.index).__name__, "token_ratio": round(self.token_ratio, 3), "candidates": per}
 
     def _wasted_prefill(self, request: RoutingRequest, candidates: Sequence[str], backend: str, now: float) -> int:
@@ -216,6 +219,8 @@ class Router:
             load.start(rid, backend, decision.predicted_prefill_tokens, now, work_s=decision.work_s,
                        ttft_s=decision.predicted_ttft_s, fixed_s=decision.fixed_wait_s)
             self.index.record(backend, keys, now)
+            if request.session_key is not None:
+                self.state.live.sent(request.session_key, keys[0] if keys else 0, backend, request.prompt_tokens, now)
             matched = decision.matched_blocks
             confirmed = self._confirmed_prefix(backend, keys, matched)
             self._mark_provisional(backend, keys, matched)
@@ -299,8 +304,9 @@ class Router:
             if outcome.output_tokens:
                 self.state.load.learn_output(outcome.output_tokens)
             if backend is not None:  # the conversation so far now sits there, answer included
-                self.state.homes.answered(request.session_key, backend, request.keys,
-                                          request.prompt_tokens + int((outcome.output_tokens or 0) / ratio))
+                held = request.prompt_tokens + int((outcome.output_tokens or 0) / ratio)
+                self.state.homes.answered(request.session_key, backend, request.keys, held)
+                self.state.live.ended(request.session_key, backend, self.clock(), held)  # its size there
         elif outcome.kind == CANCELLED:
             self.on_cancel(rid)
         else:
@@ -424,6 +430,9 @@ class Router:
         self.state.load.release(request_id, now)
         if pending is not None:
             self.attempts.pop(request_id)
+            if pending.request.session_key is not None:
+                self.state.live.ended(pending.request.session_key, pending.backend,
+                                      self.clock() if now is None else now)
         return pending
 
     def pending_backend(self, request_id: str) -> str | None:
@@ -477,6 +486,7 @@ class Router:
         self.index.remove_backend(backend)
         self._capacity_tokens.pop(backend, None)
         self.state.homes.forget(backend)
+        self.state.live.forget(backend)
         self.state.load.remove_backend(backend)
         for p in [p for p in self.attempts if p.backend == backend and p.request is not None]:
             self.attempts.pop(p.request_id)

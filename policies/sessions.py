@@ -3,6 +3,7 @@ each session's context was last left."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -76,3 +77,107 @@ class SessionHomes:
         if self._homes is not None:
             for key in [k for k, h in self._homes.items() if h.backend == backend]:
                 del self._homes[key]
+
+
+@dataclass(slots=True)
+class _Live:
+    backend: str
+    tokens: int  # the conversation's context there (prompt, and the answer once answered)
+    at: float  # when its last turn was sent or ended
+    pending: bool  # that turn is still running
+
+
+RETURN_SAMPLES = 8  # turns that came back before the learned gap replaces the configured half-life
+RETURN_ALPHA = 0.1  # weight of each new gap in the mean
+GROWTH_ALPHA = 0.25  # weight of each later turn in its prefix's mean context
+MIN_HALF_LIFE_S = 0.05
+FORGOTTEN = 0.01  # a session worth less than this is dropped
+
+
+class LiveSessions:
+    """Which backend holds each session's context, and how big the sessions starting with a prefix grow.
+
+    ``sent`` records a turn on the backend it went to (a session lives where its last turn went), ``ended`` that
+    it ended there. A session whose turn is running is worth all of its context; an ended one loses half its
+    worth every typical gap between a turn's end and the session's next turn on this fleet (learned from the turns
+    that came back, capped by ``half_life_s`` and that until ``RETURN_SAMPLES`` came back), and is forgotten
+    below 1 %. ``at_risk`` is what a backend holds of live sessions beyond a prefix they share; ``growth`` the
+    context later turns of sessions starting with a prefix reach (a decayed mean of their prompts). Both are in
+    the index's tokens; the newest ``capacity`` sessions are kept.
+    """
+
+    def __init__(self, capacity: int = 65536, half_life_s: float = 60.0, prefixes: int = 4096) -> None:
+        if capacity < 0 or not half_life_s > 0 or prefixes < 1:
+            raise ValueError("capacity >= 0, half_life_s > 0 and prefixes >= 1 required")
+        self.capacity, self.half_life_s = capacity, half_life_s
+        self._live: OrderedDict[str, _Live] = OrderedDict()  # least recently sent first
+        self._on: dict[str, dict[str, _Live]] = {}  # backend -> its sessions
+        self._growth: cachetools.LRUCache[int, float] = cachetools.LRUCache(prefixes)
+        self.returns = 0
+        self.return_gap_s: float | None = None
+
+    def sent(self, key: str | None, root: int, backend: str, tokens: int, now: float) -> None:
+        """A turn of session ``key`` (its prompt's first block ``root``, ``tokens`` long) went to ``backend``."""
+        if key is None or not self.capacity:
+            return
+        live = self._live.pop(key, None)
+        if live is not None:  # a later turn: it came back, and shows how big this prefix's sessions grow
+            self._on[live.backend].pop(key, None)
+            if not live.pending:
+                gap = max(0.0, now - live.at)
+                self.return_gap_s = gap if self.return_gap_s is None else (
+                    self.return_gap_s + RETURN_ALPHA * (gap - self.return_gap_s))
+                self.returns += 1
+            mean = self._growth.get(root)
+            self._growth[root] = float(tokens) if mean is None else mean + GROWTH_ALPHA * (tokens - mean)
+        live = _Live(backend, tokens, now, True)
+        self._live[key] = live
+        self._on.setdefault(backend, {})[key] = live
+        while len(self._live) > self.capacity:
+            old_key, old = self._live.popitem(last=False)
+            self._on[old.backend].pop(old_key, None)
+
+    def ended(self, key: str | None, backend: str, now: float, tokens: int = 0) -> None:
+        """Session ``key``'s turn on ``backend`` ended (answered: ``tokens`` is its context there now)."""
+        live = self._live.get(key) if key is not None else None
+        if live is None or live.backend != backend:
+            return
+        live.pending, live.at = False, now
+        if tokens > 0:
+            live.tokens = tokens
+
+    @property
+    def value_half_life_s(self) -> float:
+        """How fast an ended session's worth halves: the learned gap to its next turn, capped by ``half_life_s``."""
+        if self.returns < RETURN_SAMPLES or self.return_gap_s is None:
+            return self.half_life_s
+        return min(self.half_life_s, max(MIN_HALF_LIFE_S, self.return_gap_s))
+
+    def at_risk(self, backend: str, shared: float, now: float) -> float:
+        """Tokens of the live sessions on ``backend`` beyond their first ``shared`` (a prefix a new prompt shares
+        with them), each weighed by its worth; forgets the sessions no longer worth counting."""
+        on = self._on.get(backend)
+        if not on:
+            return 0.0
+        half, cap = self.value_half_life_s, self.half_life_s
+        total = 0.0
+        gone = []
+        for key, live in on.items():
+            age = now - live.at
+            worth = 1.0 if live.pending and age < cap else 0.5 ** (max(0.0, age) / half)
+            if worth < FORGOTTEN:
+                gone.append(key)
+            elif live.tokens > shared:
+                total += worth * (live.tokens - shared)
+        for key in gone:
+            del on[key]
+            self._live.pop(key, None)
+        return total
+
+    def growth(self, root: int) -> float:
+        """The mean context of later turns of sessions whose prompt starts with block ``root`` (0: none seen)."""
+        return self._growth.get(root, 0.0)
+
+    def forget(self, backend: str) -> None:
+        for key in self._on.pop(backend, {}):
+            self._live.pop(key, None)

@@ -2,7 +2,8 @@
 faster ``CacheAware.select`` must agree with (tests/policies/test_cache_aware_equivalence.py), with the changes
 since marked: equal holders go to the cheapest; the hot-spot bound never counts a holder of the prefix that is
 idle now as hot (``filters.hot_load``); the decision reports its wasted prefill; a session's first request
-that a backend holds a prefix of adds each backend's recent busy seconds to its cost; the outstanding work is the
+that a backend holds a prefix of adds each backend's recent busy seconds and the live sessions its growth would
+evict to its cost (``CacheAware._session_costs``); the outstanding work is the
 load tracker's at the pick's instant (``work_s(b, now)``, drained in queue order)."""
 
 from __future__ import annotations
@@ -105,8 +106,8 @@ class ReferenceCacheAware(CacheAware):
                 and min(ttft[b] for b in allowed) - min(ttft.values()) <= cfg.bound_cost_s):
             costs = {b: costs[b] for b in allowed}
         allowed = list(costs)
-        if session_start and best_matched > 0:  # changed: the work already there, weighed by utilization
-            costs = {b: costs[b] + busy_of[b] * min(1.0, load.utilization(busy_of[b])) for b in costs}
+        if session_start and best_matched > 0:  # changed: the work already there, the live sessions it evicts
+            costs = self._session_costs(request, costs, matched, busy_of, capacity_of, factor, state, now)
         best_cost = min(costs.values())
         band = max(cfg.tie_s, cfg.tie_fraction * best_cost)
         near = [b for b in allowed if costs[b] <= best_cost + band]

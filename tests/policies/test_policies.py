@@ -291,6 +291,45 @@ def test_a_new_session_weighs_the_work_already_at_the_holder_by_its_utilization(
     assert send(group_prompt(1, 3), BACKENDS).backend == home  # no session: nothing told apart
 
 
+def test_a_new_session_starts_away_from_a_live_session_its_growth_would_evict():
+    """A session's first request also pays for the live sessions' context its growth would push out where it
+    starts: a conversation of the same system prompt grew to ~6k tokens on the holder; sessions of that prompt
+    reach that size, and a 7k-token cache cannot hold two of them, so the new one starts on an idle replica.
+    Where both fit, or once the other conversation is no longer live, it starts with its prefix."""
+    rng = random.Random(3)
+    system = {"role": "system", "content": "".join(rng.choice("abcdefghij ") for _ in range(4000))}
+
+    def conversation(name: str, turns: int, words: int) -> dict:
+        messages = [system]
+        for t in range(turns):
+            messages.append({"role": "user", "content": " ".join(f"{name}{t}w{i}" for i in range(words))})
+            if t < turns - 1:
+                messages.append({"role": "assistant", "content": f"answer {name} {t} " * 20})
+        return {"model": "m", "messages": messages}
+
+    def send(router: Router, clock: Clock, body: dict, user: str):
+        req, d = router.route({**body, "user": user}, BACKENDS)
+        clock.t += 0.3
+        router.on_first_token(req.request_id)
+        router.on_complete(req.request_id, cached_tokens=d.matched_tokens)
+        return req, d
+
+    for capacity, wait_s, moves in ((7_000, 0.0, True), (20_000, 0.0, False), (7_000, 3600.0, False)):
+        router, clock = make()
+        for b in BACKENDS:
+            router.set_capacity(b, capacity)
+        _, first = send(router, clock, conversation("a", 1, 20), "A")
+        later, d = send(router, clock, conversation("a", 2, 1400), "A")  # the same conversation, grown
+        assert d.backend == first.backend and 5_000 < later.prompt_tokens < capacity
+        clock.t += wait_s
+        new, d = send(router, clock, conversation("b", 1, 20), "B")
+        assert new.prompt_tokens + later.prompt_tokens - 960 < 7_000  # its first prompt alone would fit beside
+        if moves:
+            assert d.backend != first.backend and d.reason == "prefix_spill"
+        else:
+            assert d.backend == first.backend and d.reason == "prefix_match"
+
+
 def test_a_working_holder_over_the_bound_spreads_a_cheap_prefix():
     """The bound still acts while the holder is working: with a long queue of work there, a prefix whose
     recompute is cheap spills (the hot prefix gains a second holder), with the wasted prefill reported."""

@@ -1,0 +1,84 @@
+"""``LiveSessions``: where each session's context lives, what a backend holds of live sessions, how sessions grow."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvroute.policies.sessions import RETURN_SAMPLES, LiveSessions
+
+
+def test_a_running_turn_counts_whole_and_an_ended_one_halves_every_half_life():
+    live = LiveSessions(half_life_s=10.0)
+    live.sent("a", 7, "r0", 1000, now=0.0)
+    assert live.at_risk("r0", 0, 5.0) == 1000.0  # running: all of it
+    assert live.at_risk("r0", 400, 5.0) == 600.0  # beyond the prefix a new prompt shares with it
+    assert live.at_risk("r1", 0, 5.0) == 0.0
+    live.ended("a", "r0", 5.0, tokens=1200)  # answered: its context there is prompt and answer
+    assert live.at_risk("r0", 0, 15.0) == pytest.approx(600.0)
+    assert live.at_risk("r0", 0, 200.0) == 0.0  # worth under 1 %: forgotten
+    live.sent("a", 7, "r1", 1500, now=201.0)  # forgotten: its next turn is like a new session's
+    assert live.growth(7) == 0.0
+
+
+def test_a_session_lives_where_its_last_turn_went_and_its_later_turns_teach_the_growth():
+    live = LiveSessions()
+    live.sent("a", 7, "r0", 1000, now=0.0)
+    assert live.growth(7) == 0.0  # no later turn seen yet
+    live.ended("a", "r0", 1.0, tokens=1100)
+    live.sent("a", 7, "r1", 1600, now=1.5)  # moved: r0 no longer holds it as live
+    assert live.at_risk("r0", 0, 1.5) == 0.0 and live.at_risk("r1", 0, 1.5) == 1600.0
+    assert live.growth(7) == 1600.0 and live.growth(8) == 0.0
+    live.ended("a", "r0", 2.0, tokens=5000)  # a stale end elsewhere (a lost hedge) changes nothing
+    assert live.at_risk("r1", 0, 2.0) == 1600.0
+    live.ended("a", "r1", 2.0)
+    live.sent("a", 7, "r1", 2200, now=2.0)
+    assert live.growth(7) == pytest.approx(1600.0 + 0.25 * 600.0)
+
+
+def test_the_half_life_becomes_the_learned_gap_to_a_sessions_next_turn():
+    live = LiveSessions(half_life_s=60.0)
+    for i in range(RETURN_SAMPLES):
+        key = f"s{i}"
+        live.sent(key, 1, "r0", 500, now=10.0 * i)
+        live.ended(key, "r0", 10.0 * i + 1.0)
+        live.sent(key, 1, "r0", 600, now=10.0 * i + 3.0)  # came back 2 s after its answer
+        live.ended(key, "r0", 10.0 * i + 4.0)
+    assert live.value_half_life_s == pytest.approx(2.0)
+    live.sent("x", 1, "r1", 1000, now=100.0)
+    live.ended("x", "r1", 100.0)
+    assert live.at_risk("r1", 0, 102.0) == pytest.approx(500.0)
+
+
+def test_bounds_forget_and_bad_input():
+    live = LiveSessions(capacity=2)
+    for i, b in enumerate(("r0", "r1", "r2")):
+        live.sent(f"s{i}", 1, b, 100, now=0.0)
+    assert live.at_risk("r0", 0, 0.0) == 0.0 and live.at_risk("r2", 0, 0.0) == 100.0  # the oldest went
+    live.forget("r2")
+    assert live.at_risk("r2", 0, 0.0) == 0.0
+    live.sent(None, 1, "r0", 100, now=0.0)  # no session: nothing kept
+    assert live.at_risk("r0", 0, 0.0) == 0.0
+    assert LiveSessions(capacity=0).at_risk("r0", 0, 0.0) == 0.0
+    with pytest.raises(ValueError):
+        LiveSessions(half_life_s=0.0)
+
+
+def test_the_router_keeps_it_a_session_lives_where_its_turn_went_until_the_backend_goes():
+    from kvroute.policies import Router, RouterConfig
+
+    t = [0.0]
+    router = Router(RouterConfig(), clock=lambda: t[0])
+    body = {"model": "m", "user": "s1", "messages": [{"role": "system", "content": "tools " * 800},
+                                                     {"role": "user", "content": "hello"}]}
+    req, d = router.route(body, ["r0", "r1"])
+    live = router.state.live
+    assert live.at_risk(d.backend, 0, 0.0) == req.prompt_tokens  # running there
+    assert live.at_risk(d.backend, 0, 61.0) < req.prompt_tokens  # running past 60 s: its end was lost, it decays
+    t[0] = 30.0
+    assert live.at_risk(d.backend, 0, 30.0) == req.prompt_tokens  # still running: no end heard
+    router.on_cancel(req.request_id)  # ended (cut): it decays from now
+    assert live.at_risk(d.backend, 0, 90.0) == pytest.approx(req.prompt_tokens / 2)
+    router.route({**body, "user": None}, ["r0", "r1"])  # no session key: not a session
+    assert live.at_risk("r0", 0, 90.0) + live.at_risk("r1", 0, 90.0) == pytest.approx(req.prompt_tokens / 2)
+    router.remove_backend(d.backend)
+    assert live.at_risk(d.backend, 0, 90.0) == 0.0
