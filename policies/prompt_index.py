@@ -17,7 +17,7 @@ contexts it lost (and the reverse). This index keeps the same entries per backen
 A held prompt is worth what its conversation is likely to come back for. One whose request is still running is
 worth all of it (for at most ``value_half_life_s``); an answered one loses half its worth every typical gap
 between an answer and the conversation's next turn on this fleet (learned from the turns that came back: a later
-prompt containing a held one), capped by ``value_half_life_s`` and that until ``RETURN_SAMPLES`` turns came back.
+prompt containing a held one), capped by ``value_half_life_s`` and that until 8 turns came back (``ReturnGap``).
 A fleet whose sessions answer in a second then no longer values a minute-old prompt of a finished conversation
 like the live session beside it.
 
@@ -34,10 +34,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvroute.policies.prefix_index import LocatorParts
-
-RETURN_SAMPLES = 8  # turns that came back before the learned gap replaces the configured half-life
-RETURN_ALPHA = 0.1  # weight of each new gap in the mean
-MIN_HALF_LIFE_S = 0.05
+from kvroute.policies.return_gap import ReturnGap
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,8 +102,7 @@ class PromptIndex(LocatorParts):
         self.config = config or PromptIndexConfig()
         self._backends: dict[str, _Backend] = {}
         self.token_ratio = 1.0  # engine tokens per index token (``set_token_ratio``)
-        self.return_gap_s: float | None = None  # mean seconds from an answer to its conversation's next turn
-        self.returns = 0  # turns that came back to a held prompt (the mean's samples)
+        self.gap = ReturnGap(self.config.value_half_life_s)  # from an answer to its conversation's next turn
 
     def set_token_ratio(self, ratio: float) -> None:
         """Engine tokens per index token: converts the engine's counts of answered entries into the index's."""
@@ -195,28 +191,20 @@ class PromptIndex(LocatorParts):
     def _worth(self, state: _Backend, eid: int, now: float, half: float) -> float:
         """A running request's prompt is all there (unless it never came back); an answered one halves every
         ``half`` seconds unused."""
-        age = max(0.0, now - state.used.get(eid, now))
-        return 1.0 if eid in state.pending and age < self.config.value_half_life_s else 0.5 ** (age / half)
+        return self.gap.worth(now - state.used.get(eid, now), eid in state.pending, half)
 
     @property
     def value_half_life_s(self) -> float:
         """How fast an answered prompt's worth halves: the learned gap to a conversation's next turn, capped by
-        the configured half-life (which holds until ``RETURN_SAMPLES`` turns came back)."""
-        cap = self.config.value_half_life_s
-        if self.returns < RETURN_SAMPLES or self.return_gap_s is None:
-            return cap
-        return min(cap, max(MIN_HALF_LIFE_S, self.return_gap_s))
+        the configured half-life (``ReturnGap``)."""
+        return self.gap.half_life_s
 
     def _note_return(self, state: _Backend, keys: Sequence[int], now: float) -> None:
         """``keys`` continues a held, answered prompt (a conversation's next turn): learn how long it took."""
         for eid in reversed(state.entries):
             entry = state.entries[eid]
             if eid not in state.pending and len(entry) < len(keys) and _contains(keys, entry):
-                gap = now - state.used.get(eid, now)
-                if gap >= 0:
-                    self.returns += 1
-                    mean = self.return_gap_s
-                    self.return_gap_s = gap if mean is None else mean + RETURN_ALPHA * (gap - mean)
+                self.gap.note(now - state.used.get(eid, now))
                 return
 
     def holdings(self, backends: Sequence[str]) -> tuple[list[int], list[int]]:

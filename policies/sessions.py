@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import cachetools
 
+from kvroute.policies.return_gap import ReturnGap
+
 
 class SessionStarts:
     """Remembers the last ``capacity`` session keys seen (least recently seen forgotten first).
@@ -87,10 +89,7 @@ class _Live:
     pending: bool  # that turn is still running
 
 
-RETURN_SAMPLES = 8  # turns that came back before the learned gap replaces the configured half-life
-RETURN_ALPHA = 0.1  # weight of each new gap in the mean
 GROWTH_ALPHA = 0.25  # weight of each later turn in its prefix's mean context
-MIN_HALF_LIFE_S = 0.05
 FORGOTTEN = 0.01  # a session worth less than this is dropped
 
 
@@ -98,9 +97,8 @@ class LiveSessions:
     """Which backend holds each session's context, and how big the sessions starting with a prefix grow.
 
     ``sent`` records a turn on the backend it went to (a session lives where its last turn went), ``ended`` that
-    it ended there. A session whose turn is running is worth all of its context; an ended one loses half its
-    worth every typical gap between a turn's end and the session's next turn on this fleet (learned from the turns
-    that came back, capped by ``half_life_s`` and that until ``RETURN_SAMPLES`` came back), and is forgotten
+    it ended there. A session is worth its context as ``ReturnGap`` weighs a held context (whole while its turn
+    runs, then halved every learned gap to a session's next turn, at most ``half_life_s``), and is forgotten
     below 1 %. ``at_risk`` is what a backend holds of live sessions beyond a prefix they share; ``growth`` the
     context later turns of sessions starting with a prefix reach (a decayed mean of their prompts). Both are in
     the index's tokens; the newest ``capacity`` sessions are kept.
@@ -109,12 +107,11 @@ class LiveSessions:
     def __init__(self, capacity: int = 65536, half_life_s: float = 60.0, prefixes: int = 4096) -> None:
         if capacity < 0 or not half_life_s > 0 or prefixes < 1:
             raise ValueError("capacity >= 0, half_life_s > 0 and prefixes >= 1 required")
-        self.capacity, self.half_life_s = capacity, half_life_s
+        self.capacity = capacity
+        self.gap = ReturnGap(half_life_s)
         self._live: OrderedDict[str, _Live] = OrderedDict()  # least recently sent first
         self._on: dict[str, dict[str, _Live]] = {}  # backend -> its sessions
         self._growth: cachetools.LRUCache[int, float] = cachetools.LRUCache(prefixes)
-        self.returns = 0
-        self.return_gap_s: float | None = None
 
     def sent(self, key: str | None, root: int, backend: str, tokens: int, now: float) -> None:
         """A turn of session ``key`` (its prompt's first block ``root``, ``tokens`` long) went to ``backend``."""
@@ -124,10 +121,7 @@ class LiveSessions:
         if live is not None:  # a later turn: it came back, and shows how big this prefix's sessions grow
             self._on[live.backend].pop(key, None)
             if not live.pending:
-                gap = max(0.0, now - live.at)
-                self.return_gap_s = gap if self.return_gap_s is None else (
-                    self.return_gap_s + RETURN_ALPHA * (gap - self.return_gap_s))
-                self.returns += 1
+                self.gap.note(now - live.at)
             mean = self._growth.get(root)
             self._growth[root] = float(tokens) if mean is None else mean + GROWTH_ALPHA * (tokens - mean)
         live = _Live(backend, tokens, now, True)
@@ -146,25 +140,18 @@ class LiveSessions:
         if tokens > 0:
             live.tokens = tokens
 
-    @property
-    def value_half_life_s(self) -> float:
-        """How fast an ended session's worth halves: the learned gap to its next turn, capped by ``half_life_s``."""
-        if self.returns < RETURN_SAMPLES or self.return_gap_s is None:
-            return self.half_life_s
-        return min(self.half_life_s, max(MIN_HALF_LIFE_S, self.return_gap_s))
-
     def at_risk(self, backend: str, shared: float, now: float) -> float:
         """Tokens of the live sessions on ``backend`` beyond their first ``shared`` (a prefix a new prompt shares
         with them), each weighed by its worth; forgets the sessions no longer worth counting."""
         on = self._on.get(backend)
         if not on:
             return 0.0
-        half, cap = self.value_half_life_s, self.half_life_s
+        gap = self.gap
+        half = gap.half_life_s
         total = 0.0
         gone = []
         for key, live in on.items():
-            age = now - live.at
-            worth = 1.0 if live.pending and age < cap else 0.5 ** (max(0.0, age) / half)
+            worth = gap.worth(now - live.at, live.pending, half)
             if worth < FORGOTTEN:
                 gone.append(key)
             elif live.tokens > shared:

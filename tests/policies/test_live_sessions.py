@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvroute.policies.sessions import RETURN_SAMPLES, LiveSessions
+from kvroute.policies.return_gap import SAMPLES
+from kvroute.policies.sessions import LiveSessions
 
 
 def test_a_running_turn_counts_whole_and_an_ended_one_halves_every_half_life():
@@ -37,13 +38,13 @@ def test_a_session_lives_where_its_last_turn_went_and_its_later_turns_teach_the_
 
 def test_the_half_life_becomes_the_learned_gap_to_a_sessions_next_turn():
     live = LiveSessions(half_life_s=60.0)
-    for i in range(RETURN_SAMPLES):
+    for i in range(SAMPLES):
         key = f"s{i}"
         live.sent(key, 1, "r0", 500, now=10.0 * i)
         live.ended(key, "r0", 10.0 * i + 1.0)
         live.sent(key, 1, "r0", 600, now=10.0 * i + 3.0)  # came back 2 s after its answer
         live.ended(key, "r0", 10.0 * i + 4.0)
-    assert live.value_half_life_s == pytest.approx(2.0)
+    assert live.gap.half_life_s == pytest.approx(2.0)
     live.sent("x", 1, "r1", 1000, now=100.0)
     live.ended("x", "r1", 100.0)
     assert live.at_risk("r1", 0, 102.0) == pytest.approx(500.0)
@@ -82,3 +83,19 @@ def test_the_router_keeps_it_a_session_lives_where_its_turn_went_until_the_backe
     assert live.at_risk("r0", 0, 90.0) + live.at_risk("r1", 0, 90.0) == pytest.approx(req.prompt_tokens / 2)
     router.remove_backend(d.backend)
     assert live.at_risk(d.backend, 0, 90.0) == 0.0
+
+
+def test_the_return_gap_ignores_a_negative_gap_and_needs_a_positive_cap():
+    from kvroute.policies.return_gap import ReturnGap
+
+    gap = ReturnGap(30.0)
+    for _ in range(SAMPLES):
+        gap.note(-1.0)  # a clock step back: not a sample
+    assert gap.samples == 0 and gap.half_life_s == 30.0
+    for _ in range(SAMPLES):
+        gap.note(0.0)
+    assert gap.half_life_s == 0.05  # never below the floor
+    assert gap.worth(100.0, True, 1.0) == 0.5**100  # running past the cap: its end was lost
+    assert gap.worth(-5.0, True, 1.0) == 1.0
+    with pytest.raises(ValueError):
+        ReturnGap(0.0)
