@@ -118,12 +118,13 @@ class LiveSessions:
         if key is None or not self.capacity:
             return
         live = self._live.pop(key, None)
-        if live is not None:  # a later turn: it came back, and shows how big this prefix's sessions grow
+        if live is not None:
             self._on[live.backend].pop(key, None)
-            if not live.pending:
-                self.gap.note(now - live.at)
-            mean = self._growth.get(root)
-            self._growth[root] = float(tokens) if mean is None else mean + GROWTH_ALPHA * (tokens - mean)
+            if tokens > live.tokens:  # a later turn (not a retry or hedge of the same prompt): it came back,
+                if not live.pending:  # and shows how big this prefix's sessions grow
+                    self.gap.note(now - live.at)
+                mean = self._growth.get(root)
+                self._growth[root] = float(tokens) if mean is None else mean + GROWTH_ALPHA * (tokens - mean)
         live = _Live(backend, tokens, now, True)
         self._live[key] = live
         self._on.setdefault(backend, {})[key] = live
@@ -166,5 +167,6 @@ class LiveSessions:
         return self._growth.get(root, 0.0)
 
     def forget(self, backend: str) -> None:
+        """``backend`` left the fleet: the sessions that lived there are gone with it."""
         for key in self._on.pop(backend, {}):
             self._live.pop(key, None)

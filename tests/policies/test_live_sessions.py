@@ -36,6 +36,16 @@ def test_a_session_lives_where_its_last_turn_went_and_its_later_turns_teach_the_
     assert live.growth(7) == pytest.approx(1600.0 + 0.25 * 600.0)
 
 
+def test_a_retry_or_hedge_of_the_same_prompt_is_no_later_turn():
+    live = LiveSessions()
+    live.sent("a", 7, "r0", 1000, now=0.0)
+    live.ended("a", "r0", 1.0)  # failed: its size stays the prompt's
+    live.sent("a", 7, "r1", 1000, now=1.5)  # LiteLLM's retry elsewhere
+    live.sent("a", 7, "r2", 1000, now=1.6)  # and a hedge of it
+    assert live.growth(7) == 0.0 and live.gap.samples == 0
+    assert live.at_risk("r2", 0, 1.6) == 1000.0 and live.at_risk("r1", 0, 1.6) == 0.0  # it lives where it went last
+
+
 def test_the_half_life_becomes_the_learned_gap_to_a_sessions_next_turn():
     live = LiveSessions(half_life_s=60.0)
     for i in range(SAMPLES):
