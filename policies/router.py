@@ -306,7 +306,7 @@ class Router:
             if backend is not None:  # the conversation so far now sits there, answer included
                 held = request.prompt_tokens + int((outcome.output_tokens or 0) / ratio)
                 self.state.homes.answered(request.session_key, backend, request.keys, held)
-                self.state.live.ended(request.session_key, backend, self.clock(), held)  # its size there
+                self.state.live.answered(request.session_key, backend, held)  # ended in on_complete; its size
         elif outcome.kind == CANCELLED:
             self.on_cancel(rid)
         else:

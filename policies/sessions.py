@@ -132,13 +132,16 @@ class LiveSessions:
             old_key, old = self._live.popitem(last=False)
             self._on[old.backend].pop(old_key, None)
 
-    def ended(self, key: str | None, backend: str, now: float, tokens: int = 0) -> None:
-        """Session ``key``'s turn on ``backend`` ended (answered: ``tokens`` is its context there now)."""
+    def ended(self, key: str | None, backend: str, now: float) -> None:
+        """Session ``key``'s turn on ``backend`` ended (answered, failed or cut)."""
         live = self._live.get(key) if key is not None else None
-        if live is None or live.backend != backend:
-            return
-        live.pending, live.at = False, now
-        if tokens > 0:
+        if live is not None and live.backend == backend:
+            live.pending, live.at = False, now
+
+    def answered(self, key: str | None, backend: str, tokens: int) -> None:
+        """Session ``key``'s turn on ``backend`` was answered: its context there is ``tokens`` (prompt and answer)."""
+        live = self._live.get(key) if key is not None else None
+        if live is not None and live.backend == backend and tokens > 0:
             live.tokens = tokens
 
     def at_risk(self, backend: str, shared: float, now: float) -> float:

@@ -14,7 +14,8 @@ def test_a_running_turn_counts_whole_and_an_ended_one_halves_every_half_life():
     assert live.at_risk("r0", 0, 5.0) == 1000.0  # running: all of it
     assert live.at_risk("r0", 400, 5.0) == 600.0  # beyond the prefix a new prompt shares with it
     assert live.at_risk("r1", 0, 5.0) == 0.0
-    live.ended("a", "r0", 5.0, tokens=1200)  # answered: its context there is prompt and answer
+    live.ended("a", "r0", 5.0)
+    live.answered("a", "r0", 1200)  # its context there is prompt and answer
     assert live.at_risk("r0", 0, 15.0) == pytest.approx(600.0)
     assert live.at_risk("r0", 0, 200.0) == 0.0  # worth under 1 %: forgotten
     live.sent("a", 7, "r1", 1500, now=201.0)  # forgotten: its next turn is like a new session's
@@ -25,11 +26,13 @@ def test_a_session_lives_where_its_last_turn_went_and_its_later_turns_teach_the_
     live = LiveSessions()
     live.sent("a", 7, "r0", 1000, now=0.0)
     assert live.growth(7) == 0.0  # no later turn seen yet
-    live.ended("a", "r0", 1.0, tokens=1100)
+    live.ended("a", "r0", 1.0)
+    live.answered("a", "r0", 1100)
     live.sent("a", 7, "r1", 1600, now=1.5)  # moved: r0 no longer holds it as live
     assert live.at_risk("r0", 0, 1.5) == 0.0 and live.at_risk("r1", 0, 1.5) == 1600.0
     assert live.growth(7) == 1600.0 and live.growth(8) == 0.0
-    live.ended("a", "r0", 2.0, tokens=5000)  # a stale end elsewhere (a lost hedge) changes nothing
+    live.ended("a", "r0", 2.0)  # a stale end elsewhere (a lost hedge) changes nothing
+    live.answered("a", "r0", 5000)
     assert live.at_risk("r1", 0, 2.0) == 1600.0
     live.ended("a", "r1", 2.0)
     live.sent("a", 7, "r1", 2200, now=2.0)
@@ -109,3 +112,15 @@ def test_the_return_gap_ignores_a_negative_gap_and_needs_a_positive_cap():
     assert gap.worth(-5.0, True, 1.0) == 1.0
     with pytest.raises(ValueError):
         ReturnGap(0.0)
+
+
+def test_an_answer_through_the_router_sizes_the_session_by_prompt_and_answer():
+    from kvroute.policies import Router, RouterConfig
+    from kvroute.policies.lifecycle import SUCCESS, RequestOutcome
+
+    t = [0.0]
+    router = Router(RouterConfig(), clock=lambda: t[0])
+    body = {"model": "m", "user": "s1", "messages": [{"role": "user", "content": "hello " * 600}]}
+    req, d = router.route(body, ["r0", "r1"])
+    router.finish(req, RequestOutcome(SUCCESS, d.backend, 0.0, prompt_tokens=req.prompt_tokens, output_tokens=300))
+    assert router.state.live.at_risk(d.backend, 0, 0.0) == pytest.approx(req.prompt_tokens + 300, abs=2)
