@@ -30,6 +30,14 @@ figure is the median over a source's repeats. Per cell the table gives each sour
 (median against median) for every model on every cell, and the command exits 1 (with a ``MISSED`` line per check)
 otherwise. ``--from FILE`` takes the sources not in ``--run`` from a saved calibration (``--save`` writes
 ``bench/results/calibrate-<UTC time>.json``); ``--render FILE`` prints a saved one.
+
+A fourth source, replay, is the simulator given each llama.cpp repeat's own arrivals (every request when it
+reached the engines, open loop; ``calibrate_sim.replayed``): one simulated run per measured repeat, judged repeat
+against repeat (``calibrate_verdict.paired``: the median size of the cached share's error within the same bound;
+TTFT p90 shown, the closed-loop models' to meet). Where a router's share turns on which turn meets which prompt on
+a one-slot replica (round robin), a few repeats' medians differ by more than the bounds between llama.cpp's own
+runs; given the arrivals, what is left to judge is the engine model and the router's picks. Its verdict is
+printed below the table and counts in the exit status; a real run redone without it drops a saved one.
 """
 
 from __future__ import annotations
@@ -46,8 +54,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from calibrate_jitter import Jitter, jittered, measure, turn_delays
-from calibrate_sim import Tokenize, sim_workload, simulate_cell, tiny_tokenizer
-from calibrate_verdict import Bounds, Calibration, Figures, calibrate
+from calibrate_sim import Tokenize, replayed, sim_workload, simulate_cell, tiny_tokenizer
+from calibrate_verdict import Bounds, Calibration, Figures, Paired, calibrate, paired
 from peers_workloads import Size, build, replica_capacity_tokens
 
 from kvroute.plugin.dev.tiny_model import PRESETS as TINY
@@ -56,7 +64,7 @@ from kvroute.sim.presets import Preset, get_preset
 #: (bench/peers.py rival, simulator policy) per router of the table
 ROUTERS = (("kvroute", "cache_aware"), ("smg-ca", "smg_2026"), ("sglang-rr", "round_robin"))
 WORKLOADS = ("demo", "apps", "agent")
-SOURCES = ("real", "fake", "sim")
+SOURCES = ("real", "fake", "sim", "replay")
 MODELS = ("fake", "sim")
 REPLICAS = 4
 
@@ -226,6 +234,70 @@ def run_sim(workloads: list[str], cores: float, background: Mapping[str, float] 
     return out
 
 
+def run_replay(real: dict | None, background: Mapping[str, float], say, cores: float,
+               tokenize: Tokenize | None = None, costs: Mapping[str, float] | None = None) -> dict:
+    """The simulator given each llama.cpp repeat's own arrivals (``calibrate_sim.replayed``): per workload and
+    router, one simulated run per measured repeat, in the same order, with that workload's background load and
+    engine cost."""
+    size = Size.llamacpp()
+    capacity = replica_capacity_tokens(size, REPLICAS)
+    tokenize = tokenize or tiny_tokenizer()
+    costs = costs or {}
+    out: dict = {"cache_tokens": cache_tokens(), "workloads": {}}
+    for name, w in (real or {}).get("workloads", {}).items():
+        workload = build(name, size, capacity)
+        cells = {}
+        for rival, policy in ROUTERS:
+            runs = []
+            for run in w.get("runs", {}).get(rival, []):
+                replay, hops = replayed(workload, tokenize, run.get("requests_log") or [])
+                runs.append(simulate_cell(replay, policy, REPLICAS, out["cache_tokens"], cores,
+                                          background.get(name, 0.0), hops, costs.get(name, 1.0)))
+            cells[rival] = {"runs": runs}
+        out["workloads"][name] = cells
+        say(f"replay {name}: " + json.dumps({k: [r["cached_share"] for r in c["runs"]] for k, c in cells.items()}))
+    return out
+
+
+def judge_replay(result: dict, bounds: Bounds = Bounds()) -> dict[tuple[str, str], Paired]:
+    """Per measured cell, the replayed repeats against the measured ones (empty without a replay)."""
+    real, replay = (result.get(k) or {} for k in ("real", "replay"))
+    out = {}
+    for name, w in replay.get("workloads", {}).items():
+        for rival, _ in ROUTERS:
+            measured = (real.get("workloads", {}).get(name, {}).get("runs", {}).get(rival)) or []
+            out[(name, rival)] = paired(measured, (w.get(rival) or {}).get("runs") or [], bounds)
+    return out
+
+
+def arrival_order(run: Mapping) -> tuple[tuple[str, int], ...]:
+    """The order a run's requests were sent in (flow, turn), by their send times."""
+    return tuple((q["flow"], int(q["turn"])) for q in sorted(run.get("requests_log") or (), key=lambda q: q["start_s"]))
+
+
+def same_order(result: dict) -> dict[tuple[str, str], Paired]:
+    """Per cell, every fake repeat that sent its requests in the order of a llama.cpp repeat, against that repeat
+    (the fake engine cannot be given llama.cpp's arrivals; where the lottery drew the same order, it is judged as
+    the replay is). Cells without such a pair are left out."""
+    real, fake = (result.get(k) or {} for k in ("real", "fake"))
+    out = {}
+    for name, w in fake.get("workloads", {}).items():
+        for rival, _ in ROUTERS:
+            measured = real.get("workloads", {}).get(name, {}).get("runs", {}).get(rival) or []
+            by_order = {arrival_order(m): m for m in measured if m.get("requests_log")}
+            pairs = [(by_order[o], f) for f in w.get("runs", {}).get(rival) or []
+                     if f.get("requests_log") and (o := arrival_order(f)) in by_order]
+            if pairs:
+                out[(name, rival)] = paired([m for m, _ in pairs], [f for _, f in pairs])
+    return out
+
+
+def met(result: dict) -> bool:
+    """Every model on every cell, and the replay on every cell where one ran."""
+    bounds = Bounds(**result.get("bounds", {}))
+    return judge(result, bounds).met and all(p.met for p in judge_replay(result, bounds).values())
+
+
 def jitters(real: dict | None) -> dict[str, Jitter]:
     """Per workload, the arrival jitter measured on the real run's repeats (none logged: no jitter)."""
     size = Size.llamacpp()
@@ -359,6 +431,38 @@ def render(result: dict) -> str:
                  "every cell: "
                  + ("MET" if cal.met else f"MISSED on {sum(not c.met for c in cal.cells)} of {len(cal.cells)} cells"))
     lines += [f"MISSED {m}" for m in cal.missed()]
+    replay = judge_replay(result, b)
+    if replay:
+        lines += ["", "Given each llama.cpp repeat's own arrivals (the simulator, repeat against repeat):", "",
+                  "| workload | router | repeats | cached: llama.cpp | replayed | Δ pt, median size (largest) "
+                  "| TTFT p90 Δ, median size (largest; not judged) | verdict |", "|---|---|---|---|---|---|---|---|"]
+        for (name, rival), pair in replay.items():
+            measured = (real.get("workloads", {}).get(name, {}).get("runs", {}).get(rival)) or []
+            runs = (result["replay"]["workloads"][name].get(rival) or {}).get("runs") or []
+            shares = [r["cached_share"] for r in runs if r.get("cached_share") is not None]
+            fig = Figures.of({"cached_share": statistics.median(shares) if shares else None}, runs)
+            m = Figures.of({"cached_share": statistics.median([r["cached_share"] for r in measured])
+                            if measured else None}, measured)
+            worst_c = max((abs(e) for e in pair.cached_err_pt), default=None)
+            worst_p = max((abs(e) for e in pair.p90_err), default=None)
+            lines.append(
+                f"| {name} | {rival} | {pair.repeats} | {_share(m.cached_share)}{_spread(m, True)} "
+                f"| {_share(fig.cached_share)}{_spread(fig, True)} "
+                f"| {'-' if pair.cached_pt is None else f'{pair.cached_pt:.1f}'}"
+                f" ({'-' if worst_c is None else f'{worst_c:.1f}'}) "
+                f"| {'-' if pair.p90_rel is None else f'{pair.p90_rel:.0%}'}"
+                f" ({'-' if worst_p is None else f'{worst_p:.0%}'}) | {'met' if pair.met else 'MISSED'} |")
+        lines.append("")
+        lines.append(f"bound on the median size of the cached share's error: ±{b.cached_pt:g} pt: "
+                     + ("MET" if all(p.met for p in replay.values())
+                        else f"MISSED on {sum(not p.met for p in replay.values())} of {len(replay)} cells"))
+        lines += [f"MISSED {name} {rival} replay" for (name, rival), p in replay.items() if not p.met]
+    matched = same_order(result)
+    if matched:
+        lines += ["", "Fake repeats that sent their requests in the order of a llama.cpp repeat, against it (shown, "
+                  "not judged): " + "; ".join(
+                      f"{name} {rival} {p.repeats} (cached Δ {p.cached_pt:.1f} pt, p90 {p.p90_rel:.0%})"
+                      for (name, rival), p in matched.items() if p.repeats)]
     return "\n".join(lines)
 
 
@@ -384,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.render:
         result = json.loads(Path(args.render).read_text())
         print(render(result))
-        return 0 if judge(result).met else 1
+        return 0 if met(result) else 1
     if args.repeats < 1 or (args.sim_repeats is not None and args.sim_repeats < 1):
         p.error("--repeats and --sim-repeats must be positive")
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
@@ -398,9 +502,11 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     result = {"workloads": workloads, "cores": args.cores, "cache_tokens": cache_tokens(),
               "bounds": {"cached_pt": Bounds().cached_pt, "p90_rel": Bounds().p90_rel},
-              "real": base.get("real"), "fake": base.get("fake"), "sim": base.get("sim")}
+              "real": base.get("real"), "fake": base.get("fake"), "sim": base.get("sim"),
+              "replay": base.get("replay")}
     if "real" in runs:
         result["real"] = run_fleet("real", workloads, args.repeats, args.cores, {}, say)
+        result["replay"] = None  # a saved replay replayed other repeats
     background = ({name: args.background_cores for name in workloads} if args.background_cores is not None
                   else background_cores(result["real"]))
     result["background_cores"] = background
@@ -420,6 +526,8 @@ def main(argv: list[str] | None = None) -> int:
         sim_repeats = args.sim_repeats or (result["real"] or {}).get("repeats") or args.repeats
         result["sim"] = run_sim(workloads, args.cores, background, hops_ms(result["real"]), say,
                                 repeats=sim_repeats, jitters=measured, costs=costs)
+    if "replay" in runs:
+        result["replay"] = run_replay(result["real"], background, say, args.cores, costs=costs)
     result["wall_s"] = round(time.time() - started, 1)
     if args.save:
         stamp = time.strftime("%Y-%m-%dT%H%M", time.gmtime(started))
@@ -427,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
         path.write_text(json.dumps(result) + "\n")
         say(f"saved {path}")
     print(json.dumps(result) if args.json else render(result))
-    return 0 if judge(result).met else 1
+    return 0 if met(result) else 1
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ turn reaches the engines that long after the one before it completed, and each T
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import xxhash
 from peers_workloads import Workload, system_content
@@ -93,18 +93,49 @@ def nearest_rank(values: Sequence[float], q: float) -> float | None:
 
 
 def simulate_cell(workload: SimWorkload, policy: str, replicas: int, cache_tokens: int, cores: float | None,
-                  background_cores: float = 0.0, hop_s: float = 0.0, engine_cost: float = 1.0) -> dict:
+                  background_cores: float = 0.0, hop_s: float | Sequence[float] = 0.0,
+                  engine_cost: float = 1.0) -> dict:
     """One policy on ``replicas`` llama.cpp replicas ``engine_cost`` times slower than the preset: cached share,
     TTFT p50/p90 (ms, each with the router's round trip ``hop_s`` added: the client sees the first token that much
-    later than the engine sends it), requests."""
+    later than the engine sends it; a sequence: each request's own, in the workload's order), requests."""
     fleet = FleetConfig(replicas, get_preset("llamacpp").slower(engine_cost), kv_tokens=cache_tokens, cores=cores,
                         background_cores=background_cores)
     result = simulate(workload, policy, fleet)
     done = [r for r in result.requests if r.first_token_at >= 0]
     prompt = sum(r.prompt for r in done)
-    ttfts = [r.first_token_at - r.arrival + hop_s for r in done]
+    hops = [hop_s] * len(workload.requests) if isinstance(hop_s, (int, float)) else list(hop_s)
+    ttfts = [r.first_token_at - r.arrival + hops[r.idx] for r in done]
     p50, p90 = nearest_rank(ttfts, 0.5), nearest_rank(ttfts, 0.9)
     return {"cached_share": round(sum(max(0, r.hit_tokens) for r in done) / prompt, 4) if prompt else 0.0,
             "ttft_p50_ms": None if p50 is None else round(p50 * 1000, 1),
             "ttft_p90_ms": None if p90 is None else round(p90 * 1000, 1),
             "requests": len(result.requests), "failed": len(result.requests) - len(done)}
+
+
+def replayed(workload: Workload, tokenize: Tokenize, log: Sequence[Mapping], block_tokens: int = 16) \
+        -> tuple[SimWorkload, list[float]]:
+    """``workload`` as one measured run sent it (its ``requests_log``): the run's salt, and every request the log
+    holds arriving at the engines when it reached them (sent, plus the router's way in as the relays clocked it),
+    open loop; with each request's round trip (way in and way out, seconds) in the same order, for its TTFT. Given
+    the arrivals, a router's picks and an engine's reuse are what a model must get right: which turn meets which
+    prompt is then no lottery. Its TTFT is less telling: where the model runs a turn slower than llama.cpp did, the
+    next turn of its flow arrives before it ends and queues behind it, which no client does."""
+    salt = SALT
+    if log:
+        q = log[0]
+        salt = str(q["call_id"])[: -len(f"-{q['flow']}-{q['turn']}")]
+    base = sim_workload(workload, tokenize, block_tokens, salt)
+    index, n = {}, 0
+    for flow in workload.flows:
+        for t in range(len(flow.turns)):
+            index[(flow.conv_id, t)] = n
+            n += 1
+    requests, hops = [], []
+    for q in sorted(log, key=lambda q: q["start_s"]):
+        req = base.requests[index[(q["flow"], int(q["turn"]))]]
+        way_in, way_out = (float(q.get(k) or 0.0) / 1000.0 for k in ("router_in_ms", "router_out_ms"))
+        req.follows, req.delay, req.arrival = None, 0.0, float(q["start_s"]) + way_in
+        requests.append(req)
+        hops.append(way_in + way_out)
+    return SimWorkload(workload.name, block_tokens, requests,
+                       notes=[f"{len(requests)} requests of one measured run, at their measured arrivals"]), hops

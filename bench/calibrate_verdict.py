@@ -12,6 +12,11 @@ cached share and TTFT p90 ride along, shown, not judged): median against median,
 
 A prediction with a figure missing (a model not run, a run with failed requests, no measurement) misses: the
 calibration never passes on what it did not compare. ``Calibration.met`` holds when every check of every cell is.
+
+``paired`` judges a model that was given each measured repeat's own arrivals: repeat against repeat, the median
+size of the cached share's error within the same bound (TTFT p90's shown). Where a cell's repeats spread (round
+robin's share is a lottery over which turn meets which prompt), medians of a few repeats differ by more than the
+bounds between llama.cpp's own runs; given the arrivals, the engine model and the router's picks are judged.
 """
 
 from __future__ import annotations
@@ -147,3 +152,54 @@ def calibrate(measured: Mapping[tuple[str, str], Figures | None],
             cell.checks.append(check(model, fig, predictions.get(model, {}).get((workload, router)), bounds))
         cells.append(cell)
     return Calibration(cells, bounds)
+
+
+@dataclass(frozen=True, slots=True)
+class Paired:
+    """A model given each measured repeat's own arrivals, against that repeat: per repeat, the cached share's error
+    in points and TTFT p90's relative error; met when the median size of the cached share's error is inside its
+    bound (the largest shown, not judged: a repeat whose picks turned on a completion time the model moved can
+    differ). TTFT p90 is shown, not judged: the closed-loop models are judged on it, and with the arrivals pinned
+    a turn the model runs slower than llama.cpp did has the next one queue behind it."""
+
+    cached_err_pt: tuple[float, ...]
+    p90_err: tuple[float, ...]
+    bounds: Bounds = Bounds()
+
+    @property
+    def repeats(self) -> int:
+        return len(self.cached_err_pt)
+
+    @staticmethod
+    def _median_size(errors: Sequence[float]) -> float | None:
+        sizes = sorted(abs(e) for e in errors)
+        if not sizes:
+            return None
+        mid = len(sizes) // 2
+        return sizes[mid] if len(sizes) % 2 else (sizes[mid - 1] + sizes[mid]) / 2
+
+    @property
+    def cached_pt(self) -> float | None:
+        return self._median_size(self.cached_err_pt)
+
+    @property
+    def p90_rel(self) -> float | None:
+        return self._median_size(self.p90_err)
+
+    @property
+    def met(self) -> bool:
+        c = self.cached_pt
+        return c is not None and c <= self.bounds.cached_pt + 1e-9
+
+
+def paired(measured: Sequence[Mapping], predicted: Sequence[Mapping], bounds: Bounds = Bounds()) -> Paired:
+    """Repeat ``i`` of ``predicted`` against repeat ``i`` of ``measured`` (``bench/peers.py`` run figures); a pair
+    with a figure missing or a failed request on either side is left out, so a cell with none misses."""
+    cached, p90 = [], []
+    for m, p in zip(measured, predicted, strict=False):
+        figures = [r.get(k) for r in (m, p) for k in ("cached_share", "ttft_p90_ms")]
+        if None in figures or m.get("failed") or p.get("failed") or not m["ttft_p90_ms"] > 0:
+            continue
+        cached.append((p["cached_share"] - m["cached_share"]) * 100.0)
+        p90.append(p["ttft_p90_ms"] / m["ttft_p90_ms"] - 1.0)
+    return Paired(tuple(cached), tuple(p90), bounds)

@@ -13,11 +13,13 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import calibrate  # noqa: E402
-from calibrate_sim import block_keys, nearest_rank, sim_workload, simulate_cell  # noqa: E402
-from calibrate_verdict import Bounds, Figures, check  # noqa: E402
+from calibrate_sim import SALT, block_keys, nearest_rank, replayed, sim_workload, simulate_cell  # noqa: E402
+from calibrate_verdict import Bounds, Figures, check, paired  # noqa: E402
 from peers_workloads import Size, Workload, build, replica_capacity_tokens  # noqa: E402
 
 from kvroute.plugin.dev.workloads import Conversation  # noqa: E402
+from kvroute.sim.engine import FleetConfig, simulate  # noqa: E402
+from kvroute.sim.presets import get_preset  # noqa: E402
 
 MEASURED = Figures(0.80, 100.0, 400.0)
 
@@ -92,6 +94,71 @@ def test_predictions_without_a_measurement_miss_every_cell():
 
 def test_bounds_are_the_issues():
     assert Bounds() == Bounds(cached_pt=1.5, p90_rel=0.25)
+
+
+def _run(cached: float, p90: float, failed: int = 0) -> dict:
+    return {"cached_share": cached, "ttft_p90_ms": p90, "failed": failed}
+
+
+def test_a_replay_is_judged_repeat_against_repeat_on_the_median_errors_size():
+    measured = [_run(0.40, 500.0), _run(0.50, 400.0), _run(0.30, 600.0)]
+    one_off = paired(measured, [_run(0.40, 500.0), _run(0.50, 400.0), _run(0.45, 600.0)])  # one repeat +15 pt
+    assert one_off.met and one_off.cached_pt == 0.0 and max(one_off.cached_err_pt) == pytest.approx(15.0)
+    # the medians agree (40 % each side) while every repeat is 10 points off: paired, that misses
+    shuffled = paired(measured, [_run(0.50, 500.0), _run(0.30, 400.0), _run(0.40, 600.0)])
+    assert not shuffled.met and shuffled.cached_pt == pytest.approx(10.0)
+    biased = paired(measured, [_run(0.42, 500.0), _run(0.52, 400.0), _run(0.32, 600.0)])
+    assert not biased.met and biased.cached_pt == pytest.approx(2.0)
+    slow = paired(measured, [_run(0.40, 640.0), _run(0.50, 520.0), _run(0.30, 600.0)])  # +28 %, +30 %, 0
+    assert slow.met and slow.p90_rel == pytest.approx(0.28)  # shown: TTFT is the closed-loop models' to meet
+    failed = paired(measured, [_run(0.40, 500.0, failed=1)] * 3)
+    assert failed.repeats == 0 and not failed.met  # nothing compared is no pass
+    assert not paired([], []).met
+
+
+def test_a_replayed_run_arrives_as_it_was_sent_and_a_simulated_run_replays_to_itself():
+    size = Size.llamacpp()
+    workload = build("agent", size, replica_capacity_tokens(size, 4))
+    closed = sim_workload(workload, _bytes, salt=SALT)
+    fleet = FleetConfig(4, get_preset("llamacpp"), kv_tokens=calibrate.cache_tokens(), cores=2.0)
+    ran = simulate(closed, "round_robin", fleet)
+    turns = [(flow.conv_id, t) for flow in workload.flows for t in range(len(flow.turns))]
+    log = [{"flow": turns[r.idx][0], "turn": turns[r.idx][1], "call_id": f"{SALT}-{turns[r.idx][0]}-{turns[r.idx][1]}",
+            "start_s": r.arrival - 0.010, "router_in_ms": 10.0, "router_out_ms": 5.0} for r in ran.requests]
+    replay, hops = replayed(workload, _bytes, list(reversed(log)))
+    assert [r.arrival for r in replay.requests] == sorted(r.arrival for r in ran.requests)
+    assert all(r.follows is None for r in replay.requests) and hops == [pytest.approx(0.015)] * len(log)
+    assert sorted((r.arrival, r.tokens) for r in replay.requests) == \
+        sorted((r.arrival, closed.requests[r.idx].tokens) for r in ran.requests)
+    # given its own arrivals, round robin meets the same prompts: the same share, request for request
+    again = simulate(replay, "round_robin", fleet)
+    assert sorted(r.hit_tokens for r in again.requests) == sorted(r.hit_tokens for r in ran.requests)
+    cell = simulate_cell(replay, "round_robin", 4, calibrate.cache_tokens(), 2.0, 0.0, hops)
+    plain = simulate_cell(closed, "round_robin", 4, calibrate.cache_tokens(), 2.0)
+    assert cell["cached_share"] == plain["cached_share"]
+    assert cell["ttft_p50_ms"] == pytest.approx(plain["ttft_p50_ms"] + 15.0, abs=0.2)
+    other = replayed(workload, _bytes, [{**q, "call_id": "f" * 16 + q["call_id"][16:]} for q in log])[0]
+    assert other.requests[0].tokens != replay.requests[0].tokens  # the run's own salt, from its call ids
+
+
+def test_the_replay_cells_judge_a_saved_calibration_and_set_the_exit(tmp_path, capsys):
+    result = _saved(fake_apps_p90=480.0, sim_demo_cached=0.71)
+    real_runs = [_run(0.7, 400.0), _run(0.6, 420.0), _run(0.8, 380.0)]
+    for w in ("demo", "apps"):
+        result["real"]["workloads"][w]["runs"] = {r: real_runs for r, _ in calibrate.ROUTERS}
+    result["replay"] = {"workloads": {w: {r: {"runs": real_runs} for r, _ in calibrate.ROUTERS}
+                                      for w in ("demo", "apps")}}
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(result))
+    assert calibrate.main(["--render", str(good)]) == 0
+    out = capsys.readouterr().out
+    assert "Given each llama.cpp repeat's own arrivals" in out and out.count("| 3 | ") == 6
+    result["replay"]["workloads"]["apps"]["kvroute"]["runs"] = [_run(0.6, 400.0), _run(0.8, 420.0), _run(0.7, 380.0)]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(result))
+    assert calibrate.main(["--render", str(bad)]) == 1
+    out = capsys.readouterr().out
+    assert "every model on every cell: MET" in out and "MISSED apps kvroute replay" in out
 
 
 # ---------------------------------------------------------------------------------------------- the sim side
@@ -226,3 +293,18 @@ def test_the_probe_reads_a_replicas_own_prefill_timing_and_recovers_its_slowness
     assert len(samples) == 4 and all(s["prompt_n"] > 100 for s in samples)
     cost, _ = calibrate.engine_cost_sources({"workloads": {"demo": {"engine_probe": samples}}})["demo"]
     assert cost == pytest.approx(1.3, rel=0.01)
+
+
+def test_fake_repeats_that_drew_a_llamacpp_repeats_order_are_compared_with_it():
+    def run(order: str, cached: float) -> dict:
+        log = [{"flow": f"f{c}", "turn": 0, "start_s": i * 0.1} for i, c in enumerate(order)]
+        return {"cached_share": cached, "ttft_p90_ms": 400.0, "failed": 0, "requests_log": log}
+
+    result = {"real": {"workloads": {"agent": {"runs": {"sglang-rr": [run("abc", 0.44), run("bac", 0.49)]}}}},
+              "fake": {"workloads": {"agent": {"runs": {"sglang-rr": [run("bac", 0.49), run("cab", 0.30),
+                                                                      run("abc", 0.45)]}}}}}
+    matched = calibrate.same_order(result)
+    assert list(matched) == [("agent", "sglang-rr")]
+    pair = matched[("agent", "sglang-rr")]
+    assert pair.repeats == 2 and sorted(pair.cached_err_pt) == [pytest.approx(0.0), pytest.approx(1.0)]
+    assert calibrate.arrival_order(run("cab", 0.3)) == (("fc", 0), ("fa", 0), ("fb", 0))
