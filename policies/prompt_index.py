@@ -17,7 +17,8 @@ contexts it lost (and the reverse). This index keeps the same entries per backen
 A held prompt is worth what its conversation is likely to come back for. One whose request is still running is
 worth all of it (for at most ``value_half_life_s``); an answered one loses half its worth every typical gap
 between an answer and the conversation's next turn on this fleet (learned from the turns that came back: a later
-prompt containing a held one), capped by ``value_half_life_s`` and that until 8 turns came back (``ReturnGap``).
+prompt containing a held one), capped by ``value_half_life_s``, and trusted by how many turns came back, wholly from
+8 (``ReturnGap``).
 A fleet whose sessions answer in a second then no longer values a minute-old prompt of a finished conversation
 like the live session beside it.
 

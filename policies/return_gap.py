@@ -3,9 +3,11 @@
 A held context (a cached prompt, a live session's context) is worth what its conversation is likely to come back
 for. While its request runs it is worth all of it (for at most the cap: past that, its end was lost). Once
 answered, it loses half its worth every typical gap between an answer and the conversation's next turn on this
-fleet. Until ``SAMPLES`` turns came back, that half-life is the cap; after, the decayed mean gap, kept within
-``MIN_HALF_LIFE_S`` and the cap. A fleet whose sessions answer in a second then no longer values a minute-old
-context of a finished conversation like the live one beside it.
+fleet: the decayed mean gap, kept within ``MIN_HALF_LIFE_S`` and the cap. Before any turn came back that half-life
+is the cap; the mean is trusted by the share of ``SAMPLES`` turns that did (geometrically between the cap and it),
+wholly from ``SAMPLES`` on, so a fresh router that has seen seven agents' turns come back within 30 ms no longer
+values a finished agent's context like a live one's for the next minute. A fleet whose sessions answer in a second
+then no longer values a minute-old context of a finished conversation like the live one beside it.
 """
 
 from __future__ import annotations
@@ -37,10 +39,15 @@ class ReturnGap:
 
     @property
     def half_life_s(self) -> float:
-        """How fast an answered context's worth halves."""
-        if self.samples < SAMPLES or self.mean_s is None:
+        """How fast an answered context's worth halves: ``cap ** (1 - t) * gap ** t``, ``t`` the share of ``SAMPLES``
+        turns that came back (at most 1), ``gap`` the learned mean within the floor and the cap."""
+        if self.mean_s is None:
             return self.cap_s
-        return min(self.cap_s, max(MIN_HALF_LIFE_S, self.mean_s))
+        gap = min(self.cap_s, max(MIN_HALF_LIFE_S, self.mean_s))
+        if self.samples >= SAMPLES:
+            return gap
+        trust = self.samples / SAMPLES
+        return self.cap_s ** (1.0 - trust) * gap ** trust
 
     def worth(self, age_s: float, running: bool, half_s: float) -> float:
         """A context ``age_s`` seconds after it was last sent or answered: whole while its request runs (at most

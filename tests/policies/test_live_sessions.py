@@ -124,3 +124,22 @@ def test_an_answer_through_the_router_sizes_the_session_by_prompt_and_answer():
     req, d = router.route(body, ["r0", "r1"])
     router.finish(req, RequestOutcome(SUCCESS, d.backend, 0.0, prompt_tokens=req.prompt_tokens, output_tokens=300))
     assert router.state.live.at_risk(d.backend, 0, 0.0) == pytest.approx(req.prompt_tokens + 300, abs=2)
+
+
+def test_a_fresh_router_trusts_the_gaps_it_learned_by_how_many_came_back():
+    from kvroute.policies.return_gap import ReturnGap
+
+    gap = ReturnGap(60.0)
+    assert gap.half_life_s == 60.0  # nothing came back yet: the cap
+    halves = []
+    for _ in range(SAMPLES):
+        gap.note(0.03)  # agents' next turns, 30 ms after each answer
+        halves.append(gap.half_life_s)
+    assert halves == sorted(halves, reverse=True) and halves[-1] == pytest.approx(0.05)  # the floor, trusted wholly
+    assert halves[0] == pytest.approx(60.0 ** (1 - 1 / SAMPLES) * 0.05 ** (1 / SAMPLES))
+    assert halves[SAMPLES // 2 - 1] == pytest.approx((60.0 * 0.05) ** 0.5)  # half trusted: the geometric mean
+    # seven such turns in, an agent that finished 0.85 s ago is worth next to nothing, not what a live one is
+    early = ReturnGap(60.0)
+    for _ in range(SAMPLES - 1):
+        early.note(0.03)
+    assert early.worth(0.85, False, early.half_life_s) < 0.01  # below what LiveSessions forgets

@@ -291,13 +291,27 @@ def test_a_new_session_weighs_the_work_already_at_the_holder_by_its_utilization(
     assert send(group_prompt(1, 3), BACKENDS).backend == home  # no session: nothing told apart
 
 
+def _system_prompt() -> dict:
+    """A 4,000-character system prompt (the same every call)."""
+    rng = random.Random(3)
+    return {"role": "system", "content": "".join(rng.choice("abcdefghij ") for _ in range(4000))}
+
+
+def _answered_turn(router: Router, clock: Clock, body: dict, user: str):
+    """Route ``body`` as ``user``'s turn, answer it 0.3 s later with what the pick matched cached."""
+    req, d = router.route({**body, "user": user}, BACKENDS)
+    clock.t += 0.3
+    router.on_first_token(req.request_id)
+    router.on_complete(req.request_id, cached_tokens=d.matched_tokens)
+    return req, d
+
+
 def test_a_new_session_starts_away_from_a_live_session_its_growth_would_evict():
     """A session's first request also pays for the live sessions' context its growth would push out where it
     starts: a conversation of the same system prompt grew to ~6k tokens on the holder; sessions of that prompt
     reach that size, and a 7k-token cache cannot hold two of them, so the new one starts on an idle replica.
     Where both fit, or once the other conversation is no longer live, it starts with its prefix."""
-    rng = random.Random(3)
-    system = {"role": "system", "content": "".join(rng.choice("abcdefghij ") for _ in range(4000))}
+    system = _system_prompt()
 
     def conversation(name: str, turns: int, words: int) -> dict:
         messages = [system]
@@ -307,27 +321,52 @@ def test_a_new_session_starts_away_from_a_live_session_its_growth_would_evict():
                 messages.append({"role": "assistant", "content": f"answer {name} {t} " * 20})
         return {"model": "m", "messages": messages}
 
-    def send(router: Router, clock: Clock, body: dict, user: str):
-        req, d = router.route({**body, "user": user}, BACKENDS)
-        clock.t += 0.3
-        router.on_first_token(req.request_id)
-        router.on_complete(req.request_id, cached_tokens=d.matched_tokens)
-        return req, d
-
     for capacity, wait_s, moves in ((7_000, 0.0, True), (20_000, 0.0, False), (7_000, 3600.0, False)):
         router, clock = make()
         for b in BACKENDS:
             router.set_capacity(b, capacity)
-        _, first = send(router, clock, conversation("a", 1, 20), "A")
-        later, d = send(router, clock, conversation("a", 2, 1400), "A")  # the same conversation, grown
+        _, first = _answered_turn(router, clock, conversation("a", 1, 20), "A")
+        later, d = _answered_turn(router, clock, conversation("a", 2, 1400), "A")  # the same conversation, grown
         assert d.backend == first.backend and 5_000 < later.prompt_tokens < capacity
         clock.t += wait_s
-        new, d = send(router, clock, conversation("b", 1, 20), "B")
+        new, d = _answered_turn(router, clock, conversation("b", 1, 20), "B")
         assert new.prompt_tokens + later.prompt_tokens - 960 < 7_000  # its first prompt alone would fit beside
         if moves:
             assert d.backend != first.backend and d.reason == "prefix_spill"
         else:
             assert d.backend == first.backend and d.reason == "prefix_match"
+
+
+def test_a_fresh_router_that_saw_turns_come_back_at_once_starts_a_session_beside_a_finished_one():
+    """A fresh router (no 8 returns seen yet) that watched a conversation's 7 turns each come back the moment the
+    last was answered does not value that conversation's context as live 2 s after its last answer: the next
+    session of its system prompt starts with the prefix. Right after the answer it still starts elsewhere (the
+    context is worth all of it), and so it did 2 s later while the router waited for 8 returns before trusting
+    the gap."""
+    system = _system_prompt()
+
+    def agent(name: str, turns: int) -> dict:
+        """Its first request (``turns`` 0: the task alone), then the working context, growing a little a turn."""
+        if turns == 0:
+            return {"model": "m", "messages": [system, {"role": "user", "content": f"task {name}"}]}
+        messages = [system, {"role": "user", "content": " ".join(f"{name}w{i}" for i in range(2400))}]
+        for t in range(1, turns):
+            messages += [{"role": "assistant", "content": f"answer {name} {t} " * 5},
+                         {"role": "user", "content": f"next {name} {t}"}]
+        return {"model": "m", "messages": messages}
+
+    for returns, wait_s, moves in ((7, 2.0, False), (7, 0.0, True), (6, 2.0, False)):
+        router, clock = make()
+        for b in BACKENDS:
+            router.set_capacity(b, 7_000)
+        _, first = _answered_turn(router, clock, agent("a", 0), "A")
+        for k in range(1, returns + 1):  # each turn leaves the moment the one before is answered
+            later, d = _answered_turn(router, clock, agent("a", k), "A")
+            assert d.backend == first.backend
+        assert router.state.live.gap.samples == returns and 4_000 < later.prompt_tokens < 7_000
+        clock.t += wait_s
+        _, d = _answered_turn(router, clock, agent("b", 0), "B")
+        assert (d.backend != first.backend, d.reason) == ((True, "prefix_spill") if moves else (False, "prefix_match"))
 
 
 def test_a_working_holder_over_the_bound_spreads_a_cheap_prefix():

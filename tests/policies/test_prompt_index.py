@@ -146,8 +146,8 @@ def test_a_live_session_is_worth_more_than_a_finished_conversations_prompt_once_
     """Agent sessions beside a busy core: a new session's first turn shares the system prompt with session S
     on replica ``live`` and with nothing on ``idle``, which holds a bigger prompt of a conversation answered 20 s
     ago. With the configured 60 s half-life that stale prompt counts as more to lose, and the new session is put
-    beside S, where the two evict each other every turn; once the fleet's turns are seen to come back within a
-    second, the stale prompt is worth next to nothing and the idle replica costs less."""
+    beside S, where the two evict each other every turn; as the fleet's turns are seen to come back within a
+    second, the stale prompt is worth less, and next to nothing well before 8 returns."""
     def run(turns_seen: int) -> tuple[float, float, float]:
         ix = index(cache_blocks=30)
         t = 0.0
@@ -163,8 +163,12 @@ def test_a_live_session_is_worth_more_than_a_finished_conversations_prompt_once_
         new = [*SYSTEM, 7000, 7001]
         return ix.evictions("live", new, t), ix.evictions("idle", new, t), ix.value_half_life_s
 
-    live, idle, half = run(turns_seen=2)  # too few returns: the configured half-life
+    live, idle, half = run(turns_seen=0)  # no return seen: the configured half-life
     assert half == 60.0 and idle > live  # the stale prompt looks dearer: the new session would go beside S
+    live, idle, half = run(turns_seen=2)  # two returns: trusted by 2 of 8, geometrically
+    assert half == pytest.approx(60.0 ** 0.75 * 0.3 ** 0.25, rel=0.05) and idle > live
+    live, idle, half = run(turns_seen=6)  # six: the stale prompt is already worth next to nothing
+    assert live > idle and idle < 1.0
     live, idle, half = run(turns_seen=12)
     assert half == pytest.approx(0.3, abs=0.05)  # answered at +0.2 s, next turn at +0.5 s
     assert live > idle and idle < 1.0  # S's prompt is what would be lost; the stale one is worth ~nothing
