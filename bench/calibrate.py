@@ -259,15 +259,18 @@ def run_replay(real: dict | None, background: Mapping[str, float], say, cores: f
     return out
 
 
+def cell_runs(source: dict | None, name: str, rival: str) -> list[dict]:
+    """A source's repeats of one cell: under ``runs`` by rival (a ``bench/peers.py`` result) or under the rival's
+    ``runs`` (the simulator's and the replay's); none: empty."""
+    w = (source or {}).get("workloads", {}).get(name, {})
+    return w.get("runs", {}).get(rival) or (w.get(rival) or {}).get("runs") or []
+
+
 def judge_replay(result: dict, bounds: Bounds = Bounds()) -> dict[tuple[str, str], Paired]:
     """Per measured cell, the replayed repeats against the measured ones (empty without a replay)."""
-    real, replay = (result.get(k) or {} for k in ("real", "replay"))
-    out = {}
-    for name, w in replay.get("workloads", {}).items():
-        for rival, _ in ROUTERS:
-            measured = (real.get("workloads", {}).get(name, {}).get("runs", {}).get(rival)) or []
-            out[(name, rival)] = paired(measured, (w.get(rival) or {}).get("runs") or [], bounds)
-    return out
+    replay = result.get("replay") or {}
+    return {(name, rival): paired(cell_runs(result.get("real"), name, rival), cell_runs(replay, name, rival), bounds)
+            for name in replay.get("workloads", {}) for rival, _ in ROUTERS}
 
 
 def arrival_order(run: Mapping) -> tuple[tuple[str, int], ...]:
@@ -279,13 +282,12 @@ def same_order(result: dict) -> dict[tuple[str, str], Paired]:
     """Per cell, every fake repeat that sent its requests in the order of a llama.cpp repeat, against that repeat
     (the fake engine cannot be given llama.cpp's arrivals; where the lottery drew the same order, it is judged as
     the replay is). Cells without such a pair are left out."""
-    real, fake = (result.get(k) or {} for k in ("real", "fake"))
     out = {}
-    for name, w in fake.get("workloads", {}).items():
+    for name in (result.get("fake") or {}).get("workloads", {}):
         for rival, _ in ROUTERS:
-            measured = real.get("workloads", {}).get(name, {}).get("runs", {}).get(rival) or []
-            by_order = {arrival_order(m): m for m in measured if m.get("requests_log")}
-            pairs = [(by_order[o], f) for f in w.get("runs", {}).get(rival) or []
+            by_order = {arrival_order(m): m for m in cell_runs(result.get("real"), name, rival)
+                        if m.get("requests_log")}
+            pairs = [(by_order[o], f) for f in cell_runs(result.get("fake"), name, rival)
                      if f.get("requests_log") and (o := arrival_order(f)) in by_order]
             if pairs:
                 out[(name, rival)] = paired([m for m, _ in pairs], [f for _, f in pairs])
@@ -368,6 +370,15 @@ def _spread(fig: Figures | None, cached: bool) -> str:
     return f" [{span[0]:.1%}–{span[1]:.1%}]" if cached else f" [{span[0]:,.0f}–{span[1]:,.0f}]"
 
 
+def _shares(runs: list[dict]) -> str:
+    """The repeats' median cached share with its [min–max] ('-' for none)."""
+    shares = [r["cached_share"] for r in runs if r.get("cached_share") is not None]
+    if not shares:
+        return "-"
+    spread = f" [{min(shares):.1%}–{max(shares):.1%}]" if len(shares) > 1 else ""
+    return _share(statistics.median(shares)) + spread
+
+
 def _loads(background: Mapping[str, float] | float | None) -> str:
     """The models' background cores: one figure, or one per workload."""
     if isinstance(background, Mapping):
@@ -437,17 +448,11 @@ def render(result: dict) -> str:
                   "| workload | router | repeats | cached: llama.cpp | replayed | Δ pt, median size (largest) "
                   "| TTFT p90 Δ, median size (largest; not judged) | verdict |", "|---|---|---|---|---|---|---|---|"]
         for (name, rival), pair in replay.items():
-            measured = (real.get("workloads", {}).get(name, {}).get("runs", {}).get(rival)) or []
-            runs = (result["replay"]["workloads"][name].get(rival) or {}).get("runs") or []
-            shares = [r["cached_share"] for r in runs if r.get("cached_share") is not None]
-            fig = Figures.of({"cached_share": statistics.median(shares) if shares else None}, runs)
-            m = Figures.of({"cached_share": statistics.median([r["cached_share"] for r in measured])
-                            if measured else None}, measured)
-            worst_c = max((abs(e) for e in pair.cached_err_pt), default=None)
-            worst_p = max((abs(e) for e in pair.p90_err), default=None)
+            worst_c = max(map(abs, pair.cached_err_pt), default=None)
+            worst_p = max(map(abs, pair.p90_err), default=None)
             lines.append(
-                f"| {name} | {rival} | {pair.repeats} | {_share(m.cached_share)}{_spread(m, True)} "
-                f"| {_share(fig.cached_share)}{_spread(fig, True)} "
+                f"| {name} | {rival} | {pair.repeats} | {_shares(cell_runs(real, name, rival))} "
+                f"| {_shares(cell_runs(result['replay'], name, rival))} "
                 f"| {'-' if pair.cached_pt is None else f'{pair.cached_pt:.1f}'}"
                 f" ({'-' if worst_c is None else f'{worst_c:.1f}'}) "
                 f"| {'-' if pair.p90_rel is None else f'{pair.p90_rel:.0%}'}"

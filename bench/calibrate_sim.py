@@ -22,7 +22,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 
 import xxhash
-from peers_workloads import Workload, system_content
+from peers_workloads import Workload, salt_of, session_key, system_content
 
 from kvroute.plugin.dev.fake_engine import render_chat
 from kvroute.plugin.dev.fake_llamacpp import LlamaCppModel
@@ -69,7 +69,8 @@ def sim_workload(workload: Workload, tokenize: Tokenize, block_tokens: int = 16,
                     tokens[: len(previous.tokens)] == previous.tokens:  # the slot's generated tokens, repeated
                 previous.answer_tokens = tokens[len(previous.tokens):len(previous.tokens) + workload.max_tokens - 1]
             req = SimRequest(prompt_tokens=len(tokens), output_tokens=workload.max_tokens,
-                             keys=block_keys(tokens, block_tokens), session=f"{salt}-{flow.conv_id}", tokens=tokens)
+                             keys=block_keys(tokens, block_tokens), session=session_key(salt, flow.conv_id),
+                             tokens=tokens)
             if t > 0:
                 req.follows, req.delay = len(requests) - 1, hop_s
             elif workload.concurrency and n >= workload.concurrency:
@@ -120,10 +121,7 @@ def replayed(workload: Workload, tokenize: Tokenize, log: Sequence[Mapping], blo
     the arrivals, a router's picks and an engine's reuse are what a model must get right: which turn meets which
     prompt is then no lottery. Its TTFT is less telling: where the model runs a turn slower than llama.cpp did, the
     next turn of its flow arrives before it ends and queues behind it, which no client does."""
-    salt = SALT
-    if log:
-        q = log[0]
-        salt = str(q["call_id"])[: -len(f"-{q['flow']}-{q['turn']}")]
+    salt = salt_of(str(log[0]["call_id"]), log[0]["flow"], int(log[0]["turn"])) if log else SALT
     base = sim_workload(workload, tokenize, block_tokens, salt)
     index, n = {}, 0
     for flow in workload.flows:

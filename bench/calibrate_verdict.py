@@ -21,6 +21,7 @@ bounds between llama.cpp's own runs; given the arrivals, the engine model and th
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -170,21 +171,13 @@ class Paired:
     def repeats(self) -> int:
         return len(self.cached_err_pt)
 
-    @staticmethod
-    def _median_size(errors: Sequence[float]) -> float | None:
-        sizes = sorted(abs(e) for e in errors)
-        if not sizes:
-            return None
-        mid = len(sizes) // 2
-        return sizes[mid] if len(sizes) % 2 else (sizes[mid - 1] + sizes[mid]) / 2
-
     @property
     def cached_pt(self) -> float | None:
-        return self._median_size(self.cached_err_pt)
+        return statistics.median(map(abs, self.cached_err_pt)) if self.cached_err_pt else None
 
     @property
     def p90_rel(self) -> float | None:
-        return self._median_size(self.p90_err)
+        return statistics.median(map(abs, self.p90_err)) if self.p90_err else None
 
     @property
     def met(self) -> bool:

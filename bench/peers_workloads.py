@@ -252,6 +252,24 @@ async def stream_one(client: httpx.AsyncClient, body: dict, headers: Mapping[str
     return out
 
 
+def session_key(salt: str, conv_id: str) -> str:
+    """The session key a run's conversation carries (``x-litellm-session-id``), and the stem of its call ids."""
+    return f"{salt}-{conv_id}"
+
+
+def call_id(salt: str, conv_id: str, turn: int) -> str:
+    """The ``x-litellm-call-id`` of a run's turn (kvroute's decision log keeps it)."""
+    return f"{session_key(salt, conv_id)}-{turn}"
+
+
+def salt_of(call: str, conv_id: str, turn: int) -> str:
+    """The run's salt back from one of its call ids (``call_id``'s inverse); ValueError for another's."""
+    tail = f"-{conv_id}-{turn}"
+    if not call.endswith(tail) or len(call) == len(tail):
+        raise ValueError(f"call id {call!r} is not turn {turn} of {conv_id!r}")
+    return call[: -len(tail)]
+
+
 def system_content(salt: str, flow: Conversation) -> str:
     """``flow``'s system prompt behind a salt of the run (``salt``) and of that system prompt (of the conversation
     itself for a one-off prompt), 16 hex characters: prompts of one system prompt share it, unrelated ones share
@@ -287,7 +305,7 @@ async def replay(base_url: str, headers: Mapping[str, str], model: str, workload
                 await asyncio.sleep(delay)
             async with gate:
                 messages: list[dict] = [{"role": "system", "content": system_content(salt, flow)}]
-                key = f"{salt}-{flow.conv_id}"
+                key = session_key(salt, flow.conv_id)
                 session = {"x-litellm-session-id": key, "x-session-id": key,
                            **(flow_headers(flow) if flow_headers else {})}
                 for n, turn in enumerate(flow.turns):
@@ -297,11 +315,11 @@ async def replay(base_url: str, headers: Mapping[str, str], model: str, workload
                     body = {"model": model, "messages": messages, "max_tokens": workload.max_tokens,
                             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
                     sent_at = time.perf_counter() - start
-                    call_id = f"{key}-{n}"
-                    outcome = await stream_one(client, body, {**session, "x-litellm-call-id": call_id})
+                    turn_id = call_id(salt, flow.conv_id, n)
+                    outcome = await stream_one(client, body, {**session, "x-litellm-call-id": turn_id})
                     outcome.start_s, outcome.end_s = sent_at, time.perf_counter() - start
                     outcome.flow, outcome.turn, outcome.system_id, outcome.call_id = (flow.conv_id, n, flow.system_id,
-                                                                                      call_id)
+                                                                                      turn_id)
                     outcome.prompt = render_chat(messages)
                     result.outcomes.append(outcome)
                     messages.append({"role": "assistant", "content": outcome.answer or "(no answer)"})

@@ -308,3 +308,13 @@ def test_fake_repeats_that_drew_a_llamacpp_repeats_order_are_compared_with_it():
     pair = matched[("agent", "sglang-rr")]
     assert pair.repeats == 2 and sorted(pair.cached_err_pt) == [pytest.approx(0.0), pytest.approx(1.0)]
     assert calibrate.arrival_order(run("cab", 0.3)) == (("fc", 0), ("fa", 0), ("fb", 0))
+
+
+def test_a_runs_salt_comes_back_from_its_call_ids_and_only_from_its_own():
+    from peers_workloads import call_id, salt_of, session_key
+
+    assert call_id("f5b83c051048dd83", "demo-3", 2) == session_key("f5b83c051048dd83", "demo-3") + "-2"
+    assert salt_of(call_id("f5b83c051048dd83", "demo-3", 2), "demo-3", 2) == "f5b83c051048dd83"
+    for other in (("demo-3", 1), ("demo-4", 2)):
+        with pytest.raises(ValueError):
+            salt_of(call_id("f5b83c051048dd83", "demo-3", 2), *other)
